@@ -1,0 +1,155 @@
+"""Balanced tensor fragmentation and the staggered fragment schedule.
+
+Source: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), brief section 1 "Fragments":
+whole tensors are packed greedily (largest first, into the currently lightest bucket) into P
+buckets of near-equal size, and the fragments are synced on a staggered schedule so that one
+fragment goes out every H/P inner steps (Streaming DiLoCo, arXiv 2501.18512, introduced the
+staggering).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+__all__ = ["TensorSlot", "Fragment", "balanced_fragments", "assign_parts", "StaggeredSchedule"]
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One parameter inside a fragment.
+
+    name: parameter name as in ``model.named_parameters()``; shape: its shape; numel: its
+    element count; is_embedding: merged with the plain weighted mean instead of the
+    radial-directional merge (see ``p2pdiloco.core.merge``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    is_embedding: bool
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """A group of whole tensors synced together; ``slots`` are in model parameter order."""
+
+    index: int
+    slots: tuple[TensorSlot, ...]
+
+    @property
+    def numel(self) -> int:
+        """Total number of elements (sum of the slots' numels)."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def embedding_mask(self) -> list[bool]:
+        """``is_embedding`` of every slot, in slot order (the merge's ``embedding_mask``)."""
+        return [s.is_embedding for s in self.slots]
+
+
+def _greedy_pack(sizes: Sequence[int], num_buckets: int) -> list[list[int]]:
+    """Largest-first greedy packing of items (by position) into the lightest bucket.
+
+    Items are taken by decreasing size, ties by position; each goes into the currently
+    lightest bucket, ties to the lowest bucket index. Returns sorted item positions per bucket.
+    """
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    load = [0] * num_buckets
+    buckets: list[list[int]] = [[] for _ in range(num_buckets)]
+    for i in order:
+        b = min(range(num_buckets), key=lambda k: (load[k], k))
+        buckets[b].append(i)
+        load[b] += sizes[i]
+    return [sorted(b) for b in buckets]
+
+
+def balanced_fragments(
+    params: Sequence[tuple[str, tuple[int, ...]]],
+    num_fragments: int,
+    embedding_names: Collection[str] = (),
+) -> tuple[Fragment, ...]:
+    """Split parameters into ``num_fragments`` fragments of near-equal element count.
+
+    params: ``(name, shape)`` per parameter, in model order (e.g. from ``named_parameters``).
+    Whole tensors, largest first (ties by name), each into the currently lightest fragment
+    (ties: lowest index); slots inside a fragment keep the original parameter order.
+    Deterministic: every node computes the same fragments from the same parameter list.
+    Source: arXiv 2604.21428 "balanced tensor fragmentation" (brief section 1).
+
+    Raises ValueError if num_fragments < 1 or exceeds the number of tensors, on duplicate
+    names, or on an embedding name that is not a parameter.
+    """
+    names = [n for n, _ in params]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate parameter names")
+    if num_fragments < 1:
+        raise ValueError(f"num_fragments must be >= 1, got {num_fragments}")
+    if num_fragments > len(params):
+        raise ValueError(
+            f"num_fragments={num_fragments} exceeds the number of tensors ({len(params)}); "
+            "fragments hold whole tensors, so use at most that many"
+        )
+    unknown = set(embedding_names) - set(names)
+    if unknown:
+        raise ValueError(f"embedding names not among the parameters: {sorted(unknown)}")
+    slots = [TensorSlot(n, tuple(int(d) for d in s), math.prod(s), n in embedding_names) for n, s in params]
+    by_name = sorted(range(len(slots)), key=lambda i: slots[i].name)  # size ties broken by name
+    packed = _greedy_pack([slots[i].numel for i in by_name], num_fragments)
+    return tuple(
+        Fragment(k, tuple(slots[i] for i in sorted(by_name[r] for r in bucket)))
+        for k, bucket in enumerate(packed)
+    )
+
+
+def assign_parts(slots_numel: Sequence[int], num_members: int) -> tuple[tuple[int, ...], ...]:
+    """Split a fragment's tensors among the ``num_members`` reducers of an all-reduce group.
+
+    slots_numel: element count per slot. Same greedy packing as ``balanced_fragments`` (ties by
+    slot index); reducer r owns the sorted slot indices of tuple r, which may be empty when
+    there are fewer tensors than members. Raises ValueError if num_members < 1 or a numel < 0.
+    """
+    if num_members < 1:
+        raise ValueError(f"num_members must be >= 1, got {num_members}")
+    if any(n < 0 for n in slots_numel):
+        raise ValueError("slot numels must be >= 0")
+    return tuple(tuple(b) for b in _greedy_pack(list(slots_numel), num_members))
+
+
+@dataclass(frozen=True)
+class StaggeredSchedule:
+    """When each fragment is sent and merged (Streaming DiLoCo staggering, arXiv 2501.18512;
+    Decoupled DiLoCo defaults P = 24, H = 24, tau = 2, brief section 1).
+
+    H: inner steps between two syncs of the same fragment; P: number of fragments;
+    tau: inner steps between sending a fragment and applying its merge (overlap).
+    Fragment p is sent after inner steps H + offset(p), 2H + offset(p), ... with
+    offset(p) = (p * H) // P in [0, H): each fragment exactly once per H steps, the first
+    sends spread over steps H .. 2H - 1, about one every H/P steps (several at once if P > H).
+    Its merge is applied tau steps after sending; choose tau < H so that a fragment's merge
+    lands before its next send. Raises ValueError unless H >= 1, P >= 1, tau >= 0.
+    """
+
+    H: int
+    P: int
+    tau: int
+
+    def __post_init__(self) -> None:
+        if self.H < 1 or self.P < 1 or self.tau < 0:
+            raise ValueError(f"need H >= 1, P >= 1, tau >= 0; got H={self.H} P={self.P} tau={self.tau}")
+
+    def offset(self, p: int) -> int:
+        """Phase of fragment p within a period of H steps: (p * H) // P."""
+        if not 0 <= p < self.P:
+            raise ValueError(f"fragment {p} out of range [0, {self.P})")
+        return (p * self.H) // self.P
+
+    def due(self, step: int) -> list[int]:
+        """Fragments to send after inner step ``step`` (1-based count of completed steps),
+        ascending: every p with step >= H and (step - offset(p)) % H == 0."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if step < self.H:
+            return []
+        return [p for p in range(self.P) if (step - self.offset(p)) % self.H == 0]

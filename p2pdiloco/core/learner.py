@@ -1,0 +1,200 @@
+"""One learner's inner loop and its view of the global fragment states.
+
+Source: Decoupled DiLoCo (arXiv 2604.21428), brief section 1: each learner trains its own copy
+with AdamW (DiLoCo inner defaults, arXiv 2311.08105: lr 4e-4, linear warmup then cosine decay,
+weight decay 0.1), counts tokens and steps per fragment since it last received that fragment,
+computes pseudo-gradients Δ = Θ_p(anchor) − θ_p, and on arrival of a merged fragment
+overwrites θ_p, resets the counters of p and keeps its AdamW state.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .fragments import Fragment
+from .outer import FragmentState
+
+__all__ = ["InnerConfig", "Learner", "lr_at"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """AdamW inner optimizer. lr: peak learning rate; weight_decay: decoupled, applied to
+    tensors with ndim >= 2 only (nanoGPT convention); betas: Adam betas; warmup_steps: linear
+    warmup length (inner steps); total_steps: end of the cosine decay (inner steps), after which
+    the lr stays at min_lr_ratio * lr; grad_clip: max global gradient L2 norm (0 disables).
+    Raises ValueError on out-of-range values."""
+
+    lr: float = 4e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 100
+    total_steps: int = 10_000
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two values in [0, 1), got {self.betas}")
+        if not 0 <= self.warmup_steps <= self.total_steps or self.total_steps < 1:
+            raise ValueError(f"need 0 <= warmup_steps <= total_steps and total_steps >= 1: {self}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.grad_clip >= 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+
+
+def lr_at(step: int, inner: InnerConfig) -> float:
+    """Learning rate of the inner step that follows ``step`` completed steps: lr·(step+1)/warmup
+    during warmup, then cosine from lr down to min_lr_ratio·lr at total_steps, constant after."""
+    if step < inner.warmup_steps:
+        return inner.lr * (step + 1) / inner.warmup_steps
+    progress = min(1.0, (step - inner.warmup_steps) / max(1, inner.total_steps - inner.warmup_steps))
+    return inner.lr * (inner.min_lr_ratio + (1 - inner.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _cpu32(p: Tensor) -> Tensor:
+    return p.detach().to("cpu", torch.float32)
+
+
+class Learner:
+    """Inner AdamW training of ``model`` plus per-fragment anchors and counters.
+
+    model: ``model(inputs [B, T] int64) -> logits [B, T, V]``; fragments: must cover every
+    parameter of ``model.named_parameters()`` exactly once, ``fragments[p].index == p``.
+    Attributes: ``step`` (completed inner steps), ``global_states`` (anchor of each fragment,
+    version 0 from the model's own weights with zero momentum). Raises ValueError on a bad cover.
+    """
+
+    def __init__(self, model: nn.Module, fragments: Sequence[Fragment], inner: InnerConfig) -> None:
+        self.model, self.fragments, self.inner = model, tuple(fragments), inner
+        named = dict(model.named_parameters())
+        names = [s.name for f in self.fragments for s in f.slots]
+        if sorted(names) != sorted(named):
+            raise ValueError("fragments must cover every model parameter exactly once")
+        for p, f in enumerate(self.fragments):
+            if f.index != p:
+                raise ValueError(f"fragment at position {p} has index {f.index}")
+            for s in f.slots:
+                if tuple(named[s.name].shape) != s.shape:
+                    raise ValueError(f"{s.name}: shape {tuple(named[s.name].shape)} != slot {s.shape}")
+        self._params = [[named[s.name] for s in f.slots] for f in self.fragments]
+        groups = [{"params": [q for q in named.values() if q.dim() >= 2], "weight_decay": inner.weight_decay},
+                  {"params": [q for q in named.values() if q.dim() < 2], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr_at(0, inner), betas=inner.betas)
+        self.step = 0
+        self._tokens = [0] * len(self.fragments)
+        self._steps = [0] * len(self.fragments)
+        self.global_states = [
+            FragmentState.create(p, 0, ps, [torch.zeros(t.shape) for t in ps]) for p, ps in enumerate(self._params)]
+
+    def current_lr(self) -> float:
+        """Learning rate the next ``inner_step`` will use."""
+        return lr_at(self.step, self.inner)
+
+    def inner_step(self, inputs: Tensor, targets: Tensor) -> float:
+        """One AdamW step on a batch; inputs, targets: int64 [B, T]. Returns the mean
+        cross-entropy (nats per token) before the step. Counts one step and B·T tokens for
+        every fragment. A non-finite loss is returned without stepping or counting, so the
+        weights and AdamW state are never poisoned. Raises ValueError on bad shapes."""
+        if inputs.dim() != 2 or inputs.shape != targets.shape:
+            raise ValueError(f"inputs and targets must both be [B, T], got {tuple(inputs.shape)}, {tuple(targets.shape)}")
+        self.model.train()
+        logits = self.model(inputs)  # [B, T, V]
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        value = loss.item()
+        if not math.isfinite(value):
+            log.warning("non-finite loss %s at inner step %d: step skipped", value, self.step)
+            return value
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.current_lr()
+        self.optimizer.step()
+        self.step += 1
+        n = inputs.numel()
+        self._tokens = [t + n for t in self._tokens]
+        self._steps = [s + 1 for s in self._steps]
+        return value
+
+    def _check(self, p: int) -> int:
+        if not 0 <= p < len(self.fragments):
+            raise ValueError(f"fragment index {p} out of range [0, {len(self.fragments)})")
+        return p
+
+    def counters(self, p: int) -> tuple[int, int]:
+        """(tokens, steps) since fragment p was last installed (the merge weight's inputs).
+        Raises ValueError on an unknown fragment."""
+        return self._tokens[self._check(p)], self._steps[p]
+
+    def pseudo_gradient(self, p: int) -> list[Tensor]:
+        """Δ_p = anchor Θ_p − θ_p: new fp32 CPU tensors in slot shapes (positive along the
+        direction of descent taken, like a gradient), never aliasing params or anchors.
+        Source: brief section 1 "Pseudo-gradient". Raises ValueError on an unknown fragment."""
+        return [a - _cpu32(q) for a, q in zip(self.global_states[self._check(p)].theta, self._params[p])]
+
+    def install(self, state: FragmentState, rebase: bool = False) -> None:
+        """Adopt a new global state of fragment ``state.index`` as its anchor.
+
+        rebase=False: θ_p ← Θ_p (copied into the parameters) and counters of p reset.
+        rebase=True: θ_p ← Θ_p − (old anchor − θ_p): local progress since the old anchor is kept
+        on top of the new global value, and so are the counters (for a node that catches up on a
+        version it missed, brief invariant I3). AdamW state is kept in both cases.
+        Raises ValueError on an unknown index or slot shape mismatch."""
+        p = self._check(state.index)
+        if [tuple(t.shape) for t in state.theta] != [s.shape for s in self.fragments[p].slots]:
+            raise ValueError(f"state of fragment {p} does not match its slot shapes")
+        old = self.global_states[p]
+        with torch.no_grad():
+            for q, new, anchor in zip(self._params[p], state.theta, old.theta):
+                q.copy_(new - (anchor - _cpu32(q)) if rebase else new)
+        if not rebase:
+            self._tokens[p] = self._steps[p] = 0
+        self.global_states[p] = state
+
+    def state_dict(self) -> dict:
+        """A deep copy of everything needed to resume: model, optimizer, inner config, step,
+        counters, global states (tensors, versions, digests). The lr schedule is a pure
+        function of ``step``, so restoring the step restores it."""
+        return copy.deepcopy({
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "inner": asdict(self.inner), "step": self.step,
+            "tokens": list(self._tokens), "steps": list(self._steps),
+            "global_states": [{"index": s.index, "version": s.version, "theta": list(s.theta),
+                               "momentum": list(s.momentum), "digest": s.digest} for s in self.global_states],
+        })
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore from ``state_dict()``. Raises ValueError when the fragment count differs or a
+        global state's digest does not match its tensors (corrupt checkpoint)."""
+        P = len(self.fragments)
+        if len(d["global_states"]) != P or len(d["tokens"]) != P or len(d["steps"]) != P:
+            raise ValueError(f"checkpoint has a different number of fragments (expected {P})")
+        states = [FragmentState.create(g["index"], g["version"], g["theta"], g["momentum"]) for g in d["global_states"]]
+        for p, (s, g) in enumerate(zip(states, d["global_states"])):
+            if s.index != p or s.digest != g["digest"]:
+                raise ValueError(f"checkpoint global state of fragment {p} is corrupt (digest mismatch)")
+        if d["inner"] != asdict(self.inner):
+            log.warning("checkpoint inner config %s differs from current %s; using current", d["inner"], asdict(self.inner))
+        self.model.load_state_dict(d["model"])
+        self.optimizer.load_state_dict(d["optimizer"])
+        self.step = int(d["step"])
+        self._tokens, self._steps = [int(t) for t in d["tokens"]], [int(s) for s in d["steps"]]
+        self.global_states = states

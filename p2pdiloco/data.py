@@ -1,0 +1,204 @@
+"""Real text as bytes: corpus discovery, disjoint per-node shards, batches and evaluation.
+
+Tokens are raw bytes (vocab 256). Files are cut into pieces of at most ``PIECE_BYTES``; each
+piece is keyed by its file's path relative to the corpus root plus its piece number, and a
+stable hash of that key decides, identically on every node, whether the piece is held out and
+which shard trains on it. So shards are disjoint and every node evaluates on the same bytes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import logging
+import math
+import os
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["PIECE_BYTES", "default_corpus_files", "collect_text_files", "Corpus", "load_corpus",
+           "BatchSampler", "heldout_batches", "evaluate", "bits_per_byte"]
+
+log = logging.getLogger(__name__)
+
+PIECE_BYTES = 1 << 16  # unit of the held-out / shard split, so one large file can feed many shards
+_SNIFF_BYTES = 1 << 16
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def default_corpus_files() -> list[Path]:
+    """The Python standard library's own ``.py`` files (``sysconfig.get_paths()["stdlib"]``),
+    sorted, without site-packages, test directories and hidden entries. Raises ValueError if
+    none are found."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in _SKIP_DIRS and not x.startswith(".")]
+        files += [Path(d, n) for n in names if n.endswith(".py") and not n.startswith(".")]
+    if not files:
+        raise ValueError(f"no .py files found in the standard library at {root}")
+    return sorted(files)
+
+
+def _is_text(path: Path) -> bool:
+    """True for a non-empty file whose first 64 KiB hold no NUL byte and decode as UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return bool(head) and b"\0" not in head
+
+
+def collect_text_files(path: Path) -> list[Path]:
+    """``path`` itself if it is a text file, else every non-hidden regular text file below the
+    folder (recursive, sorted); binary, non-UTF-8 and empty files are skipped.
+    Raises FileNotFoundError if path does not exist, ValueError if nothing usable is found."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"corpus path {path} does not exist")
+    if path.is_file():
+        if not _is_text(path):
+            raise ValueError(f"{path} is not a non-empty UTF-8 text file")
+        return [path]
+    files = []
+    for d, dirs, names in os.walk(path):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        files += [Path(d, n) for n in names if not n.startswith(".")]
+    usable = sorted(f for f in files if f.is_file() and not f.is_symlink() and _is_text(f))
+    if not usable:
+        raise ValueError(f"no usable UTF-8 text files under {path}")
+    return usable
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """train: uint8 [N] bytes of this node's shard; heldout: uint8 [M] bytes common to all nodes."""
+
+    train: Tensor
+    heldout: Tensor
+
+
+def _unit_hash(salt: bytes, key: str) -> int:
+    return int.from_bytes(hashlib.sha256(salt + b"\0" + key.encode()).digest()[:8], "little")
+
+
+def _read(pieces: Sequence[tuple[Path, int, int]], cap: int | None) -> Tensor:
+    """Concatenate pieces (path, offset, length), stopping after ``cap`` bytes. uint8 [N]."""
+    out, total = bytearray(), 0
+    for path, off, n in pieces:
+        if cap is not None and total >= cap:
+            break
+        n = n if cap is None else min(n, cap - total)
+        with open(path, "rb") as f:
+            f.seek(off)
+            out += f.read(n)
+        total = len(out)
+    return torch.frombuffer(out, dtype=torch.uint8).clone() if out else torch.empty(0, dtype=torch.uint8)
+
+
+def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
+                heldout_fraction: float = 0.05, max_bytes: int | None = None) -> Corpus:
+    """Split ``files`` into a held-out set and ``num_shards`` disjoint training shards; read
+    shard ``shard_index`` and the held-out set.
+
+    Pieces (<= 64 KiB of a file, keyed by path relative to the files' common folder and piece
+    number) are held out when a stable hash maps them below ``heldout_fraction`` (at least one
+    piece when the fraction is > 0 and there are two or more pieces); the rest, ordered by a
+    second stable hash, go round-robin to the shards. Bytes are concatenated in hash order.
+    max_bytes caps the bytes read for the shard and for the held-out set (for fast demos).
+    Raises ValueError on bad arguments or an empty shard, FileNotFoundError on a missing file.
+    """
+    if num_shards < 1 or not 0 <= shard_index < num_shards:
+        raise ValueError(f"need 0 <= shard_index < num_shards, got {shard_index}, {num_shards}")
+    if not 0 <= heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+    if not files:
+        raise ValueError("no corpus files")
+    paths = [Path(f).absolute() for f in files]
+    root = Path(os.path.commonpath([p.parent for p in paths]))
+    units = []  # (key, path, offset, length)
+    for p in paths:
+        size, rel = p.stat().st_size, p.relative_to(root).as_posix()
+        units += [(f"{rel}#{i}", p, off, min(PIECE_BYTES, size - off))
+                  for i, off in enumerate(range(0, size, PIECE_BYTES))]
+    units.sort(key=lambda u: _unit_hash(b"heldout", u[0]))
+    n_held = sum(_unit_hash(b"heldout", u[0]) < heldout_fraction * 2**64 for u in units)
+    if heldout_fraction > 0 and len(units) >= 2:
+        n_held = max(n_held, 1)
+    held, rest = units[:n_held], sorted(units[n_held:], key=lambda u: _unit_hash(b"shard", u[0]))
+    mine = rest[shard_index::num_shards]
+    if not mine:
+        raise ValueError(f"shard {shard_index} of {num_shards} is empty: the corpus has only "
+                         f"{len(rest)} training pieces of {PIECE_BYTES} bytes; use fewer shards or more text")
+    corpus = Corpus(_read([u[1:] for u in mine], max_bytes), _read([u[1:] for u in held], max_bytes))
+    log.info("corpus: %d files, shard %d/%d: %d train bytes, %d held-out bytes",
+             len(paths), shard_index, num_shards, corpus.train.numel(), corpus.heldout.numel())
+    return corpus
+
+
+class BatchSampler:
+    """Random training windows from ``data`` (uint8 [N]) with its own ``torch.Generator``
+    seeded by ``seed``. ``next()`` -> (inputs, targets), int64 [batch_size, block_size] each,
+    targets shifted one byte ahead. Raises ValueError if N < block_size + 1 or sizes < 1."""
+
+    def __init__(self, data: Tensor, batch_size: int, block_size: int, seed: int) -> None:
+        if batch_size < 1 or block_size < 1:
+            raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}")
+        if data.numel() < block_size + 1:
+            raise ValueError(f"{data.numel()} bytes of data is too little for block_size {block_size}")
+        self.data, self.batch_size, self.block_size = data, batch_size, block_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[Tensor, Tensor]:
+        T = self.block_size
+        starts = torch.randint(self.data.numel() - T, (self.batch_size,), generator=self.generator)  # [B]
+        w = self.data[starts[:, None] + torch.arange(T + 1)].long()  # [B, T+1]
+        return w[:, :-1], w[:, 1:]
+
+
+def heldout_batches(heldout: Tensor, batch_size: int, block_size: int, num_batches: int) -> list[tuple[Tensor, Tensor]]:
+    """``num_batches`` batches of evenly spaced windows over ``heldout`` (uint8 [M]), identical
+    on every node: list of (inputs, targets), int64 [batch_size, block_size] each.
+    Raises ValueError if M < block_size + 1 or any size < 1."""
+    if min(batch_size, block_size, num_batches) < 1:
+        raise ValueError("batch_size, block_size and num_batches must be >= 1")
+    if heldout.numel() < block_size + 1:
+        raise ValueError(f"{heldout.numel()} held-out bytes is too little for block_size {block_size}")
+    T, n = block_size, batch_size * num_batches
+    starts = torch.linspace(0, heldout.numel() - T - 1, n, dtype=torch.float64).long()  # [n]
+    w = heldout[starts[:, None] + torch.arange(T + 1)].long().view(num_batches, batch_size, T + 1)
+    return [(b[:, :-1], b[:, 1:]) for b in w]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> float:
+    """Mean cross-entropy of ``model`` over all positions of ``batches``, in nats per byte.
+    The model's train/eval mode is restored. Raises ValueError on an empty batch list."""
+    if not batches:
+        raise ValueError("no evaluation batches")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        logits = model(x.to(device))  # [B, T, V]
+        total += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
+        count += y.numel()
+    model.train(was_training)
+    return total / count
+
+
+def bits_per_byte(loss: float) -> float:
+    """Convert a loss in nats per byte to bits per byte."""
+    return loss / math.log(2)

@@ -1,0 +1,118 @@
+"""A small nanoGPT-style decoder-only transformer over bytes (vocab 256).
+
+Pre-LayerNorm blocks, causal ``F.scaled_dot_product_attention``, GELU MLP (4x), learned
+position embeddings, LM head tied to the token embedding (after Karpathy's nanoGPT / GPT-2).
+Linear layers have no bias (nanoGPT's ``bias=False``): the attention key bias is invariant
+under softmax, so its gradient is pure rounding noise, which Adam would amplify into drift.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["ModelConfig", "GPT", "build_model"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """vocab_size: tokens (256 bytes); block_size: max context length in tokens; n_layer,
+    n_head, n_embd: depth, heads, width. Raises ValueError unless all are >= 1 and
+    n_embd % n_head == 0."""
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+
+    def __post_init__(self) -> None:
+        if min(self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd) < 1:
+            raise ValueError(f"all model dimensions must be >= 1: {self}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x [B, T, C]
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # [B, nh, T, hd]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hd]
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(cfg.n_embd), CausalSelfAttention(cfg)
+        self.ln_2, self.mlp = nn.LayerNorm(cfg.n_embd), MLP(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Byte-level GPT. ``forward(idx)``: idx int64 [B, T] with T <= block_size and values in
+    [0, vocab_size) -> logits fp32 [B, T, vocab_size]. Weights are drawn from the global torch
+    RNG; use ``build_model`` for a seeded, reproducible model."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: no separate head parameter
+        for name, p in self.named_parameters():  # GPT-2 init (nanoGPT)
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def embedding_names(self) -> tuple[str, ...]:
+        """Names of the token and position embedding parameters (the head is tied to wte)."""
+        return ("wte.weight", "wpe.weight")
+
+    def forward(self, idx: Tensor) -> Tensor:
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)  # [T]
+        x = self.wte(idx) + self.wpe(pos)  # [B, T, C]
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # [B, T, V]
+
+
+def build_model(cfg: ModelConfig, seed: int) -> GPT:
+    """A GPT with weights drawn from ``seed`` alone: identical on every node for the same seed
+    and torch version (brief invariant I8). The caller's global RNG state is left untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(cfg)

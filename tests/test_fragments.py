@@ -1,0 +1,95 @@
+import math
+
+import pytest
+
+from p2pdiloco.core.fragments import Fragment, StaggeredSchedule, TensorSlot, assign_parts, balanced_fragments
+from p2pdiloco.model import ModelConfig, build_model
+
+
+def test_hand_packed_example():
+    # sizes a10 b6 c5 d4 -> a:0 [10,0]; b:1 [10,6]; c:1 [10,11]; d:0 [14,11]
+    params = [("d", (2, 2)), ("a", (10,)), ("c", (5,)), ("b", (2, 3))]
+    frags = balanced_fragments(params, 2, embedding_names=("b",))
+    assert [f.index for f in frags] == [0, 1]
+    assert [[s.name for s in f.slots] for f in frags] == [["d", "a"], ["c", "b"]]  # model order kept
+    assert [f.numel for f in frags] == [14, 11]
+    assert frags[1].slots[1] == TensorSlot("b", (2, 3), 6, True)
+    assert frags[1].embedding_mask == [False, True]
+
+
+def test_size_ties_broken_by_name_and_bucket_index():
+    # all size 4: by name x, y, z, w -> order w, x, y, z -> buckets 0,1,2,0
+    params = [("z", (4,)), ("y", (4,)), ("x", (4,)), ("w", (4,))]
+    frags = balanced_fragments(params, 3)
+    assert [[s.name for s in f.slots] for f in frags] == [["z", "w"], ["x"], ["y"]]
+    assert balanced_fragments(params, 3) == frags  # deterministic
+
+
+def test_scalar_and_errors():
+    frags = balanced_fragments([("s", ()), ("v", (3,))], 2)
+    assert [f.numel for f in frags] == [3, 1]
+    with pytest.raises(ValueError, match="exceeds the number of tensors"):
+        balanced_fragments([("a", (1,))], 2)
+    with pytest.raises(ValueError):
+        balanced_fragments([("a", (1,))], 0)
+    with pytest.raises(ValueError):
+        balanced_fragments([("a", (1,)), ("a", (2,))], 1)
+    with pytest.raises(ValueError):
+        balanced_fragments([("a", (1,))], 1, embedding_names=("nope",))
+
+
+@pytest.mark.parametrize("P", [1, 3, 4, 8])
+def test_real_model_cover_and_balance(P):
+    model = build_model(ModelConfig(n_layer=4), seed=0)
+    params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    frags = balanced_fragments(params, P, model.embedding_names())
+    names = [s.name for f in frags for s in f.slots]
+    assert sorted(names) == sorted(n for n, _ in params) and len(names) == len(set(names))
+    order = {n: i for i, (n, _) in enumerate(params)}
+    for f in frags:
+        assert [order[s.name] for s in f.slots] == sorted(order[s.name] for s in f.slots)
+        assert all(s.is_embedding == (s.name in ("wte.weight", "wpe.weight")) for s in f.slots)
+    sizes = [f.numel for f in frags]
+    total, largest = sum(sizes), max(math.prod(s) for _, s in params)
+    assert sum(sizes) == sum(p.numel() for p in model.parameters())
+    # greedy largest-first: the last tensor put in the heaviest bucket went to the lightest one
+    assert max(sizes) - min(sizes) <= largest
+    assert max(sizes) <= total / P + largest
+    assert max(sizes) / min(sizes) < 1.5
+
+
+def test_assign_parts():
+    # sizes 5,9,1,5 -> order 9(1),5(0),5(3),1(2); members 2: 1->0 [9,0]; 0->1 [9,5]; 3->1 [9,10]; 2->0 [10,10]
+    assert assign_parts([5, 9, 1, 5], 2) == ((1, 2), (0, 3))
+    assert assign_parts([7, 3], 4) == ((0,), (1,), (), ())
+    assert assign_parts([], 2) == ((), ())
+    parts = assign_parts([100, 30, 30, 30, 10, 200, 50], 3)
+    assert sorted(i for p in parts for i in p) == list(range(7))
+    with pytest.raises(ValueError):
+        assign_parts([1], 0)
+
+
+def test_schedule_staggered():
+    s = StaggeredSchedule(H=4, P=2, tau=1)
+    assert [s.offset(p) for p in range(2)] == [0, 2]
+    due = {step: s.due(step) for step in range(0, 13)}
+    assert {k: v for k, v in due.items() if v} == {4: [0], 6: [1], 8: [0], 10: [1], 12: [0]}
+    s = StaggeredSchedule(H=24, P=24, tau=2)
+    for start in (24, 100):  # every fragment exactly once in any window of H steps
+        sent = [p for step in range(start, start + 24) for p in s.due(step)]
+        assert sorted(sent) == list(range(24))
+    assert [p for step in range(1, 24) for p in s.due(step)] == []
+    assert StaggeredSchedule(H=2, P=4, tau=0).due(2) == [0, 1]
+    assert StaggeredSchedule(H=2, P=4, tau=0).due(3) == [2, 3]
+    assert StaggeredSchedule(H=1, P=3, tau=0).due(1) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("H,P,tau", [(0, 1, 0), (1, 0, 0), (1, 1, -1)])
+def test_schedule_validation(H, P, tau):
+    with pytest.raises(ValueError):
+        StaggeredSchedule(H=H, P=P, tau=tau)
+
+
+def test_fragment_numel():
+    f = Fragment(0, (TensorSlot("a", (2, 3), 6, False), TensorSlot("b", (4,), 4, True)))
+    assert f.numel == 10

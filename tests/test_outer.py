@@ -1,0 +1,94 @@
+import hashlib
+import struct
+
+import pytest
+import torch
+
+from p2pdiloco.core.outer import FragmentState, fragment_digest, nesterov_outer_step
+
+
+def _state(seed=0, version=0):
+    g = torch.Generator().manual_seed(seed)
+    theta = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)]
+    return FragmentState.create(2, version, theta, [torch.zeros_like(x) for x in theta])
+
+
+@pytest.mark.parametrize("lr,mu", [(0.7, 0.9), (1.0, 0.0), (0.35, 0.5)])
+def test_nesterov_matches_torch_sgd_bit_for_bit(lr, mu):
+    state = _state()
+    ref = [torch.nn.Parameter(x.clone()) for x in state.theta]
+    opt = torch.optim.SGD(ref, lr=lr, momentum=mu, nesterov=mu > 0, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for k in range(6):
+        deltas = [torch.randn(x.shape, generator=g) * 0.1 for x in state.theta]
+        for p, d in zip(ref, deltas):
+            p.grad = d.clone()
+        opt.step()
+        state = nesterov_outer_step(state, deltas, lr, mu)
+        assert state.version == k + 1
+        for p, th in zip(ref, state.theta):
+            assert torch.equal(p.detach(), th)
+        if mu > 0:
+            for p, b in zip(ref, state.momentum):
+                assert torch.equal(opt.state[p]["momentum_buffer"], b)
+
+
+def test_nesterov_hand_numbers_and_no_mutation():
+    # Θ = [1, 2], b = [0.5, -1], Δ = [0.2, 0.4], lr 0.5, μ 0.9:
+    # b' = 0.9·b + Δ = [0.65, -0.5]; Θ' = Θ − 0.5·(Δ + 0.9·b') = [1 − 0.5·0.785, 2 − 0.5·(−0.05)] = [0.6075, 2.025]
+    s = FragmentState.create(0, 3, [torch.tensor([1.0, 2.0])], [torch.tensor([0.5, -1.0])])
+    before = (s.theta[0].clone(), s.momentum[0].clone(), s.digest)
+    d = torch.tensor([0.2, 0.4])
+    n = nesterov_outer_step(s, [d], lr=0.5, momentum=0.9)
+    assert n.version == 4 and n.index == 0
+    assert torch.allclose(n.momentum[0], torch.tensor([0.65, -0.5]), atol=1e-7)
+    assert torch.allclose(n.theta[0], torch.tensor([0.6075, 2.025]), atol=1e-6)
+    assert torch.equal(s.theta[0], before[0]) and torch.equal(s.momentum[0], before[1])
+    assert s.digest == before[2] == fragment_digest(0, 3, s.theta, s.momentum)
+    assert torch.equal(d, torch.tensor([0.2, 0.4]))
+    assert n.digest == fragment_digest(0, 4, n.theta, n.momentum)
+
+
+def test_digest_layout_reference():
+    theta = [torch.tensor([[1.0, -2.0]]), torch.tensor(3.5)]
+    mom = [torch.tensor([[0.0, 0.25]]), torch.tensor(-1.0)]
+    h = hashlib.sha256(struct.pack("<qqII", 7, 11, 2, 2))
+    for shape, vals in [((1, 2), [1.0, -2.0]), ((), [3.5]), ((1, 2), [0.0, 0.25]), ((), [-1.0])]:
+        h.update(struct.pack("<I", len(shape)) + b"".join(struct.pack("<q", d) for d in shape))
+        h.update(b"".join(struct.pack("<f", v) for v in vals))
+    assert fragment_digest(7, 11, theta, mom) == h.hexdigest()
+    s = FragmentState.create(7, 11, theta, mom)
+    assert s.digest == h.hexdigest() and s.short() == h.hexdigest()[:12]
+
+
+def test_digest_sensitivity_and_equality():
+    a, b = _state(0), _state(0)
+    assert a == b and hash(a) == hash(b) and a.digest == b.digest
+    assert _state(0, version=1).digest != a.digest
+    assert _state(1).digest != a.digest
+    other_mom = FragmentState.create(2, 0, a.theta, [torch.ones_like(x) for x in a.theta])
+    assert other_mom.digest != a.digest
+    assert FragmentState.create(3, 0, a.theta, a.momentum).digest != a.digest
+
+
+def test_create_copies_to_fp32_contiguous():
+    src = torch.arange(6, dtype=torch.float64).view(2, 3).t()  # non-contiguous fp64
+    s = FragmentState.create(0, 0, [src], [torch.zeros(3, 2)])
+    assert s.theta[0].dtype == torch.float32 and s.theta[0].is_contiguous()
+    assert torch.equal(s.theta[0], src.float())
+    src.add_(1)
+    assert torch.equal(s.theta[0], (src - 1).float())  # not aliased
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: nesterov_outer_step(s, [torch.zeros(4, 3)], 0.7, 0.9),
+    lambda s: nesterov_outer_step(s, [torch.zeros(4, 3), torch.zeros(6)], 0.7, 0.9),
+    lambda s: nesterov_outer_step(s, [torch.zeros(4, 3), torch.zeros(5)], -1.0, 0.9),
+    lambda s: nesterov_outer_step(s, [torch.zeros(4, 3), torch.zeros(5)], 0.7, 1.0),
+    lambda s: FragmentState.create(0, 0, [torch.zeros(2)], [torch.zeros(3)]),
+    lambda s: FragmentState.create(0, 0, [torch.zeros(2)], []),
+    lambda s: FragmentState.create(-1, 0, [], []),
+])
+def test_errors(call):
+    with pytest.raises(ValueError):
+        call(_state())
