@@ -1,0 +1,5 @@
+import sys
+
+from bootstrap.main import main
+
+sys.exit(main())

@@ -1,0 +1,73 @@
+"""Run a bootstrap peer: join (or start) the DHT, print the multiaddrs to join with, serve
+until SIGINT/SIGTERM. It holds no model and merges nothing: peers only use it to find
+each other, so the swarm has no central server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from p2pdiloco.errors import P2PDilocoError
+from p2pdiloco.net.addresses import check_announce_maddr, check_peer_maddr
+from p2pdiloco.net.transport import Swarm
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="IPv4 address to listen on (default: all)")
+    parser.add_argument("--port", type=int, default=31337, help="TCP port to listen on (0: any free port)")
+    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR",
+                        help="other bootstrap peers to link with (optional)")
+    parser.add_argument("--announce", nargs="*", default=[], metavar="MULTIADDR",
+                        help="public multiaddrs to announce when behind NAT")
+    parser.add_argument("--identity", default=None, help="private key file: keeps the same peer ID across restarts")
+    parser.add_argument("--maddrs-file", type=Path, default=None, help="also write the multiaddrs to this file")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    for m in args.initial_peers:
+        check_peer_maddr(m)
+    for m in args.announce:
+        check_announce_maddr(m)
+    if not 0 <= args.port <= 65535:
+        raise P2PDilocoError(f"--port {args.port}: must be in 0..65535")
+    swarm = await Swarm.start(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+                              announce_maddrs=args.announce, identity_path=args.identity)
+    try:
+        maddrs = await swarm.visible_maddrs()
+        if args.maddrs_file:
+            tmp = args.maddrs_file.with_suffix(".tmp")
+            tmp.write_text("\n".join(maddrs) + "\n")
+            tmp.replace(args.maddrs_file)
+        print("bootstrap peer running; nodes join with:", flush=True)
+        for m in maddrs:
+            print(f"  --initial-peers {m}", flush=True)
+        if all("/127.0.0.1/" in m for m in maddrs):
+            print("note: only loopback addresses are announced; peers on other machines need "
+                  "--host 0.0.0.0 or --announce", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        return 0
+    finally:
+        await swarm.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="p2pdiloco bootstrap", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    from p2pdiloco.cli import run_async  # noqa: PLC0415
+
+    return run_async(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The node program: runs one learner of a p2pdiloco swarm."""

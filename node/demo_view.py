@@ -1,0 +1,91 @@
+"""Terminal rendering of the demo: a live table per node and the final table (rich)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+console = Console()
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt(x: Any, spec: str = ".3f") -> str:
+    return "-" if x is None or x != x else format(x, spec)
+
+
+def _live_table(nodes: list[tuple[subprocess.Popen, Path]]) -> Table:
+    t = Table(title="p2pdiloco demo: live")
+    for col in ("node", "state", "inner step", "tokens/s", "loss", "held-out", "rounds", "last round", "versions"):
+        t.add_column(col)
+    for proc, d in nodes:
+        s = _read(d / "status.json") or {}
+        last = s.get("last_round") or {}
+        last_txt = f"f{last['fragment']} v{last['version']} x{last['members']}" if last.get("committed") else "-"
+        state = s.get("state", "starting") if proc.poll() is None or s.get("state") == "stopped" else f"exit {proc.returncode}"
+        t.add_row(d.name, state, str(s.get("step", 0)), _fmt(s.get("tokens_per_s"), ".0f"), _fmt(s.get("loss")),
+                  _fmt(s.get("heldout_loss")), str(s.get("rounds_committed", 0)), last_txt,
+                  " ".join(str(v) for v, _ in s.get("fragments", [])))
+    return t
+
+
+def live_view(nodes: list[tuple[subprocess.Popen, Path]], quiet: bool = False) -> None:
+    """Refresh the live table until every node process has exited."""
+    if quiet:
+        while any(p.poll() is None for p, _ in nodes):
+            time.sleep(0.5)
+        return
+    with Live(_live_table(nodes), console=console, refresh_per_second=2) as live:
+        while any(p.poll() is None for p, _ in nodes):
+            time.sleep(1.0)
+            live.update(_live_table(nodes))
+        live.update(_live_table(nodes))
+
+
+def final_table(reports: list[dict[str, Any] | None], codes: list[int | None]) -> bool:
+    """Print the final table; True when every node finished, the held-out loss fell and
+    nodes at equal fragment versions hold equal digests (invariant I1)."""
+    t = Table(title="p2pdiloco demo: result")
+    for col in ("node", "held-out start", "held-out end", "bits/byte", "tokens", "rounds", "catch-ups",
+                "fragments (version:digest)", "global digest"):
+        t.add_column(col)
+    by_version: dict[tuple[int, int], set[str]] = {}
+    ok = True
+    for i, (r, code) in enumerate(zip(reports, codes)):
+        if r is None or code != 0:
+            t.add_row(f"node{i}", f"failed (exit {code})", *["-"] * 7)
+            ok = False
+            continue
+        frags = r["fragments"]
+        for p, (v, dig) in enumerate(frags):
+            by_version.setdefault((p, v), set()).add(dig)
+        t.add_row(r["name"], _fmt(r["start_loss"]), _fmt(r["end_loss"]), _fmt(r["end_bits_per_byte"]),
+                  f"{r['tokens']:,}", str(r["rounds_committed"]), str(r["catchups"]),
+                  " ".join(f"{v}:{d[:6]}" for v, d in frags), r["global_digest"])
+    console.print(t)
+    split = {k: v for k, v in by_version.items() if len(v) > 1}
+    done = [r for r in reports if r]
+    if split:
+        console.print(f"[red]I1 violated: equal versions with different digests: {split}")
+        ok = False
+    elif done:
+        digests = {r["global_digest"] for r in done}
+        console.print(f"I1: nodes at equal versions hold equal digests; "
+                      f"{'all nodes end at the same global state' if len(digests) == 1 else 'nodes end at different versions'}")
+    if done:
+        start = sum(r["start_loss"] for r in done) / len(done)
+        end = sum(r["end_loss"] for r in done) / len(done)
+        console.print(f"held-out loss {start:.3f} -> {end:.3f} nats/byte ({100 * (1 - end / start):.1f}% lower)")
+    return ok

@@ -1,0 +1,269 @@
+"""One node: the swarm services, the outer rounds and the training thread, in one task group.
+
+Outer round of fragment p (Decoupled DiLoCo, arXiv 2604.21428; brief sections 1 and 3):
+the training thread hands over Δ_p with its token and step counts and the anchor state it was
+computed against; the node forms a group of learners at the same (version, digest) through
+the DHT, all-reduces the contributions with the token-weighted merge, applies the Nesterov
+outer step to the anchor, commits the new state (version + 1) and delivers it to the
+training thread, which overwrites θ_p. A failed round commits nothing (I2). A node that
+finds the swarm ahead downloads the newer state, verifies it, and rebases its unsent local
+progress on top of it (I3): θ_p ← Θ_p(new) − (Θ_p(old) − θ_p), counters kept, so that
+progress is contributed at the next round instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2pdiloco.core.grace import GraceWindow
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
+from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
+from p2pdiloco.net.allreduce import AllReducer, Contribution
+from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
+from p2pdiloco.net.statesync import StateSync, is_behind, newest_heads
+from p2pdiloco.net.transport import Swarm
+
+from node.setup import Setup
+from node.training import TrainingLoop
+
+log = logging.getLogger(__name__)
+
+CATCHUP_SECONDS = 2.0
+PUBLISH_SECONDS = 5.0
+GATHER_POLL_SECONDS = 0.5
+
+
+@dataclass
+class RoundRecord:
+    """One finished outer round as this node saw it."""
+
+    fragment: int
+    version: int  # version produced
+    members: int
+    seconds: float
+    committed: bool
+    reason: str = ""
+
+
+@dataclass
+class NodeStats:
+    state: str = "starting"
+    rounds_committed: int = 0
+    rounds_failed: int = 0
+    rounds_late: int = 0
+    rounds_alone: int = 0
+    catchups: int = 0
+    tokens_merged: int = 0  # tokens of this node's contributions that went into a merge
+    recent: list[RoundRecord] = field(default_factory=list)
+
+
+class Node:
+    """A running node. Create with a :class:`node.setup.Setup`, then ``await run()``."""
+
+    def __init__(self, setup: Setup, swarm: Swarm):
+        self.setup, self.cfg, self.swarm = setup, setup.cfg, swarm
+        self.committed: list[FragmentState] = list(setup.learner.global_states)
+        self.stats = NodeStats()
+        out = self.cfg.outer
+        self.grace = GraceWindow(tau=out.overlap, gamma=out.grace_gamma, minimum=out.grace_min, maximum=out.grace_max)
+        self.matchmaker = Matchmaker(swarm, self.cfg.swarm.run_id, out.min_quorum)
+        self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout)
+        self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed)
+        self.training: TrainingLoop | None = None
+        self._in_flight: set[int] = set()
+        self._rounds: asyncio.TaskGroup | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._publish_now = asyncio.Event()
+        self._live_learners = 0  # learners still training, from the swarm's records
+        self.done = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def run(self, settle_timeout: float = 60.0) -> None:
+        """Join, train until the budget is spent or :meth:`stop` is called, then settle:
+        finish in-flight rounds and catch up so the node ends at the swarm's newest state."""
+        self._loop = asyncio.get_running_loop()
+        for service in (self.matchmaker, self.allreducer, self.sync):
+            await service.start()
+        self.stats.state = "joining"
+        await self._catch_up(initial=True)
+        deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
+        self.training = self.setup.training_loop(self._dispatch, deadline)
+        self.stats.state = "training"
+        async with asyncio.TaskGroup() as tg:
+            self._rounds = tg
+            background = [tg.create_task(self._publisher()), tg.create_task(self._catch_up_loop()),
+                          tg.create_task(self._gathering_watch())]
+            try:
+                await asyncio.to_thread(self.training.run)
+                await asyncio.to_thread(self.training.finish, self.cfg.outer.quorum_timeout + self.cfg.outer.liveness_timeout + 10)
+                self.stats.state = "leaving"
+                self.done = True
+                await self._settle(settle_timeout)
+            finally:
+                self.training.stop.set()
+                for task in background:
+                    task.cancel()
+
+    def stop(self) -> None:
+        """Ask the node to stop training (thread-safe, idempotent)."""
+        if self.training is not None:
+            self.training.stop.set()
+
+    async def _settle(self, timeout: float) -> None:
+        """Keep serving until every node of the run that we can see is done (or timeout),
+        catching up with the newest states, then publish a last record."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            await self._publish()
+            records = await self._records()
+            await self._catch_up()
+            if all(isinstance(r, dict) and r.get("done") for r in records.values()) and not self._in_flight:
+                break
+            await asyncio.sleep(1.0)
+        await self._catch_up()
+        await self._publish()
+
+    # ---- rounds ---------------------------------------------------------------------------
+    def _dispatch(self, p: int, contrib: Contribution, anchor: FragmentState) -> None:
+        """Called from the training thread when fragment p is due."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._start_round, p, contrib, anchor)
+
+    def _start_round(self, p: int, contrib: Contribution, anchor: FragmentState) -> None:
+        if self._rounds is None or self.done:
+            self.training.deliver((p, None, False))
+            return
+        self._in_flight.add(p)
+        self._rounds.create_task(self._round(p, contrib, anchor))
+
+    async def _round(self, p: int, contrib: Contribution, anchor: FragmentState) -> None:
+        t0 = time.monotonic()
+        self.grace.t_step.value = self.training.stats.t_step.value
+        out = self.cfg.outer
+        result: FragmentState | None = None
+        try:
+            key = GroupKey(p, anchor.version, anchor.digest)
+            outcome, group = await self.matchmaker.form_group(
+                key, grace=self.grace.seconds(), quorum_timeout=out.quorum_timeout, expected=self._live_learners)
+            if outcome == "group":
+                self.grace.t_quorum.update(group.formed_in)
+                t1 = time.monotonic()
+                merged = await self.allreducer.run(group, contrib)
+                self.grace.t_sync.update(time.monotonic() - t1)
+                new = nesterov_outer_step(anchor, merged, out.lr, out.momentum)
+                if self.committed[p] is anchor:  # no catch-up replaced it meanwhile
+                    self.committed[p] = result = new
+                    self.stats.rounds_committed += 1
+                    self.stats.rounds_alone += int(len(group.members) == 1)
+                    self.stats.tokens_merged += contrib.tokens
+                    self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True))
+                    log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version,
+                             len(group.members), time.monotonic() - t0, new.short())
+                    self._publish_now.set()
+            else:
+                if outcome == "late":
+                    self.stats.rounds_late += 1
+                self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, outcome))
+        except RoundFailed as e:
+            self.stats.rounds_failed += 1
+            self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, str(e)))
+            log.warning("round f%d discarded: %s", p, e)
+        except NetworkError as e:
+            self.stats.rounds_failed += 1
+            log.warning("round f%d: network error: %s", p, e)
+        finally:
+            self._in_flight.discard(p)
+            self.training.deliver((p, result, False))
+        if result is None:
+            await self._catch_up(only=p)  # a group may have merged without us: follow it
+
+    def _record(self, rec: RoundRecord) -> None:
+        self.stats.recent = [*self.stats.recent[-19:], rec]
+
+    # ---- catch-up and records ------------------------------------------------------------
+    async def _records(self) -> dict[str, Any]:
+        try:
+            records = await self.sync.records()
+        except NetworkError as e:
+            log.debug("records unavailable: %s", e)
+            return {}
+        self._live_learners = sum(1 for r in records.values() if isinstance(r, dict) and not r.get("done"))
+        return records
+
+    async def _catch_up(self, *, initial: bool = False, only: int | None = None) -> None:
+        """Download every fragment the swarm holds newer (or, at equal version, the winning
+        digest of a split brain), verify it and install it with local progress rebased."""
+        heads = newest_heads(await self._records(), len(self.committed))
+        for p, head in enumerate(heads):
+            if (only is not None and p != only) or p in self._in_flight:
+                continue
+            if not is_behind(self.committed[p], head):
+                continue
+            self.stats.state = "catching up" if not initial else "joining"
+            try:
+                state = await self.sync.download(p, head, timeout=30)
+            except StateSyncError as e:
+                log.info("catch-up of fragment %d failed: %s", p, e)
+                continue
+            if p in self._in_flight:  # a round started meanwhile; it decides
+                continue
+            old = self.committed[p]
+            self.committed[p] = state
+            self.stats.catchups += 1
+            log.info("caught up fragment %d: v%d -> v%d (%s)", p, old.version, state.version, state.short())
+            if initial or self.training is None:
+                self.setup.learner.install(state, rebase=False)
+            else:
+                self.training.deliver((p, state, True))
+        if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
+            self.stats.state = "training"
+
+    async def _gathering_watch(self) -> None:
+        """Join groups others are gathering at our version before our own schedule says so."""
+        while True:
+            await asyncio.sleep(GATHER_POLL_SECONDS)
+            try:
+                open_now = await self.matchmaker.open_gatherings()
+            except NetworkError:
+                continue
+            for p, key in open_now.items():
+                mine = self.committed[p] if 0 <= p < len(self.committed) else None
+                if mine is not None and p not in self._in_flight and (key.version, key.digest) == (mine.version, mine.digest):
+                    self.training.request(p)
+
+    async def _catch_up_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CATCHUP_SECONDS)
+            await self._catch_up()
+
+    def record(self) -> dict[str, Any]:
+        """This node's heartbeat figures, published in its signed record and shown by status."""
+        st = self.training.stats if self.training else None
+        return {
+            "name": self.setup.name,
+            "state": self.stats.state,
+            "done": self.done,
+            "step": st.step if st else 0,
+            "tps": round(st.tokens_per_s, 1) if st else 0.0,
+            "loss": round(st.loss, 4) if st and st.loss == st.loss else None,
+        }
+
+    async def _publish(self) -> None:
+        try:
+            await self.sync.publish(self.record())
+        except NetworkError as e:
+            log.debug("publish failed: %s", e)
+
+    async def _publisher(self) -> None:
+        while True:
+            await self._publish()
+            self._publish_now.clear()
+            try:
+                async with asyncio.timeout(PUBLISH_SECONDS):
+                    await self._publish_now.wait()
+            except TimeoutError:
+                pass

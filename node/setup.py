@@ -1,0 +1,74 @@
+"""Everything a node builds before it talks to the swarm: model, fragments, learner, data."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from p2pdiloco.config import NodeConfig
+from p2pdiloco.core.fragments import Fragment, StaggeredSchedule, balanced_fragments
+from p2pdiloco.core.learner import Learner
+from p2pdiloco.data import BatchSampler, collect_text_files, default_corpus_files, heldout_batches, load_corpus
+from p2pdiloco.errors import ConfigError
+from p2pdiloco.model import GPT, build_model
+
+from node.training import Dispatch, TrainingLoop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Setup:
+    """A node's local pieces. ``name`` is a human label; ``peer_id`` seeds its data shard."""
+
+    cfg: NodeConfig
+    name: str
+    model: GPT
+    fragments: tuple[Fragment, ...]
+    learner: Learner
+    sampler: BatchSampler
+    heldout: list
+
+    @classmethod
+    def build(cls, cfg: NodeConfig, name: str, peer_id: str) -> Setup:
+        """Raises ConfigError when the data or fragment count cannot work with the model."""
+        torch.set_num_threads(cfg.threads)
+        model = build_model(cfg.model, cfg.seed)  # same run seed: same start on every node (I8)
+        shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        try:
+            fragments = balanced_fragments(shapes, cfg.outer.fragments, model.embedding_names())
+            files = collect_text_files(Path(cfg.data.path)) if cfg.data.path else default_corpus_files()
+            shard = cfg.data.shard_index
+            if shard < 0:
+                shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % cfg.data.num_shards
+            corpus = load_corpus(files, shard, cfg.data.num_shards, cfg.data.heldout_fraction,
+                                 cfg.data.max_bytes or None)
+            data_seed = int.from_bytes(hashlib.sha256(f"{cfg.seed}/{peer_id}".encode()).digest()[:4], "big")
+            sampler = BatchSampler(corpus.train, cfg.data.batch_size, cfg.model.block_size, data_seed)
+            heldout = heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+        learner = Learner(model, fragments, cfg.inner)
+        log.info("%s: model %.2fM parameters in %d fragments; data shard %d/%d",
+                 name, sum(p.numel() for p in model.parameters()) / 1e6, len(fragments), shard, cfg.data.num_shards)
+        return cls(cfg, name, model, tuple(fragments), learner, sampler, heldout)
+
+    def training_loop(self, dispatch: Dispatch, deadline: float | None = None) -> TrainingLoop:
+        out = self.cfg.outer
+        schedule = StaggeredSchedule(out.sync_every, out.fragments, out.overlap)
+        return TrainingLoop(self.learner, schedule, self.sampler, self.heldout, dispatch,
+                            max_steps=self.cfg.max_steps, deadline=deadline, eval_every=self.cfg.eval_every)
+
+    def global_model(self, states) -> GPT:
+        """A copy of the model holding the global parameters Θ of ``states``."""
+        model = build_model(self.cfg.model, self.cfg.seed)
+        named = dict(model.named_parameters())
+        with torch.no_grad():
+            for frag, state in zip(self.fragments, states):
+                for slot, theta in zip(frag.slots, state.theta):
+                    named[slot.name].copy_(theta)
+        return model

@@ -1,0 +1,156 @@
+"""The inner loop, run in one worker thread: the only code that mutates the learner.
+
+It never waits for the network (no lock-step): at each inner-step boundary it installs
+merged fragments that arrived, hands due fragments' pseudo-gradients to the event loop, and
+goes on training (Decoupled DiLoCo, arXiv 2604.21428, sec. 2: learners never block).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from p2pdiloco.core.learner import Learner
+from p2pdiloco.core.fragments import StaggeredSchedule
+from p2pdiloco.core.grace import Ema
+from p2pdiloco.core.outer import FragmentState
+from p2pdiloco.data import BatchSampler, evaluate
+from p2pdiloco.net.allreduce import Contribution
+
+log = logging.getLogger(__name__)
+
+# (fragment, new global state or None when the round produced nothing, rebase local progress?)
+Delivery = tuple[int, FragmentState | None, bool]
+Dispatch = Callable[[int, Contribution, FragmentState], None]
+
+
+@dataclass
+class TrainingStats:
+    """Snapshot figures of the inner loop (read by status; written by the thread)."""
+
+    step: int = 0
+    tokens: int = 0  # tokens trained by this node
+    loss: float = float("nan")  # EMA of the training loss (nats per byte)
+    heldout_loss: float = float("nan")  # last evaluation of the local model (nats per byte)
+    heldout_history: list[tuple[int, float]] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    t_step: Ema = field(default_factory=lambda: Ema(alpha=0.1))
+    installs: int = 0
+    rebases: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class TrainingLoop:
+    """Runs inner steps until ``stop`` is set or a step/time budget is spent.
+
+    Args:
+        learner: the learner (owned by this thread from now on).
+        schedule: when each fragment is due.
+        sampler: training batches.
+        heldout: evaluation batches (identical on every node).
+        dispatch: called (from this thread) with (fragment, contribution, anchor) when a
+            fragment is due; the event loop answers through :meth:`deliver`.
+        max_steps / deadline: budget (0 / None: unbounded); deadline is time.monotonic().
+        eval_every: inner steps between held-out evaluations.
+    """
+
+    def __init__(self, learner: Learner, schedule: StaggeredSchedule, sampler: BatchSampler,
+                 heldout: list, dispatch: Dispatch, *, max_steps: int, deadline: float | None,
+                 eval_every: int):
+        self.learner, self.schedule, self.sampler, self.heldout = learner, schedule, sampler, heldout
+        self.dispatch, self.max_steps, self.deadline, self.eval_every = dispatch, max_steps, deadline, eval_every
+        self.stop = threading.Event()
+        self.stats = TrainingStats()
+        self._inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+        self.pending: set[int] = set()  # fragments handed out and not answered yet
+        self._requested: set[int] = set()
+        self._lock = threading.Lock()
+
+    def request(self, p: int) -> None:
+        """Thread-safe: peers are gathering for fragment p now; send it early if this learner
+        has at least H/2 steps of progress on it, so that learners whose clocks drifted
+        apart still meet in one group instead of merging one by one."""
+        with self._lock:
+            self._requested.add(p)
+
+    def _due(self) -> list[int]:
+        with self._lock:
+            requested, self._requested = self._requested, set()
+        half = max(1, self.schedule.H // 2)
+        early = {p for p in requested if self.learner.counters(p)[1] >= half}
+        return sorted(set(self.schedule.due(self.learner.step)) | early)
+
+    def deliver(self, item: Delivery) -> None:
+        """Thread-safe: a round or catch-up result for a fragment."""
+        self._inbox.put(item)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                p, state, rebase = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if state is not None:
+                self.learner.install(state, rebase=rebase)
+                self.stats.installs += 1
+                self.stats.rebases += int(rebase)
+            if not rebase:
+                self.pending.discard(p)
+
+    def evaluate(self) -> float:
+        loss = evaluate(self.learner.model, self.heldout)
+        self.stats.heldout_loss = loss
+        self.stats.heldout_history.append((self.learner.step, loss))
+        return loss
+
+    def _budget_spent(self) -> bool:
+        if self.max_steps and self.learner.step >= self.max_steps:
+            return True
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def run(self) -> None:
+        """The thread body. Exceptions propagate to the awaiting task."""
+        if not self.stats.heldout_history:
+            self.evaluate()
+        window_t, window_tokens = time.monotonic(), 0
+        while not self.stop.is_set() and not self._budget_spent():
+            self._drain()
+            inputs, targets = self.sampler.next()
+            t0 = time.monotonic()
+            loss = self.learner.inner_step(inputs, targets)
+            self.stats.t_step.update(time.monotonic() - t0)
+            st = self.stats
+            st.step = self.learner.step
+            st.tokens += inputs.numel()
+            window_tokens += inputs.numel()
+            st.loss = loss if st.loss != st.loss else 0.9 * st.loss + 0.1 * loss
+            now = time.monotonic()
+            if now - window_t >= 2.0:
+                st.tokens_per_s, window_t, window_tokens = window_tokens / (now - window_t), now, 0
+            for p in self._due():
+                if p in self.pending:
+                    continue  # its previous round is still in flight: keep accumulating
+                tokens, steps = self.learner.counters(p)
+                contrib = Contribution(tuple(self.learner.pseudo_gradient(p)), tokens, steps)
+                self.pending.add(p)
+                self.dispatch(p, contrib, self.learner.global_states[p])
+            if self.learner.step % self.eval_every == 0:
+                self.evaluate()
+        self._drain()
+
+    def finish(self, timeout: float) -> None:
+        """After :meth:`run`: install what arrives for ``timeout`` seconds or until no round
+        is pending, so a node does not stop with merges it took part in left unapplied."""
+        end = time.monotonic() + timeout
+        while self.pending and time.monotonic() < end:
+            try:
+                item = self._inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._inbox.put(item)
+            self._drain()
+        self._drain()

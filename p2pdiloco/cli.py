@@ -1,0 +1,134 @@
+"""The ``p2pdiloco`` command: node, bootstrap, demo and simulate subcommands.
+
+Every expected failure (bad config or address, unreachable peers, port in use) ends with one
+line on stderr and a non-zero exit code: 2 for configuration errors, 1 for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from p2pdiloco.errors import ConfigError, P2PDilocoError
+
+log = logging.getLogger("p2pdiloco")
+
+
+def setup_logging(verbose: int = 0) -> None:
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    level = os.environ.get("P2PDILOCO_LOG", logging.getLevelName(level)).upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.getLogger().level, logging.ERROR))
+
+
+def run_async(coro: Coroutine[Any, Any, int]) -> int:
+    """Run ``coro`` on uvloop and translate our errors into one line and an exit code."""
+    import uvloop  # noqa: PLC0415
+
+    try:
+        return uvloop.run(coro)
+    except ConfigError as e:
+        print(f"p2pdiloco: {e}", file=sys.stderr)
+        return 2
+    except P2PDilocoError as e:
+        print(f"p2pdiloco: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("p2pdiloco: interrupted", file=sys.stderr)
+        return 130
+
+
+def _node_parser(sub: argparse._SubParsersAction) -> None:
+    node = sub.add_parser("node", help="run or inspect a training node")
+    nsub = node.add_subparsers(dest="node_cmd", required=True)
+    run = nsub.add_parser("run", help="run a node that joins a swarm and trains")
+    run.add_argument("--initial-peers", nargs="+", default=None, metavar="MULTIADDR",
+                     help="multiaddrs of peers to join through (from `p2pdiloco bootstrap`)")
+    run.add_argument("--config", type=Path, default=None, help="TOML config file")
+    run.add_argument("--data", default=None, help="text file or folder to train on (default: Python's stdlib source)")
+    run.add_argument("--run-id", default=None, help="name of the training run (all nodes of a run share it)")
+    run.add_argument("--host", default=None, help="IPv4 address to listen on")
+    run.add_argument("--port", type=int, default=None, help="TCP port to listen on (0: any)")
+    run.add_argument("--data-dir", default=None, help="folder for the node's identity, status and report")
+    run.add_argument("--max-steps", type=int, default=None, help="stop after this many inner steps")
+    run.add_argument("--duration", type=float, default=None, help="stop after this many seconds of training")
+    run.add_argument("--name", default="node", help="a label for logs and status")
+    run.add_argument("--status-file", type=Path, default=None, help="write a JSON status snapshot here every second")
+    run.add_argument("--report-file", type=Path, default=None, help="write the final JSON report here")
+    run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                     help="override any config value, e.g. --set outer.sync_every=50")
+    run.add_argument("-v", "--verbose", action="count", default=1)
+
+
+def _node_run(args: argparse.Namespace) -> int:
+    from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
+
+    try:
+        overrides: dict[str, Any] = parse_overrides(args.set)
+        flags = {"swarm.initial_peers": args.initial_peers, "data.path": args.data, "swarm.run_id": args.run_id,
+                 "swarm.host": args.host, "swarm.port": args.port, "data_dir": args.data_dir,
+                 "max_steps": args.max_steps, "duration": args.duration}
+        overrides.update({k: v for k, v in flags.items() if v is not None})
+        cfg = load_config(args.config, overrides=overrides)
+    except ConfigError as e:
+        print(f"p2pdiloco: {e}", file=sys.stderr)
+        return 2
+    from node.main import run_node  # noqa: PLC0415
+
+    async def go() -> int:
+        report = await run_node(cfg, name=args.name, status_path=args.status_file, report_path=args.report_file)
+        print(json.dumps({k: report[k] for k in ("name", "steps", "start_loss", "end_loss", "global_digest")
+                          if k in report}))
+        return 0
+
+    return run_async(go())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="p2pdiloco", description="Decoupled DiLoCo over a peer-to-peer swarm")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _node_parser(sub)
+    boot = sub.add_parser("bootstrap", help="run a bootstrap peer (DHT only) and print its multiaddrs")
+    from bootstrap.main import add_arguments  # noqa: PLC0415
+
+    add_arguments(boot)
+    boot.add_argument("-v", "--verbose", action="count", default=0)
+    from node.demo import add_arguments as add_demo_arguments  # noqa: PLC0415
+
+    add_demo_arguments(sub.add_parser("demo", help="train a small local swarm on real text (the main job)"))
+    try:
+        from p2pdiloco.sim.cli import add_simulate_parser  # noqa: PLC0415
+
+        add_simulate_parser(sub)
+    except ImportError:
+        pass
+    args = parser.parse_args(argv)
+    setup_logging(getattr(args, "verbose", 0))
+    if args.cmd == "node":
+        return _node_run(args)
+    if args.cmd == "bootstrap":
+        from bootstrap.main import serve  # noqa: PLC0415
+
+        return run_async(serve(args))
+    if args.cmd == "demo":
+        from node.demo import run_demo  # noqa: PLC0415
+
+        return run_demo(args)
+    if args.cmd == "simulate":
+        from p2pdiloco.sim.cli import run_simulate  # noqa: PLC0415
+
+        return run_simulate(args)
+    parser.error(f"unknown command {args.cmd}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The one exception hierarchy of p2pdiloco.
+
+Foreign errors (hivemind, libp2p daemon, OS, TOML, msgpack) are translated into these at
+the boundary where they occur, so callers catch ``P2PDilocoError`` and nothing else.
+"""
+
+from __future__ import annotations
+
+
+class P2PDilocoError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigError(P2PDilocoError):
+    """A config file, environment variable or flag is malformed or out of range."""
+
+
+class AddressError(ConfigError):
+    """A multiaddr is malformed or cannot be used (wrong protocol, missing /p2p/, port 0...)."""
+
+
+class NetworkError(P2PDilocoError):
+    """A network operation failed: daemon start, DHT access, an RPC or its deadline."""
+
+
+class PeerUnreachable(NetworkError):
+    """A specific peer did not answer before its deadline."""
+
+
+class ProtocolError(NetworkError):
+    """A peer sent a message that does not follow the wire protocol; the message is dropped."""
+
+
+class RoundFailed(P2PDilocoError):
+    """An outer round could not complete on every member; its result is discarded (invariant I2)."""
+
+
+class StateSyncError(P2PDilocoError):
+    """Downloading the global state from a peer failed or did not match the swarm's records."""

@@ -1,0 +1,1 @@
+"""Networking layer: the only package that imports hivemind (libp2p daemon, DHT)."""
