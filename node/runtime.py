@@ -17,7 +17,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
@@ -114,15 +117,19 @@ class Node:
             self.training.stop.set()
 
     async def _settle(self, timeout: float) -> None:
-        """Keep serving until every node of the run that we can see is done (or timeout),
-        catching up with the newest states, then publish a last record."""
+        """Keep serving until every node of the run that we can see is done and holds the same
+        state as we do (or ``timeout`` seconds), catching up with the newest states, so a
+        node that still needs to download can find a donor."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             await self._publish()
             records = await self._records()
             await self._catch_up()
-            if all(isinstance(r, dict) and r.get("done") for r in records.values()) and not self._in_flight:
-                break
+            done = all(isinstance(r, dict) and r.get("done") for r in records.values())
+            mine = [[st.version, st.digest] for st in self.committed]
+            agreed = all(isinstance(r, dict) and r.get("f") == mine for r in records.values())
+            if done and agreed and not self._in_flight:
+                break  # everyone stopped and holds the same state: nobody needs us to serve
             await asyncio.sleep(1.0)
         await self._catch_up()
         await self._publish()
@@ -146,6 +153,7 @@ class Node:
         out = self.cfg.outer
         result: FragmentState | None = None
         try:
+            anchor = await self._rebase_if_behind(p, anchor)
             key = GroupKey(p, anchor.version, anchor.digest)
             outcome, group = await self.matchmaker.form_group(
                 key, grace=self.grace.seconds(), quorum_timeout=out.quorum_timeout, expected=self._live_learners)
@@ -164,6 +172,8 @@ class Node:
                     log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version,
                              len(group.members), time.monotonic() - t0, new.short())
                     self._publish_now.set()
+                    if self.cfg.trace_dir:
+                        await asyncio.to_thread(self._trace, group, contrib, merged, anchor, new)
             else:
                 if outcome == "late":
                     self.stats.rounds_late += 1
@@ -180,6 +190,38 @@ class Node:
             self.training.deliver((p, result, False))
         if result is None:
             await self._catch_up(only=p)  # a group may have merged without us: follow it
+
+    async def _rebase_if_behind(self, p: int, anchor: FragmentState) -> FragmentState:
+        """Before matchmaking: if the swarm holds a newer (or winning) state of fragment p,
+        install it with local progress rebased, and merge the same Δ against it. Δ is this
+        learner's progress since its anchor, so after the rebase θ_p = Θ_new − Δ and the
+        contribution stays valid (invariant I3: contributions only at the swarm's version)."""
+        head = newest_heads(await self._records(), len(self.committed))[p]
+        if not is_behind(anchor, head):
+            return anchor
+        try:
+            state = await self.sync.download(p, head, timeout=30)
+        except StateSyncError as e:
+            log.info("fragment %d: could not catch up before its round: %s", p, e)
+            return anchor
+        self.committed[p] = state
+        self.stats.catchups += 1
+        self.training.deliver((p, state, True))
+        log.info("caught up fragment %d before its round: v%d -> v%d (%s)", p, anchor.version, state.version, state.short())
+        return state
+
+    def _trace(self, group, contrib: Contribution, merged, anchor: FragmentState, new: FragmentState) -> None:
+        """Save one committed round (inputs and result) for offline checks; atomic write."""
+        folder = Path(self.cfg.trace_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"f{new.index}-v{new.version}-{group.round_id}.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save({"fragment": new.index, "version": new.version, "round_id": group.round_id,
+                    "members": group.members, "me": self.swarm.peer_id, "delta": contrib.delta,
+                    "tokens": contrib.tokens, "steps": contrib.steps, "merged": merged,
+                    "anchor_digest": anchor.digest, "digest": new.digest,
+                    "embedding_mask": [s.is_embedding for s in self.setup.fragments[new.index].slots]}, tmp)
+        tmp.replace(path)
 
     def _record(self, rec: RoundRecord) -> None:
         self.stats.recent = [*self.stats.recent[-19:], rec]

@@ -110,6 +110,7 @@ class NodeConfig:
     eval_every: int = 200  # inner steps between held-out evaluations
     data_dir: str = ""  # "" = a temporary folder
     threads: int = 1  # torch intra-op threads
+    trace_dir: str = ""  # when set, every committed round's inputs and result are saved here
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)

@@ -138,7 +138,7 @@ class Matchmaker:
                 size = 1 + len(gathering.joiners)
                 if size >= self.min_quorum and quorum_at is None:
                     quorum_at = now
-                everyone = expected > 0 and size >= expected
+                everyone = size >= max(expected, 2)  # a lone learner still waits its grace
                 if quorum_at is not None and (everyone or now >= quorum_at + grace):
                     if size == 1 and someone_closed:
                         return "late", None  # a group at this version exists: don't fork it

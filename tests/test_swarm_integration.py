@@ -1,0 +1,63 @@
+"""A bootstrap and real node processes on 127.0.0.1 train together (issue: main job)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients
+
+from tests.conftest import TINY, read_report
+
+pytestmark = pytest.mark.integration
+
+
+def _traces(d: Path) -> dict[str, dict]:
+    return {t["round_id"]: t for t in (torch.load(p, weights_only=False) for p in sorted((d / "trace").glob("*.pt")))}
+
+
+@pytest.mark.timeout(300)
+def test_three_nodes_merge_like_one_process(harness):
+    maddr = harness.bootstrap()
+    nodes = [harness.node(maddr, f"n{i}", {**TINY, "data.num_shards": "3", "data.shard_index": str(i)},
+                          "--duration", "20", "--set", f"trace_dir={harness.tmp / f'n{i}' / 'trace'}")
+             for i in range(3)]
+    for proc, d in nodes:
+        assert harness.wait(proc, 240, d / "node.log") == 0, (d / "node.log").read_text()[-3000:]
+    reports = [read_report(d) for _, d in nodes]
+    # I1: every node ends at the same global state (all fragments, same versions and digests).
+    assert len({r["global_digest"] for r in reports}) == 1, [r["fragments"] for r in reports]
+    assert all(v > 0 for v, _ in reports[0]["fragments"])
+    assert all(r["end_loss"] < r["start_loss"] for r in reports)
+
+    traces = [_traces(d) for _, d in nodes]
+    full = [rid for rid in traces[0] if all(rid in t for t in traces) and len(traces[0][rid]["members"]) == 3]
+    assert full, "no round merged all three nodes"
+    for rid in full:
+        rounds = sorted((t[rid] for t in traces), key=lambda t: t["me"])
+        assert [t["me"] for t in rounds] == list(rounds[0]["members"])
+        weights = [contribution_weight(t["tokens"], t["steps"]) for t in rounds]
+        expected = merge_pseudo_gradients([t["delta"] for t in rounds], weights, rounds[0]["embedding_mask"])
+        for t in rounds:  # the distributed merge equals the one-process merge, bit for bit
+            assert all(torch.equal(a, b) for a, b in zip(t["merged"], expected))
+            assert t["digest"] == rounds[0]["digest"] and t["anchor_digest"] == rounds[0]["anchor_digest"]
+
+
+@pytest.mark.timeout(180)
+def test_lone_node_applies_its_own_outer_step(harness):
+    maddr = harness.bootstrap()
+    proc, d = harness.node(maddr, "solo", TINY, "--duration", "12", "--set", f"trace_dir={harness.tmp / 'trace'}")
+    assert harness.wait(proc, 150, d / "node.log") == 0, (d / "node.log").read_text()[-3000:]
+    report = read_report(d)
+    assert report["rounds_committed"] >= 8 and report["rounds_alone"] == report["rounds_committed"]
+    assert all(v >= 4 for v, _ in report["fragments"])
+    assert report["end_loss"] < report["start_loss"]
+    traces = [torch.load(p, weights_only=False) for p in sorted((harness.tmp / "trace").glob("*.pt"))]
+    assert traces
+    for t in traces:  # I5: a lone learner's merge is its own pseudo-gradient, not zeros
+        assert t["members"] == (t["me"],)
+        assert all(torch.equal(m, x) for m, x in zip(t["merged"], t["delta"]))
+        assert any(x.abs().sum() > 0 for x in t["delta"])
+        assert t["digest"] != t["anchor_digest"]
