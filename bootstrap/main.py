@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import signal
 import sys
 from pathlib import Path
 
-from p2pdiloco.errors import P2PDilocoError
-from p2pdiloco.net.addresses import check_announce_maddr, check_peer_maddr
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.errors import ConfigError
+from p2pdiloco.net.addresses import check_announce_maddr, check_any_reachable, check_listen_port, check_peer_maddr
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +29,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--maddrs-file", type=Path, default=None, help="also write the multiaddrs to this file")
 
 
-async def serve(args: argparse.Namespace) -> int:
+def check_arguments(args: argparse.Namespace) -> None:
+    """Raises ConfigError (AddressError) for a malformed address, host or port."""
     for m in args.initial_peers:
         check_peer_maddr(m)
     for m in args.announce:
         check_announce_maddr(m)
+    try:
+        ipaddress.IPv4Address(args.host)
+    except ValueError:
+        raise ConfigError(f"--host {args.host!r}: not an IPv4 address (0.0.0.0: every interface)") from None
     if not 0 <= args.port <= 65535:
-        raise P2PDilocoError(f"--port {args.port}: must be in 0..65535")
+        raise ConfigError(f"--port {args.port}: must be in 0..65535 (0: any free port)")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM. Raises ConfigError for bad arguments, NetworkError when the
+    port is taken, no initial peer is reachable, or the daemon cannot start."""
+    check_arguments(args)
+    check_listen_port(args.host, args.port)
+    await asyncio.to_thread(check_any_reachable, args.initial_peers)
+    from p2pdiloco.net.transport import Swarm  # noqa: PLC0415  (imports hivemind: over a second)
+
     swarm = await Swarm.start(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
                               announce_maddrs=args.announce, identity_path=args.identity)
     try:

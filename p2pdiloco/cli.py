@@ -29,16 +29,22 @@ def setup_logging(verbose: int = 0) -> None:
         logging.getLogger(noisy).setLevel(max(logging.getLogger().level, logging.ERROR))
 
 
+def report_error(e: P2PDilocoError) -> int:
+    """Print ``e`` on stderr as ``p2pdiloco: message`` (one line per problem); its exit code:
+    2 for configuration errors, 1 for the rest."""
+    print(f"p2pdiloco: {e}", file=sys.stderr)
+    return 2 if isinstance(e, ConfigError) else 1
+
+
 def run_async(coro: Coroutine[Any, Any, int]) -> int:
     """Run ``coro`` on uvloop and translate our errors into one line and an exit code."""
     import uvloop  # noqa: PLC0415
 
     try:
         return uvloop.run(coro)
-    except ConfigError as e:
-        print(f"p2pdiloco: {e}", file=sys.stderr)
-        return 2
     except P2PDilocoError as e:
+        return report_error(e)
+    except OSError as e:  # a file or folder the user named (status, report, identity...) failed
         print(f"p2pdiloco: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -70,6 +76,7 @@ def _node_parser(sub: argparse._SubParsersAction) -> None:
 
 def _node_run(args: argparse.Namespace) -> int:
     from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
+    from p2pdiloco.net.addresses import check_any_reachable, check_listen_port  # noqa: PLC0415
 
     try:
         overrides: dict[str, Any] = parse_overrides(args.set)
@@ -78,9 +85,11 @@ def _node_run(args: argparse.Namespace) -> int:
                  "max_steps": args.max_steps, "duration": args.duration}
         overrides.update({k: v for k, v in flags.items() if v is not None})
         cfg = load_config(args.config, overrides=overrides)
-    except ConfigError as e:
-        print(f"p2pdiloco: {e}", file=sys.stderr)
-        return 2
+        # preflight: the two most common start-up mistakes, before any daemon is started
+        check_listen_port(cfg.swarm.host, cfg.swarm.port)
+        check_any_reachable(cfg.swarm.initial_peers)
+    except P2PDilocoError as e:
+        return report_error(e)
     from node.main import run_node  # noqa: PLC0415
 
     async def go() -> int:

@@ -1,17 +1,19 @@
 """Typed, validated configuration: frozen dataclasses loaded from TOML, environment and flags.
 
 Precedence (later wins): defaults < TOML file < environment ``P2PDILOCO_<SECTION>_<FIELD>``
-< command-line ``--set section.field=value`` (and the dedicated flags that map onto them).
-Every problem is reported as one line ``section.field: what is wrong`` in a single
+(``P2PDILOCO_<FIELD>`` for top-level fields such as ``P2PDILOCO_DATA_DIR``) < command-line
+``--set section.field=value`` (and the dedicated flags that map onto them). Every problem
+is reported as one line ``section.field: what is wrong (where it was set)`` in a single
 :class:`ConfigError`; nothing starts with an invalid config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import math
 import os
 import tomllib
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,9 +21,24 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.core.learner import InnerConfig
-from p2pdiloco.errors import ConfigError
+from p2pdiloco.errors import AddressError, ConfigError
 from p2pdiloco.model import ModelConfig
 from p2pdiloco.net.wire import WIRE_DTYPES
+
+
+class Invalid(ValueError):
+    """Out-of-range fields of one config section: ``problems`` is [(field, message)]."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
+
+
+def _validate(*checks: tuple[str, bool, str]) -> None:
+    """Raise :class:`Invalid` listing every (field, ok, message) check that failed."""
+    failed = [(name, message) for name, ok, message in checks if not ok]
+    if failed:
+        raise Invalid(failed)
 
 
 @dataclass(frozen=True)
@@ -43,16 +60,37 @@ class OuterConfig:
     wire_precision: str = "fp32"
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "lr must be > 0")
-        _check(0 <= self.momentum < 1, "momentum must be in [0, 1)")
-        _check(self.fragments >= 1, "fragments must be >= 1")
-        _check(self.sync_every >= 1, "sync_every must be >= 1")
-        _check(self.overlap >= 0, "overlap must be >= 0")
-        _check(self.min_quorum >= 1, "min_quorum must be >= 1")
-        _check(0 < self.grace_gamma < 1, "grace_gamma must be in (0, 1)")
-        _check(0 <= self.grace_min <= self.grace_max, "need 0 <= grace_min <= grace_max")
-        _check(self.quorum_timeout > 0 and self.liveness_timeout > 0, "timeouts must be > 0")
-        _check(self.wire_precision in WIRE_DTYPES, f"wire_precision must be one of {sorted(WIRE_DTYPES)}")
+        _validate(
+            ("lr", self.lr > 0, "must be > 0"),
+            ("momentum", 0 <= self.momentum < 1, "must be in [0, 1)"),
+            ("fragments", self.fragments >= 1, "must be >= 1"),
+            ("sync_every", self.sync_every >= 1, "must be >= 1"),
+            ("overlap", self.overlap >= 0, "must be >= 0"),
+            ("min_quorum", self.min_quorum >= 1, "must be >= 1"),
+            ("grace_gamma", 0 < self.grace_gamma < 1, "must be in (0, 1)"),
+            ("grace_min", 0 <= self.grace_min <= self.grace_max, "need 0 <= grace_min <= grace_max"),
+            ("quorum_timeout", self.quorum_timeout > 0, "must be > 0"),
+            ("liveness_timeout", self.liveness_timeout > 0, "must be > 0"),
+            ("wire_precision", self.wire_precision in WIRE_DTYPES, f"must be one of {', '.join(WIRE_DTYPES)}"),
+        )
+
+
+def _address_problems(name: str, addresses: tuple[str, ...], check) -> list[tuple[str, bool, str]]:
+    out = []
+    for m in addresses:
+        try:
+            check(m)
+        except AddressError as e:
+            out.append((name, False, str(e)))
+    return out
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -66,15 +104,16 @@ class SwarmConfig:
     announce: tuple[str, ...] = ()  # multiaddrs others should dial, when behind NAT
 
     def __post_init__(self) -> None:
-        from p2pdiloco.net.addresses import check_peer_maddr, check_announce_maddr  # noqa: PLC0415
+        from p2pdiloco.net.addresses import check_announce_maddr, check_peer_maddr  # noqa: PLC0415
 
-        _check(bool(self.run_id) and "/" not in self.run_id and " " not in self.run_id,
-               "run_id must be a non-empty name without '/' or spaces")
-        _check(0 <= self.port <= 65535, "port must be in 0..65535")
-        for m in self.initial_peers:
-            check_peer_maddr(m)
-        for m in self.announce:
-            check_announce_maddr(m)
+        _validate(
+            ("run_id", bool(self.run_id) and not any(c == "/" or c.isspace() for c in self.run_id),
+             "must be a non-empty name without '/' or spaces"),
+            ("host", _is_ipv4(self.host), f"{self.host!r} is not an IPv4 address (0.0.0.0: every interface)"),
+            ("port", 0 <= self.port <= 65535, "must be in 0..65535 (0: any free port)"),
+            *_address_problems("initial_peers", self.initial_peers, check_peer_maddr),
+            *_address_problems("announce", self.announce, check_announce_maddr),
+        )
 
 
 @dataclass(frozen=True)
@@ -90,13 +129,19 @@ class DataConfig:
     eval_batches: int = 8
 
     def __post_init__(self) -> None:
-        _check(self.num_shards >= 1, "num_shards must be >= 1")
-        _check(-1 <= self.shard_index < self.num_shards, "shard_index must be -1 or in [0, num_shards)")
-        _check(self.batch_size >= 1, "batch_size must be >= 1")
-        _check(self.max_bytes >= 0, "max_bytes must be >= 0")
-        _check(0 < self.heldout_fraction < 1, "heldout_fraction must be in (0, 1)")
-        _check(self.eval_batches >= 1, "eval_batches must be >= 1")
-        _check(not self.path or Path(self.path).exists(), f"path {self.path!r} does not exist")
+        _validate(
+            ("num_shards", self.num_shards >= 1, "must be >= 1"),
+            ("shard_index", -1 <= self.shard_index < self.num_shards, "must be -1 or in [0, num_shards)"),
+            ("batch_size", self.batch_size >= 1, "must be >= 1"),
+            ("max_bytes", self.max_bytes >= 0, "must be >= 0"),
+            ("heldout_fraction", 0 < self.heldout_fraction < 1, "must be in (0, 1)"),
+            ("eval_batches", self.eval_batches >= 1, "must be >= 1"),
+            ("path", not self.path or Path(self.path).exists(), f"{self.path!r} does not exist"),
+        )
+
+
+def _usable_dir(path: str) -> bool:
+    return not path or not Path(path).exists() or Path(path).is_dir()
 
 
 @dataclass(frozen=True)
@@ -118,38 +163,62 @@ class NodeConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
-        _check(self.max_steps >= 0 and self.duration >= 0, "max_steps and duration must be >= 0")
-        _check(self.eval_every >= 1, "eval_every must be >= 1")
-        _check(self.threads >= 1, "threads must be >= 1")
+        _validate(
+            ("max_steps", self.max_steps >= 0, "must be >= 0 (0: until stopped)"),
+            ("duration", self.duration >= 0, "must be >= 0 (0: until stopped)"),
+            ("eval_every", self.eval_every >= 1, "must be >= 1"),
+            ("threads", self.threads >= 1, "must be >= 1"),
+            ("data_dir", _usable_dir(self.data_dir), f"{self.data_dir!r} exists and is not a folder"),
+            ("trace_dir", _usable_dir(self.trace_dir), f"{self.trace_dir!r} exists and is not a folder"),
+        )
 
 
 SECTIONS = ("model", "inner", "outer", "swarm", "data")
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+TOP_LEVEL = tuple(f.name for f in dataclasses.fields(NodeConfig) if f.name not in SECTIONS)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Convert a TOML/env/flag value to the field's annotated type."""
-    origin = typing.get_origin(hint)
+    """Convert a TOML/env/flag value to the field's annotated type (bool, int, float, str,
+    tuple[T, ...] or a fixed tuple); strings are parsed, a comma-separated string gives a tuple.
+
+    Raises:
+        ValueError: ``where: expected ..., got ...``.
+    """
     if hint is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
         raise ValueError(f"{where}: expected true or false, got {value!r}")
-    if hint in (int, float, str):
-        if isinstance(value, bool) or (hint is str and not isinstance(value, (str, int, float))):
-            raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
-        if hint is int and isinstance(value, float):
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
-        try:
-            return hint(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}") from None
-    if origin is tuple:
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"{where}: expected an integer, got {value!r}")
+    if hint is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                pass
+        if number is None:
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(number):
+            raise ValueError(f"{where}: expected a finite number, got {value!r}")
+        return number
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return value
+    if typing.get_origin(hint) is tuple:
         args = typing.get_args(hint)
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -160,31 +229,61 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if len(value) != len(args):
             raise ValueError(f"{where}: expected {len(args)} values, got {len(value)}")
         return tuple(_coerce(v, a, where) for v, a in zip(value, args))
-    if origin in (typing.Union, types.UnionType):
-        return value
     raise ValueError(f"{where}: unsupported type {hint}")
 
 
-def _build(cls: type, values: Mapping[str, Any], section: str, problems: list[str]) -> Any:
+def _build(cls: type, values: Mapping[str, Any], section: str, sources: Mapping[tuple[str, str], str],
+           problems: list[str]) -> Any:
+    """``cls(**values)`` after coercion; appends one line per problem and returns None on any."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = [f.name for f in dataclasses.fields(cls) if not (section == "" and f.name in SECTIONS)]
+
+    def where(name: str) -> str:
+        return f"{section}.{name}" if section else name
+
+    def origin(name: str) -> str:
+        source = sources.get((section, name))
+        return f" ({source})" if source else ""
+
     kwargs: dict[str, Any] = {}
+    before = len(problems)
     for name, value in values.items():
-        where = f"{section}.{name}" if section else name
-        if name not in fields:
-            problems.append(f"{where}: unknown setting (known: {', '.join(sorted(fields))})")
-            continue
-        try:
-            kwargs[name] = _coerce(value, hints[name], where)
-        except ValueError as e:
-            problems.append(str(e))
+        if not section and name in SECTIONS:
+            problems.append(f"{name}: is a section; set its fields as {name}.FIELD{origin(name)}")
+        elif name not in fields:
+            also = f"; or SECTION.FIELD with a section among {', '.join(SECTIONS)}" if not section else ""
+            problems.append(f"{where(name)}: unknown setting; known: {', '.join(sorted(fields))}{also}{origin(name)}")
+        else:
+            try:
+                kwargs[name] = _coerce(value, hints[name], where(name))
+            except ValueError as e:
+                problems.append(f"{e}{origin(name)}")
     try:
-        return cls(**kwargs)
-    except ValueError as e:
-        problems.append(f"{section or 'node'}: {e}")
-    except ConfigError as e:
-        problems.append(f"{section or 'node'}: {e}")
-    return None
+        built = cls(**kwargs)
+    except Invalid as e:
+        problems.extend(f"{where(name)}: {message}{origin(name)}" for name, message in e.problems)
+        return None
+    except ValueError as e:  # sections that validate themselves (model, inner): one message
+        problems.append(f"{section or 'config'}: {e}")
+        return None
+    return built if len(problems) == before else None
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder, not a TOML file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not valid TOML: it is not UTF-8 text") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
 
 def load_config(
@@ -192,63 +291,78 @@ def load_config(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    overrides_source: str = "from the command line",
 ) -> NodeConfig:
     """Build a NodeConfig from a TOML file, the environment and ``section.field`` overrides.
 
+    Args:
+        path: TOML file with top-level fields and ``[model]``, ``[inner]``, ``[outer]``,
+            ``[swarm]``, ``[data]`` tables.
+        env: environment (default ``os.environ``); ``P2PDILOCO_LOG`` is not a setting.
+        overrides: ``{"section.field" or "field": value}``, applied last.
+        overrides_source: how problems in ``overrides`` say where the value came from.
+
     Raises:
-        ConfigError: with one line per problem found (unreadable file, unknown setting,
-            wrong type, out-of-range value).
+        ConfigError: one line per problem found (unreadable file, unknown setting, wrong type,
+            out-of-range value), each naming the setting and where it was set.
     """
     layered: dict[str, dict[str, Any]] = {"": {}, **{s: {} for s in SECTIONS}}
+    sources: dict[tuple[str, str], str] = {}
     problems: list[str] = []
+
+    def put(section: str, name: str, value: Any, source: str) -> None:
+        layered[section][name] = value
+        sources[(section, name)] = source
+
     if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-        for key, value in data.items():
+        for key, value in _read_toml(path).items():
             if key in SECTIONS and isinstance(value, dict):
-                layered[key].update(value)
+                for name, v in value.items():
+                    put(key, name, v, f"in {path}")
             elif key in SECTIONS:
-                problems.append(f"{key}: expected a [{key}] table")
+                problems.append(f"{key}: expected a [{key}] table (in {path})")
             else:
-                layered[""][key] = value
-    env = os.environ if env is None else env
-    for name, value in env.items():
-        if name.startswith("P2PDILOCO_") and name not in ("P2PDILOCO_LOG",):
-            rest = name[len("P2PDILOCO_"):].lower()
-            section, _, fld = rest.partition("_")
-            if section in SECTIONS and fld:
-                layered[section][fld] = value
-            else:
-                layered[""][rest] = value
+                put("", key, value, f"in {path}")
+    for name, value in (os.environ if env is None else env).items():
+        if not name.startswith("P2PDILOCO_") or name == "P2PDILOCO_LOG":
+            continue
+        rest = name[len("P2PDILOCO_"):].lower()
+        section, _, fld = rest.partition("_")
+        if rest in TOP_LEVEL or section not in SECTIONS or not fld:
+            put("", rest, value, f"from environment variable {name}")
+        else:
+            put(section, fld, value, f"from environment variable {name}")
     for dotted, value in (overrides or {}).items():
         section, _, fld = dotted.rpartition(".")
         if section and section not in SECTIONS:
-            problems.append(f"{dotted}: unknown section {section!r} (known: {', '.join(SECTIONS)})")
+            problems.append(f"{dotted}: unknown section {section!r} ({overrides_source}; "
+                            f"known: {', '.join(SECTIONS)})")
             continue
-        layered[section][fld] = value
-    classes = {f.name: f.type for f in dataclasses.fields(NodeConfig)}
+        put(section, fld, value, overrides_source)
     hints = typing.get_type_hints(NodeConfig)
-    parts = {s: _build(hints[s], layered[s], s, problems) for s in SECTIONS if s in classes}
-    node = None
-    if not problems:
-        node = _build(NodeConfig, {**layered[""]}, "", problems)
-        if node is not None:
-            node = dataclasses.replace(node, **parts)
+    parts = {s: _build(hints[s], layered[s], s, sources, problems) for s in SECTIONS}
+    node = _build(NodeConfig, layered[""], "", sources, problems)
     if problems:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    return node
+        if len(problems) == 1:
+            raise ConfigError(f"invalid configuration: {problems[0]}")
+        raise ConfigError(f"invalid configuration, {len(problems)} problems:\n  " + "\n  ".join(problems))
+    return dataclasses.replace(node, **parts)
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:
-    """Parse ``--set section.field=value`` items; ConfigError for items without '='."""
+    """Parse ``--set section.field=value`` items (later items win).
+
+    Raises:
+        ConfigError: one line per item without ``=`` or without a name before it.
+    """
     out: dict[str, str] = {}
+    bad: list[str] = []
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected section.field=value")
+            bad.append(f"--set {item!r}: expected SECTION.FIELD=VALUE, for example --set outer.sync_every=50")
+            continue
         out[key.strip()] = value.strip()
+    if bad:
+        raise ConfigError("\n".join(bad))
     return out

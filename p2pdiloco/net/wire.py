@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from p2pdiloco.errors import ProtocolError
@@ -24,13 +26,20 @@ def wire_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown wire precision {name!r}; choose one of {sorted(WIRE_DTYPES)}") from None
 
 
+def _swap(data: bytes, itemsize: int) -> bytes:
+    """Reverse the byte order of every ``itemsize``-byte item (the wire is little-endian)."""
+    return np.frombuffer(data, dtype=f"u{itemsize}").byteswap().tobytes()
+
+
 def encode(tensors: Sequence[torch.Tensor], precision: str = "fp32") -> bytes:
-    """Concatenate ``tensors`` (any shapes, float) as ``precision`` little-endian bytes."""
+    """Concatenate ``tensors`` (any shapes, float, any device) as ``precision`` little-endian
+    bytes, rounding to nearest."""
     dtype = wire_dtype(precision)
     if not tensors:
         return b""
-    flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
-    return flat.view(torch.uint8).numpy().tobytes()
+    flat = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in tensors])
+    data = flat.view(torch.uint8).numpy().tobytes()
+    return data if sys.byteorder == "little" else _swap(data, flat.element_size())
 
 
 def decode(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp32") -> list[torch.Tensor]:
@@ -46,5 +55,8 @@ def decode(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp3
         raise ProtocolError(f"expected {sum(numels) * itemsize} tensor bytes, got {len(data)}")
     if not numels:
         return []
-    flat = torch.frombuffer(bytearray(data), dtype=dtype).to(torch.float32)
+    if not data:  # every shape has a zero dimension; frombuffer refuses an empty buffer
+        return [torch.zeros(s) for s in shapes]
+    raw = bytearray(data) if sys.byteorder == "little" else bytearray(_swap(data, itemsize))
+    flat = torch.frombuffer(raw, dtype=dtype).to(torch.float32)
     return [chunk.reshape(s) for chunk, s in zip(flat.split(numels), shapes)]
