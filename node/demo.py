@@ -9,6 +9,7 @@ path, so no node or p2pd is left behind.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -18,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+PR_SET_PDEATHSIG = 1
 
 # Sized for a 2-core machine: a 0.8M-parameter model, 4 fragments, a sync every 40 steps.
 DEMO_SETTINGS = {
@@ -50,7 +53,8 @@ class Children:
     def start(self, argv: list[str], log: Path) -> subprocess.Popen:
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                    preexec_fn=_die_with_parent)
         self.procs.append(proc)
         return proc
 
@@ -65,6 +69,18 @@ class Children:
                 pass
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the demo dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # run the cleanup in run_demo's finally
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -98,6 +114,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.duration <= 0:
         print("p2pdiloco: --nodes must be >= 1 and --duration > 0", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _terminate)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     children = Children()

@@ -14,7 +14,9 @@ progress is contributed at the next round instead of being dropped.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +37,17 @@ from node.training import TrainingLoop
 
 log = logging.getLogger(__name__)
 
+WIRE_VERSION = 1  # bump on any change of the RPC formats
 CATCHUP_SECONDS = 2.0
 PUBLISH_SECONDS = 5.0
 GATHER_POLL_SECONDS = 0.5
+
+
+def protocol_tag(cfg) -> str:
+    """A short hash of the settings every member of one group must share."""
+    out = cfg.outer
+    shared = (WIRE_VERSION, repr(cfg.model), cfg.seed, out.fragments, out.wire_precision, out.lr, out.momentum)
+    return hashlib.sha256(repr(shared).encode()).hexdigest()[:10]
 
 
 @dataclass
@@ -73,7 +83,11 @@ class Node:
         self.stats = NodeStats()
         out = self.cfg.outer
         self.grace = GraceWindow(tau=out.overlap, gamma=out.grace_gamma, minimum=out.grace_min, maximum=out.grace_max)
-        self.matchmaker = Matchmaker(swarm, self.cfg.swarm.run_id, out.min_quorum)
+        # Learners that would exchange bytes must agree on everything that shapes them: model,
+        # fragments, wire precision and outer optimizer. They only ever meet under this tag,
+        # so a mismatched peer is never matched, instead of crashing deep in a transfer.
+        tag = protocol_tag(self.cfg)
+        self.matchmaker = Matchmaker(swarm, f"{self.cfg.swarm.run_id}/{tag}", out.min_quorum)
         self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed)
         self.training: TrainingLoop | None = None
@@ -185,6 +199,9 @@ class Node:
         except NetworkError as e:
             self.stats.rounds_failed += 1
             log.warning("round f%d: network error: %s", p, e)
+        except Exception:  # a bug in one round must not take the node down: record, discard
+            self.stats.rounds_failed += 1
+            log.exception("round f%d failed unexpectedly; discarded", p)
         finally:
             self._in_flight.discard(p)
             self.training.deliver((p, result, False))
@@ -214,8 +231,8 @@ class Node:
         """Save one committed round (inputs and result) for offline checks; atomic write."""
         folder = Path(self.cfg.trace_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"f{new.index}-v{new.version}-{group.round_id}.pt"
-        tmp = path.with_suffix(".tmp")
+        path = folder / f"f{new.index}-v{new.version}-{group.round_id}-{self.swarm.peer_id[-8:]}.pt"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save({"fragment": new.index, "version": new.version, "round_id": group.round_id,
                     "members": group.members, "me": self.swarm.peer_id, "delta": contrib.delta,
                     "tokens": contrib.tokens, "steps": contrib.steps, "merged": merged,
@@ -283,7 +300,7 @@ class Node:
             await self._catch_up()
 
     def record(self) -> dict[str, Any]:
-        """This node's heartbeat figures, published in its signed record and shown by status."""
+        """This node's heartbeat figures, published in its record and shown by status."""
         st = self.training.stats if self.training else None
         return {
             "name": self.setup.name,

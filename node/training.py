@@ -78,11 +78,21 @@ class TrainingLoop:
             self._requested.add(p)
 
     def _due(self) -> list[int]:
+        """Fragments to send now. A fragment is due once H inner steps have passed since it
+        was last received (the first time at its staggered offset, H + offset(p), so fragments
+        go out about every H/P steps; arXiv 2501.18512 sec. 2). Counting from the last receipt
+        instead of a fixed step grid keeps H steps of progress in every contribution however
+        long the previous round took. Peers gathering for p pull it in early from H/2 steps."""
         with self._lock:
             requested, self._requested = self._requested, set()
-        half = max(1, self.schedule.H // 2)
-        early = {p for p in requested if self.learner.counters(p)[1] >= half}
-        return sorted(set(self.schedule.due(self.learner.step)) | early)
+        H, step, due = self.schedule.H, self.learner.step, []
+        for p in range(self.schedule.P):
+            steps = self.learner.counters(p)[1]
+            if step < H + self.schedule.offset(p):
+                continue
+            if steps >= H or (p in requested and steps >= max(1, H // 2)):
+                due.append(p)
+        return due
 
     def deliver(self, item: Delivery) -> None:
         """Thread-safe: a round or catch-up result for a fragment."""

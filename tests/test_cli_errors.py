@@ -257,11 +257,6 @@ def test_peer_that_speaks_no_libp2p(results: Runs) -> None:
     assert "initial peers" in line or "bootstrap peers" in line, line
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "p2pdiloco/net/transport.py Swarm.start reports a daemon that could not reach any initial peer as "
-    "'the libp2p daemon did not start: Daemon failed to start: <date> failed to connect to bootstrap peers' "
-    "without saying how to start a new swarm; it should raise the same 'none of the initial peers answered "
-    "...' NetworkError it raises when DHTNode.create fails. Remove this marker once it does."))
 def test_peer_that_speaks_no_libp2p_says_how_to_start_a_swarm(results: Runs) -> None:
     line = one_line(results["node peer not libp2p"], code=1)
     assert "p2pdiloco bootstrap" in line, line

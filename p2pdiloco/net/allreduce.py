@@ -137,11 +137,11 @@ class AllReducer:
         """Add one member's slice to the round's accumulator; wait for and return the result."""
         round_id, members = str(head["round"]), tuple(str(m) for m in head["members"])
         frag = int(head["f"])
+        me = self.swarm.peer_id
+        if me not in members or peer not in members or tuple(sorted(members)) != members:
+            raise ProtocolError("not a member of that round")
         acc = self._rounds.get(round_id)
         if acc is None:
-            me = self.swarm.peer_id
-            if me not in members or peer not in members or tuple(sorted(members)) != members:
-                raise ProtocolError("not a member of that round")
             slots = self._parts(frag, len(members))[members.index(me)]
             acc = self._rounds[round_id] = _Accumulator(members, slots)
             asyncio.get_running_loop().call_later(self.timeout, self._expire, round_id)

@@ -53,7 +53,8 @@ def newest_heads(records: dict[str, Any], num_fragments: int) -> list[Head | Non
         if not isinstance(frags, list) or len(frags) != num_fragments:
             continue
         for p, item in enumerate(frags):
-            if isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and isinstance(item[1], str):
+            if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str) \
+                    and len(item[1]) == 64:
                 votes[p].setdefault((item[0], item[1]), []).append(peer)
     heads: list[Head | None] = []
     for v in votes:

@@ -139,6 +139,8 @@ class Swarm:
                 idle_timeout=365 * 24 * 3600,  # quiet inner phases must not kill the daemon
             )
         except Exception as e:
+            if initial_peers and "bootstrap" in str(e):
+                raise NetworkError(_no_peers_message(initial_peers)) from None
             raise NetworkError(f"the libp2p daemon did not start: {_short(e)}") from None
         daemon = [c.pid for c in psutil.Process().children() if c.pid not in known and c.name() == "p2pd"]
         try:
@@ -151,11 +153,7 @@ class Swarm:
         except Exception as e:
             await p2p.shutdown()
             if initial_peers:
-                raise NetworkError(
-                    "none of the initial peers answered "
-                    f"({', '.join(initial_peers)}); check the addresses, or start a new swarm "
-                    "with `p2pdiloco bootstrap` and join its printed multiaddr"
-                ) from None
+                raise NetworkError(_no_peers_message(initial_peers)) from None
             raise NetworkError(f"the DHT did not start: {_short(e)}") from None
         swarm = cls(p2p, dht, daemon[0] if daemon else None)
         log.info("peer %s up (p2pd pid %s)", swarm.peer_id, swarm.daemon_pid)
@@ -263,6 +261,11 @@ class Swarm:
 async def _aiter(items: Sequence[BytesValue]) -> AsyncIterator[BytesValue]:
     for item in items:
         yield item
+
+
+def _no_peers_message(initial_peers: Sequence[str]) -> str:
+    return (f"none of the initial peers answered ({', '.join(initial_peers)}); check the addresses, "
+            "or start a new swarm with `p2pdiloco bootstrap` and join its printed multiaddr")
 
 
 def _short(e: BaseException) -> str:
