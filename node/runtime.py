@@ -169,8 +169,11 @@ class Node:
         try:
             anchor = await self._rebase_if_behind(p, anchor)
             key = GroupKey(p, anchor.version, anchor.digest)
+            # synchronous baseline: the "grace" is the whole quorum timeout, so the leader
+            # closes only once every live learner joined (or the timeout passed)
+            grace = out.quorum_timeout if out.synchronous else self.grace.seconds()
             outcome, group = await self.matchmaker.form_group(
-                key, grace=self.grace.seconds(), quorum_timeout=out.quorum_timeout, expected=self._live_learners)
+                key, grace=grace, quorum_timeout=out.quorum_timeout, expected=self._live_learners)
             if outcome == "group":
                 self.grace.t_quorum.update(group.formed_in)
                 t1 = time.monotonic()
@@ -181,7 +184,8 @@ class Node:
                     self.committed[p] = result = new
                     self.stats.rounds_committed += 1
                     self.stats.rounds_alone += int(len(group.members) == 1)
-                    self.stats.tokens_merged += contrib.tokens
+                    # tokens are counted per fragment: a fragment carries 1/P of every token
+                    self.stats.tokens_merged += contrib.tokens / len(self.committed)
                     self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True))
                     log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version,
                              len(group.members), time.monotonic() - t0, new.short())

@@ -61,7 +61,8 @@ class Setup:
         out = self.cfg.outer
         schedule = StaggeredSchedule(out.sync_every, out.fragments, out.overlap)
         return TrainingLoop(self.learner, schedule, self.sampler, self.heldout, dispatch,
-                            max_steps=self.cfg.max_steps, deadline=deadline, eval_every=self.cfg.eval_every)
+                            max_steps=self.cfg.max_steps, deadline=deadline, eval_every=self.cfg.eval_every,
+                            synchronous=out.synchronous)
 
     def global_model(self, states) -> GPT:
         """A copy of the model holding the global parameters Θ of ``states``."""

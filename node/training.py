@@ -60,9 +60,11 @@ class TrainingLoop:
 
     def __init__(self, learner: Learner, schedule: StaggeredSchedule, sampler: BatchSampler,
                  heldout: list, dispatch: Dispatch, *, max_steps: int, deadline: float | None,
-                 eval_every: int):
+                 eval_every: int, synchronous: bool = False):
         self.learner, self.schedule, self.sampler, self.heldout = learner, schedule, sampler, heldout
         self.dispatch, self.max_steps, self.deadline, self.eval_every = dispatch, max_steps, deadline, eval_every
+        self.synchronous = synchronous
+        self.blocked_s = 0.0  # seconds the inner loop waited for rounds (synchronous mode only)
         self.stop = threading.Event()
         self.stats = TrainingStats()
         self._inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
@@ -148,15 +150,19 @@ class TrainingLoop:
                 contrib = Contribution(tuple(self.learner.pseudo_gradient(p)), tokens, steps)
                 self.pending.add(p)
                 self.dispatch(p, contrib, self.learner.global_states[p])
+            if self.synchronous and self.pending:
+                t0 = time.monotonic()
+                self.finish(timeout=float("inf"), stop=self.stop)  # lock-step: wait for the merge
+                self.blocked_s += time.monotonic() - t0
             if self.learner.step % self.eval_every == 0:
                 self.evaluate()
         self._drain()
 
-    def finish(self, timeout: float) -> None:
-        """After :meth:`run`: install what arrives for ``timeout`` seconds or until no round
-        is pending, so a node does not stop with merges it took part in left unapplied."""
+    def finish(self, timeout: float, stop: threading.Event | None = None) -> None:
+        """Install what arrives for ``timeout`` seconds or until no round is pending (or
+        ``stop`` is set), so a node does not stop with merges it took part in left unapplied."""
         end = time.monotonic() + timeout
-        while self.pending and time.monotonic() < end:
+        while self.pending and time.monotonic() < end and not (stop is not None and stop.is_set()):
             try:
                 item = self._inbox.get(timeout=0.1)
             except queue.Empty:

@@ -58,6 +58,10 @@ class OuterConfig:
     quorum_timeout: float = 10.0  # seconds to wait for K members
     liveness_timeout: float = 10.0  # seconds a reducer waits for a missing member
     wire_precision: str = "fp32"
+    # Baseline for comparisons, not for production: every round waits (up to quorum_timeout)
+    # for all live learners and training blocks until it is applied, as in synchronous
+    # DiLoCo (OpenDiLoCo, arXiv 2407.07852; torchft's DiLoCo).
+    synchronous: bool = False
 
     def __post_init__(self) -> None:
         _validate(
