@@ -160,6 +160,8 @@ class NodeConfig:
     data_dir: str = ""  # "" = a temporary folder
     threads: int = 1  # torch intra-op threads
     trace_dir: str = ""  # when set, every committed round's inputs and result are saved here
+    checkpoint_every: float = 60.0  # seconds between local checkpoints (needs data_dir; 0: off)
+    settle: float = 10.0  # seconds a node that spent its budget keeps serving until peers agree
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -172,6 +174,8 @@ class NodeConfig:
             ("duration", self.duration >= 0, "must be >= 0 (0: until stopped)"),
             ("eval_every", self.eval_every >= 1, "must be >= 1"),
             ("threads", self.threads >= 1, "must be >= 1"),
+            ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0 (0: off)"),
+            ("settle", self.settle >= 0, "must be >= 0"),
             ("data_dir", _usable_dir(self.data_dir), f"{self.data_dir!r} exists and is not a folder"),
             ("trace_dir", _usable_dir(self.trace_dir), f"{self.trace_dir!r} exists and is not a folder"),
         )
