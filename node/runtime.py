@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
 from p2pdiloco.net.statesync import StateSync, is_behind, newest_heads
 from p2pdiloco.net.transport import Swarm
 
+from node.checkpoint import load_checkpoint, save_checkpoint
 from node.setup import Setup
 from node.training import TrainingLoop
 
@@ -96,37 +98,67 @@ class Node:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._publish_now = asyncio.Event()
         self._live_learners = 0  # learners still training, from the swarm's records
+        self._round_ids: list[str] = [""] * len(self.committed)  # round that made each committed state
+        self._failed_round: dict[int, str] = {}  # fragment -> round we could not finish
+        self._interrupted = False
+        kind, _, n = self.cfg.fault.partition("@")
+        self._fault = (kind, int(n) if n else 0)
+        self._allreduces = 0
+        self._resumed = False
         self.done = False
 
     # ---- lifecycle ------------------------------------------------------------------------
-    async def run(self, settle_timeout: float = 60.0) -> None:
-        """Join, train until the budget is spent or :meth:`stop` is called, then settle:
-        finish in-flight rounds and catch up so the node ends at the swarm's newest state."""
+    async def run(self) -> None:
+        """Resume from the local checkpoint if any, join (catch up with the swarm), train until
+        the budget is spent or :meth:`stop` is called, then leave: finish in-flight rounds,
+        checkpoint, and, when the budget ended the run, keep serving up to ``settle`` seconds
+        until the peers that are also done hold the same state."""
         self._loop = asyncio.get_running_loop()
         for service in (self.matchmaker, self.allreducer, self.sync):
             await service.start()
         self.stats.state = "joining"
+        data_dir = Path(self.cfg.data_dir) if self.cfg.data_dir else None
+        if data_dir is not None and await asyncio.to_thread(load_checkpoint, data_dir, self.setup.learner) is not None:
+            self.committed = list(self.setup.learner.global_states)
+            self._resumed = True
         await self._catch_up(initial=True)
         deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
         self.training = self.setup.training_loop(self._dispatch, deadline)
+        if data_dir is not None and self.cfg.checkpoint_every:
+            self.training.checkpoint = lambda: self._checkpoint(data_dir)
+            self.training.checkpoint_every = self.cfg.checkpoint_every
         self.stats.state = "training"
+        out = self.cfg.outer
         async with asyncio.TaskGroup() as tg:
             self._rounds = tg
             background = [tg.create_task(self._publisher()), tg.create_task(self._catch_up_loop()),
                           tg.create_task(self._gathering_watch())]
             try:
                 await asyncio.to_thread(self.training.run)
-                await asyncio.to_thread(self.training.finish, self.cfg.outer.quorum_timeout + self.cfg.outer.liveness_timeout + 10)
                 self.stats.state = "leaving"
+                await asyncio.to_thread(self.training.finish, out.quorum_timeout + out.liveness_timeout + 5)
                 self.done = True
-                await self._settle(settle_timeout)
+                if data_dir is not None:
+                    await asyncio.to_thread(self._checkpoint, data_dir)
+                if not self._interrupted:
+                    await self._settle(self.cfg.settle)
+                await self._publish()
             finally:
                 self.training.stop.set()
                 for task in background:
                     task.cancel()
 
+    def _checkpoint(self, data_dir: Path) -> None:
+        save_checkpoint(data_dir, self.setup.learner, {"name": self.setup.name, "peer_id": self.swarm.peer_id})
+
     def stop(self) -> None:
-        """Ask the node to stop training (thread-safe, idempotent)."""
+        """Ask the node to leave gracefully (thread-safe). A second call exits at once: the
+        process ends, and its p2pd with it."""
+        if self._interrupted:
+            log.warning("second stop request: exiting now")
+            os._exit(130)
+        self._interrupted = True
+        log.warning("stopping: finishing in-flight rounds (stop again to exit at once)")
         if self.training is not None:
             self.training.stop.set()
 
@@ -146,7 +178,6 @@ class Node:
                 break  # everyone stopped and holds the same state: nobody needs us to serve
             await asyncio.sleep(1.0)
         await self._catch_up()
-        await self._publish()
 
     # ---- rounds ---------------------------------------------------------------------------
     def _dispatch(self, p: int, contrib: Contribution, anchor: FragmentState) -> None:
@@ -177,11 +208,18 @@ class Node:
             if outcome == "group":
                 self.grace.t_quorum.update(group.formed_in)
                 t1 = time.monotonic()
+                self._allreduces += len(group.members) > 1  # faults count group rounds only
+                fault = self._fault if self._fault[1] == self._allreduces and len(group.members) > 1 else ("", 0)
+                if fault[0] == "kill-in-allreduce":  # contributions are on their way when it hits
+                    self._loop.call_later(0.02, os.kill, os.getpid(), signal.SIGKILL)
                 merged = await self.allreducer.run(group, contrib)
+                if fault[0] == "fail-last-stage":
+                    raise RoundFailed(f"injected fault {self.cfg.fault}: merge received, treated as lost")
                 self.grace.t_sync.update(time.monotonic() - t1)
                 new = nesterov_outer_step(anchor, merged, out.lr, out.momentum)
                 if self.committed[p] is anchor:  # no catch-up replaced it meanwhile
                     self.committed[p] = result = new
+                    self._round_ids[p] = group.round_id
                     self.stats.rounds_committed += 1
                     self.stats.rounds_alone += int(len(group.members) == 1)
                     # tokens are counted per fragment: a fragment carries 1/P of every token
@@ -198,8 +236,9 @@ class Node:
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, outcome))
         except RoundFailed as e:
             self.stats.rounds_failed += 1
+            self._failed_round[p] = group.round_id  # others may have committed it: see _follow
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, str(e)))
-            log.warning("round f%d discarded: %s", p, e)
+            log.warning("round f%d v%d discarded: %s", p, anchor.version + 1, e)
         except NetworkError as e:
             self.stats.rounds_failed += 1
             log.warning("round f%d: network error: %s", p, e)
@@ -214,22 +253,14 @@ class Node:
 
     async def _rebase_if_behind(self, p: int, anchor: FragmentState) -> FragmentState:
         """Before matchmaking: if the swarm holds a newer (or winning) state of fragment p,
-        install it with local progress rebased, and merge the same Δ against it. Δ is this
-        learner's progress since its anchor, so after the rebase θ_p = Θ_new − Δ and the
-        contribution stays valid (invariant I3: contributions only at the swarm's version)."""
-        head = newest_heads(await self._records(), len(self.committed))[p]
+        follow it first and merge the same Δ against it. Δ is this learner's progress since
+        its anchor, and following rebases that progress (θ_p = Θ_new − Δ), so the contribution
+        stays valid (invariant I3: contributions only at the swarm's version)."""
+        records = await self._records()
+        head = newest_heads(records, len(self.committed))[p]
         if not is_behind(anchor, head):
             return anchor
-        try:
-            state = await self.sync.download(p, head, timeout=30)
-        except StateSyncError as e:
-            log.info("fragment %d: could not catch up before its round: %s", p, e)
-            return anchor
-        self.committed[p] = state
-        self.stats.catchups += 1
-        self.training.deliver((p, state, True))
-        log.info("caught up fragment %d before its round: v%d -> v%d (%s)", p, anchor.version, state.version, state.short())
-        return state
+        return await self._follow(p, head, records) or anchor
 
     def _trace(self, group, contrib: Contribution, merged, anchor: FragmentState, new: FragmentState) -> None:
         """Save one committed round (inputs and result) for offline checks; atomic write."""
@@ -258,32 +289,52 @@ class Node:
         return records
 
     async def _catch_up(self, *, initial: bool = False, only: int | None = None) -> None:
-        """Download every fragment the swarm holds newer (or, at equal version, the winning
-        digest of a split brain), verify it and install it with local progress rebased."""
-        heads = newest_heads(await self._records(), len(self.committed))
+        """Follow every fragment the swarm holds newer (or, at equal version, the winning
+        digest of a split brain, invariant I7). On joining, also take the swarm's inner step,
+        so that the learning-rate schedule continues where the swarm is."""
+        records = await self._records()
+        heads = newest_heads(records, len(self.committed))
+        followed = []
         for p, head in enumerate(heads):
-            if (only is not None and p != only) or p in self._in_flight:
-                continue
-            if not is_behind(self.committed[p], head):
-                continue
-            self.stats.state = "catching up" if not initial else "joining"
-            try:
-                state = await self.sync.download(p, head, timeout=30)
-            except StateSyncError as e:
-                log.info("catch-up of fragment %d failed: %s", p, e)
-                continue
-            if p in self._in_flight:  # a round started meanwhile; it decides
-                continue
-            old = self.committed[p]
-            self.committed[p] = state
-            self.stats.catchups += 1
-            log.info("caught up fragment %d: v%d -> v%d (%s)", p, old.version, state.version, state.short())
-            if initial or self.training is None:
-                self.setup.learner.install(state, rebase=False)
-            else:
-                self.training.deliver((p, state, True))
+            if (only is None or p == only) and p not in self._in_flight and is_behind(self.committed[p], head):
+                self.stats.state = "joining" if initial else "catching up"
+                if await self._follow(p, head, records, initial=initial):
+                    followed.append(head)
+        if initial and followed and not self._resumed:
+            steps = [r.get("step") for h in followed for peer, r in records.items() if peer in h.holders]
+            steps = [s for s in steps if type(s) is int and s >= 0]
+            if steps:
+                self.setup.learner.step = max(steps)
         if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
             self.stats.state = "training"
+
+    async def _follow(self, p: int, head, records: dict[str, Any], *, initial: bool = False) -> FragmentState | None:
+        """Download fragment p at ``head``, verify it and install it.
+
+        Local progress is rebased on top (θ_p ← Θ_new − (Θ_old − θ_p), counters kept), except
+        when our own contribution is already inside the new state: we were a member of the
+        round that made it but could not tell it completed (invariant I2). Then we overwrite,
+        as the members that completed did, instead of contributing the same progress twice."""
+        try:
+            state = await self.sync.download(p, head, timeout=30)
+        except StateSyncError as e:
+            log.info("catch-up of fragment %d failed: %s", p, e)
+            return None
+        made_by = next((r["r"][p] for peer, r in records.items() if peer in head.holders and isinstance(r, dict)
+                        and isinstance(r.get("r"), list) and len(r["r"]) > p), "")
+        failed = self._failed_round.pop(p, None)
+        ours = bool(made_by) and failed == made_by
+        log.debug("fragment %d at v%d made by round %s; our failed round %s", p, head.version, made_by, failed)
+        old = self.committed[p]
+        self.committed[p], self._round_ids[p] = state, made_by
+        self.stats.catchups += 1
+        log.info("followed fragment %d: v%d -> v%d (%s)%s", p, old.version, state.version, state.short(),
+                 " with our contribution inside" if ours else "")
+        if self.training is None:
+            self.setup.learner.install(state, rebase=self._resumed)
+        else:
+            self.training.deliver((p, state, not ours))
+        return state
 
     async def _gathering_watch(self) -> None:
         """Join groups others are gathering at our version before our own schedule says so."""
@@ -313,6 +364,7 @@ class Node:
             "step": st.step if st else 0,
             "tps": round(st.tokens_per_s, 1) if st else 0.0,
             "loss": round(st.loss, 4) if st and st.loss == st.loss else None,
+            "r": list(self._round_ids),  # the round that made each fragment's state
         }
 
     async def _publish(self) -> None:

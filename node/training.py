@@ -64,6 +64,8 @@ class TrainingLoop:
         self.learner, self.schedule, self.sampler, self.heldout = learner, schedule, sampler, heldout
         self.dispatch, self.max_steps, self.deadline, self.eval_every = dispatch, max_steps, deadline, eval_every
         self.synchronous = synchronous
+        self.checkpoint: Callable[[], None] | None = None  # called from this thread
+        self.checkpoint_every = 0.0  # seconds
         self.blocked_s = 0.0  # seconds the inner loop waited for rounds (synchronous mode only)
         self.stop = threading.Event()
         self.stats = TrainingStats()
@@ -129,6 +131,7 @@ class TrainingLoop:
         if not self.stats.heldout_history:
             self.evaluate()
         window_t, window_tokens = time.monotonic(), 0
+        last_checkpoint = time.monotonic()
         while not self.stop.is_set() and not self._budget_spent():
             self._drain()
             inputs, targets = self.sampler.next()
@@ -156,6 +159,9 @@ class TrainingLoop:
                 self.blocked_s += time.monotonic() - t0
             if self.learner.step % self.eval_every == 0:
                 self.evaluate()
+            if self.checkpoint and self.checkpoint_every and now - last_checkpoint >= self.checkpoint_every:
+                self.checkpoint()
+                last_checkpoint = time.monotonic()
         self._drain()
 
     def finish(self, timeout: float, stop: threading.Event | None = None) -> None:

@@ -160,8 +160,15 @@ class NodeConfig:
     data_dir: str = ""  # "" = a temporary folder
     threads: int = 1  # torch intra-op threads
     trace_dir: str = ""  # when set, every committed round's inputs and result are saved here
+    metrics_port: int = 0  # Prometheus endpoint on http://metrics_host:PORT/metrics; 0: off
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 exposes the metrics to the network
     checkpoint_every: float = 60.0  # seconds between local checkpoints (needs data_dir; 0: off)
     settle: float = 10.0  # seconds a node that spent its budget keeps serving until peers agree
+    # Fault injection for tests and chaos runs, "KIND@ROUND" with ROUND the n-th all-reduce this
+    # node takes part in with at least one other member: "kill-in-allreduce@3" SIGKILLs the node
+    # while its 3rd such all-reduce runs;
+    # "fail-last-stage@3" completes the 3rd all-reduce but then treats it as failed.
+    fault: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -176,9 +183,19 @@ class NodeConfig:
             ("threads", self.threads >= 1, "must be >= 1"),
             ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0 (0: off)"),
             ("settle", self.settle >= 0, "must be >= 0"),
+            ("fault", not self.fault or _is_fault(self.fault),
+             "must look like kill-in-allreduce@N or fail-last-stage@N (N >= 1)"),
             ("data_dir", _usable_dir(self.data_dir), f"{self.data_dir!r} exists and is not a folder"),
             ("trace_dir", _usable_dir(self.trace_dir), f"{self.trace_dir!r} exists and is not a folder"),
+            ("metrics_port", 0 <= self.metrics_port <= 65535, "must be in 1..65535, or 0 for no metrics endpoint"),
+            ("metrics_host", _is_ipv4(self.metrics_host),
+             f"{self.metrics_host!r} is not an IPv4 address (default 127.0.0.1: this machine only)"),
         )
+
+
+def _is_fault(text: str) -> bool:
+    kind, _, n = text.partition("@")
+    return kind in ("kill-in-allreduce", "fail-last-stage") and n.isdigit() and int(n) >= 1
 
 
 SECTIONS = ("model", "inner", "outer", "swarm", "data")
