@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 150)  # a log file gets the whole table
 
 
 def _read(path: Path) -> dict[str, Any] | None:
