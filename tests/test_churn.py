@@ -138,3 +138,25 @@ def test_fresh_nodes_with_different_local_seeds_start_identical():
     xa, _ = a.sampler.next()
     xb, _ = b.sampler.next()
     assert not (xa == xb).all()
+
+
+@pytest.mark.timeout(200)
+def test_lone_node_progresses_then_merges_with_a_newcomer(harness):
+    """I5 then I3/I8: a lone node applies its own outer steps and its loss falls; a second
+    node that arrives later catches up to its state and they merge together."""
+    maddr = harness.bootstrap()
+    p0, d0 = harness.node(maddr, "n0", _shards(0, 2), "--duration", "24", "--set", "settle=20")
+    end = time.monotonic() + 60
+    while "1 members" not in _log(d0) and time.monotonic() < end:
+        harness.track_daemons()
+        time.sleep(0.2)
+    time.sleep(3)
+    p1, d1 = harness.node(maddr, "n1", _shards(1, 2), "--duration", "10", "--set", "settle=20")
+    for p, d in ((p1, d1), (p0, d0)):
+        assert harness.wait(p, 150, d / "node.log") == 0, _log(d)[-2000:]
+    r0, r1 = read_report(d0), read_report(d1)
+    log0 = _log(d0)
+    assert log0.index("1 members") < log0.index("2 members")  # alone first, then together
+    assert r0["end_loss"] < r0["start_loss"]
+    assert "followed fragment" in _log(d1)  # the newcomer adopted the swarm's state first
+    assert r0["global_digest"] == r1["global_digest"]
