@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         add_simulate_parser(sub)
     except ImportError:
         pass
+    from p2pdiloco.chaos.cli import add_chaos_parser  # noqa: PLC0415
+
+    add_chaos_parser(sub)
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "verbose", 0))
     if args.cmd == "node":
@@ -135,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         from p2pdiloco.sim.cli import run_simulate  # noqa: PLC0415
 
         return run_simulate(args)
+    if args.cmd == "chaos":
+        from p2pdiloco.chaos.cli import run_chaos  # noqa: PLC0415
+
+        return run_chaos(args)
     parser.error(f"unknown command {args.cmd}")
     return 2
 
