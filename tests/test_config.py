@@ -165,7 +165,7 @@ def test_non_finite_numbers_are_refused() -> None:
 
 def test_every_out_of_range_value_of_a_section_is_listed(tmp_path: Path) -> None:
     path = toml(tmp_path, "[outer]\nlr = 0\nmomentum = 1.0\nfragments = 0\ngrace_min = 6.0\n"
-                          "wire_precision = 'int4'\n[data]\nbatch_size = 0\nshard_index = 8\n")
+                          "wire_precision = 'int2'\n[data]\nbatch_size = 0\nshard_index = 8\n")
     with pytest.raises(ConfigError) as e:
         load_config(path, env={"P2PDILOCO_THREADS": "0"})
     where = f" (in {path})"
@@ -174,7 +174,7 @@ def test_every_out_of_range_value_of_a_section_is_listed(tmp_path: Path) -> None
         "outer.momentum: must be in [0, 1)" + where,
         "outer.fragments: must be >= 1" + where,
         "outer.grace_min: need 0 <= grace_min <= grace_max" + where,
-        "outer.wire_precision: must be one of fp32, fp16, bf16" + where,
+        "outer.wire_precision: must be one of fp32, fp16, bf16, int8, int4" + where,
         "data.shard_index: must be -1 or in [0, num_shards)" + where,
         "data.batch_size: must be >= 1" + where,
         "threads: must be >= 1 (from environment variable P2PDILOCO_THREADS)",

@@ -64,14 +64,17 @@ def test_bf16_rounds_to_nearest() -> None:
     assert second.flatten().tolist() == [0.10009765625, 0.333984375]
 
 
-@pytest.mark.parametrize("precision, itemsize", [("fp32", 4), ("fp16", 2), ("bf16", 2)])
-def test_truncated_or_padded_bytes_raise_protocol_error(precision: str, itemsize: int) -> None:
+# 7 elements: floats 7 x itemsize; int8 2 scales (one chunk per tensor) + 7 codes; int4 2
+# scales + 4 bytes of nibbles
+@pytest.mark.parametrize("precision, nbytes, item", [("fp32", 28, 4), ("fp16", 14, 2), ("bf16", 14, 2),
+                                                     ("int8", 15, 1), ("int4", 12, 1)])
+def test_truncated_or_padded_bytes_raise_protocol_error(precision: str, nbytes: int, item: int) -> None:
     data = wire.encode([torch.ones(3), torch.ones(2, 2)], precision)
-    assert len(data) == 7 * itemsize
-    for bad in (data[:-1], data[:-itemsize], b"", data + b"\x00"):
+    assert len(data) == nbytes == wire.wire_nbytes([(3,), (2, 2)], precision)
+    for bad in (data[:-1], data[:-item], b"", data + b"\x00"):
         with pytest.raises(ProtocolError) as e:
             wire.decode(bad, [(3,), (2, 2)], precision)
-        assert str(e.value) == f"expected {7 * itemsize} tensor bytes, got {len(bad)}"
+        assert str(e.value) == f"expected {nbytes} tensor bytes, got {len(bad)}"
 
 
 def test_empty_and_zero_size_tensors() -> None:
@@ -84,8 +87,88 @@ def test_empty_and_zero_size_tensors() -> None:
 
 
 def test_unknown_precision() -> None:
-    with pytest.raises(ValueError, match=r"unknown wire precision 'int4'; choose one of \['bf16', 'fp16', 'fp32'\]"):
-        wire.encode([torch.ones(1)], "int4")
+    with pytest.raises(ValueError, match=r"unknown wire precision 'int2'; choose one of "
+                                         r"\['bf16', 'fp16', 'fp32', 'int4', 'int8'\]"):
+        wire.encode([torch.ones(1)], "int2")
+
+
+# int8 / int4: per-chunk absmax scale (fp32), round half to even, codes clamped to [-L, L]
+
+def test_int8_bytes_and_exact_round_trip() -> None:
+    # absmax 127 -> scale 1.0: codes are round(x): -3.4 -> -3, 0.5 -> 0 and 2.5 -> 2 (half to
+    # even), 1.5 -> 2; an all-zero tensor gets scale 0 and codes 0.
+    a = torch.tensor([127.0, -3.4, 0.5, 1.5, 2.5, -127.0])
+    data = wire.encode([a, torch.zeros(2)], "int8")
+    assert data == struct.pack("<2f", 1.0, 0.0) + bytes.fromhex("7ffd00020281" "0000")
+    assert len(data) == wire.wire_nbytes([(6,), (2,)], "int8") == 2 * 4 + 8
+    out, zero = wire.decode(data, [(6,), (2,)], "int8")
+    assert out.dtype == torch.float32 and out.tolist() == [127.0, -3.0, 0.0, 2.0, 2.0, -127.0]
+    assert zero.tolist() == [0.0, 0.0]
+
+
+def test_int4_bytes_nibble_order_and_exact_round_trip() -> None:
+    # absmax 7 -> scale 1.0; codes 7, -7, 4 (3.5, half to even), 0 (-0.5), 1; two per byte,
+    # even index in the low nibble, two's complement (-7 = 0x9), odd count padded with 0.
+    data = wire.encode([torch.tensor([7.0, -7.0, 3.5, -0.5, 1.0])], "int4")
+    assert data == struct.pack("<f", 1.0) + bytes([0x97, 0x04, 0x01])
+    assert len(data) == wire.wire_nbytes([(5,)], "int4") == 4 + 3
+    (out,) = wire.decode(data, [(5,)], "int4")
+    assert out.dtype == torch.float32 and out.tolist() == [7.0, -7.0, 4.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("precision, levels", [("int8", 127), ("int4", 7)])
+def test_chunks_have_their_own_scale_and_never_span_tensors(precision: str, levels: int) -> None:
+    # A [2, 150] tensor is 300 elements: chunk 0 (256 elements) holds multiples of 2 up to
+    # 2 * L, chunk 1 (44) multiples of 0.25 up to 0.25 * L: scales 2.0 and 0.25 exactly, so
+    # every value is a code times its scale and comes back bit-exact. The next tensor starts
+    # a chunk of its own (scale 0.5).
+    assert wire.CHUNK == 256
+    first = torch.cat([2.0 * (torch.arange(256) % (2 * levels + 1) - levels),
+                       0.25 * (torch.arange(44) % (2 * levels + 1) - levels)]).view(2, 150)
+    second = torch.tensor([0.5 * levels, -0.5])
+    data = wire.encode([first, second], precision)
+    assert data[:12] == struct.pack("<3f", 2.0, 0.25, 0.5)
+    assert len(data) == wire.wire_nbytes([(2, 150), (2,)], precision)
+    a, b = wire.decode(data, [(2, 150), (2,)], precision)
+    assert torch.equal(a, first) and torch.equal(b, second)
+
+
+@pytest.mark.parametrize("precision, levels", [("int8", 127), ("int4", 7)])
+def test_quantization_error_is_at_most_half_a_step(precision: str, levels: int) -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 10, 1000)
+    (y,) = wire.decode(wire.encode([x], precision), [(1000,)], precision)
+    for k in range(0, 1000, wire.CHUNK):
+        chunk, back = x[k:k + wire.CHUNK], y[k:k + wire.CHUNK]
+        step = chunk.abs().max() / levels
+        assert (chunk - back).abs().max() <= step / 2 * (1 + 1e-6)
+        assert back.abs().max().item() == pytest.approx(chunk.abs().max().item(), rel=1e-6)  # absmax kept
+
+
+def test_quantized_sizes() -> None:
+    shapes = [(1024,), (3, 100), (0, 4)]  # chunks: 4 + 2 + 0
+    assert wire.wire_nbytes(shapes, "fp32") == 1324 * 4
+    assert wire.wire_nbytes(shapes, "int8") == 6 * 4 + 1324
+    assert wire.wire_nbytes(shapes, "int4") == 6 * 4 + 662
+    assert wire.wire_nbytes([(3,)], "int4") == 4 + 2
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_non_finite_values_stay_non_finite_in_their_chunk(precision: str) -> None:
+    x = torch.ones(600)
+    x[10], x[300] = float("nan"), float("inf")
+    (y,) = wire.decode(wire.encode([x], precision), [(600,)], precision)
+    assert not torch.isfinite(y[:256]).any()  # the NaN's chunk: scale NaN
+    assert not torch.isfinite(y[256:512]).any()  # the inf's chunk: scale inf (0 * inf = NaN)
+    assert torch.equal(y[512:], torch.ones(88))
+
+
+def test_quantized_empty_and_zero_size_tensors() -> None:
+    assert wire.encode([], "int4") == b""
+    assert wire.decode(b"", [], "int8") == []
+    a, b = wire.decode(wire.encode([torch.ones(0), torch.full((2,), 2.0)], "int4"), [(0,), (2,)], "int4")
+    assert a.shape == (0,) and b.tolist() == [2.0, 2.0]
+    (z,) = wire.decode(wire.encode([torch.ones(0, 3)], "int8"), [(0, 3)], "int8")
+    assert z.shape == (0, 3)
 
 
 def test_byte_swap_helper() -> None:
