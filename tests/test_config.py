@@ -11,6 +11,7 @@ from p2pdiloco.config import (
     Invalid,
     NodeConfig,
     OuterConfig,
+    SECTIONS,
     SwarmConfig,
     TOP_LEVEL,
     _coerce,
@@ -111,7 +112,7 @@ def test_unknown_keys_in_every_source(tmp_path: Path) -> None:
     known = ", ".join(sorted(TOP_LEVEL))  # every top-level NodeConfig field is listed
     assert "data_dir" in known and "seed" in known
     assert f"colour: unknown setting; known: {known}; " \
-           f"or SECTION.FIELD with a section among model, inner, outer, swarm, data (in {path})" in lines
+           f"or SECTION.FIELD with a section among {', '.join(SECTIONS)} (in {path})" in lines
     assert any(line.startswith("outer.lrr: unknown setting; known: fragments, grace_gamma") and
                line.endswith(f"(in {path})") for line in lines)
     assert any(line.startswith("swarm.hostt: unknown setting; known: announce, host, initial_peers, port, run_id")
