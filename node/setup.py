@@ -21,6 +21,20 @@ from node.training import Dispatch, TrainingLoop
 log = logging.getLogger(__name__)
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA device when there is one, else the CPU.
+
+    Raises:
+        ConfigError: a CUDA device was asked for and is not available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"device {name!r}: no such CUDA device here; use device = \"cpu\" or \"auto\"")
+    return device
+
+
 @dataclass
 class Setup:
     """A node's local pieces. ``name`` is a human label; ``peer_id`` seeds its data shard."""
@@ -37,7 +51,8 @@ class Setup:
     def build(cls, cfg: NodeConfig, name: str, peer_id: str) -> Setup:
         """Raises ConfigError when the data or fragment count cannot work with the model."""
         torch.set_num_threads(cfg.threads)
-        model = build_model(cfg.model, cfg.seed)  # same run seed: same start on every node (I8)
+        device = resolve_device(cfg.device)
+        model = build_model(cfg.model, cfg.seed).to(device)  # same run seed: same start on every node (I8)
         shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         try:
             fragments = balanced_fragments(shapes, cfg.outer.fragments, model.embedding_names())
@@ -53,8 +68,8 @@ class Setup:
         except (ValueError, OSError) as e:
             raise ConfigError(str(e)) from None
         learner = Learner(model, fragments, cfg.inner)
-        log.info("%s: model %.2fM parameters in %d fragments; data shard %d/%d",
-                 name, sum(p.numel() for p in model.parameters()) / 1e6, len(fragments), shard, cfg.data.num_shards)
+        log.info("%s: model %.2fM parameters in %d fragments on %s; data shard %d/%d", name,
+                 sum(p.numel() for p in model.parameters()) / 1e6, len(fragments), device, shard, cfg.data.num_shards)
         return cls(cfg, name, model, tuple(fragments), learner, sampler, heldout)
 
     def training_loop(self, dispatch: Dispatch, deadline: float | None = None) -> TrainingLoop:
@@ -66,7 +81,7 @@ class Setup:
 
     def global_model(self, states) -> GPT:
         """A copy of the model holding the global parameters Θ of ``states``."""
-        model = build_model(self.cfg.model, self.cfg.seed)
+        model = build_model(self.cfg.model, self.cfg.seed).to(next(self.model.parameters()).device)
         named = dict(model.named_parameters())
         with torch.no_grad():
             for frag, state in zip(self.fragments, states):

@@ -159,6 +159,7 @@ class NodeConfig:
     eval_every: int = 200  # inner steps between held-out evaluations
     data_dir: str = ""  # "" = a temporary folder
     threads: int = 1  # torch intra-op threads
+    device: str = "auto"  # "auto" (CUDA when present, with bf16 autocast), "cpu", "cuda", "cuda:N"
     trace_dir: str = ""  # when set, every committed round's inputs and result are saved here
     metrics_port: int = 0  # Prometheus endpoint on http://metrics_host:PORT/metrics; 0: off
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 exposes the metrics to the network
@@ -181,6 +182,8 @@ class NodeConfig:
             ("duration", self.duration >= 0, "must be >= 0 (0: until stopped)"),
             ("eval_every", self.eval_every >= 1, "must be >= 1"),
             ("threads", self.threads >= 1, "must be >= 1"),
+            ("device", self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+             "must be auto, cpu, cuda or cuda:N"),
             ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0 (0: off)"),
             ("settle", self.settle >= 0, "must be >= 0"),
             ("fault", not self.fault or _is_fault(self.fault),

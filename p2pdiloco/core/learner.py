@@ -115,8 +115,12 @@ class Learner:
         if inputs.dim() != 2 or inputs.shape != targets.shape:
             raise ValueError(f"inputs and targets must both be [B, T], got {tuple(inputs.shape)}, {tuple(targets.shape)}")
         self.model.train()
-        logits = self.model(inputs)  # [B, T, V]
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        device = next(self.model.parameters()).device
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        # bf16 autocast on CUDA only; parameters, AdamW state and all merge arithmetic stay fp32
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = self.model(inputs)  # [B, T, V]
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         value = loss.item()
         if not math.isfinite(value):
             log.warning("non-finite loss %s at inner step %d: step skipped", value, self.step)
