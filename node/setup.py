@@ -77,7 +77,7 @@ class Setup:
         schedule = StaggeredSchedule(out.sync_every, out.fragments, out.overlap)
         return TrainingLoop(self.learner, schedule, self.sampler, self.heldout, dispatch,
                             max_steps=self.cfg.max_steps, deadline=deadline, eval_every=self.cfg.eval_every,
-                            synchronous=out.synchronous)
+                            synchronous=out.synchronous, keep_flight=out.on_arrival == "keep")
 
     def global_model(self, states) -> GPT:
         """A copy of the model holding the global parameters Θ of ``states``."""

@@ -60,10 +60,12 @@ class TrainingLoop:
 
     def __init__(self, learner: Learner, schedule: StaggeredSchedule, sampler: BatchSampler,
                  heldout: list, dispatch: Dispatch, *, max_steps: int, deadline: float | None,
-                 eval_every: int, synchronous: bool = False):
+                 eval_every: int, synchronous: bool = False, keep_flight: bool = True):
         self.learner, self.schedule, self.sampler, self.heldout = learner, schedule, sampler, heldout
         self.dispatch, self.max_steps, self.deadline, self.eval_every = dispatch, max_steps, deadline, eval_every
         self.synchronous = synchronous
+        self.keep_flight = keep_flight  # outer.on_arrival == "keep"
+        self._sent: dict[int, Contribution] = {}  # what each pending fragment's round carries
         self.checkpoint: Callable[[], None] | None = None  # called from this thread
         self.checkpoint_every = 0.0  # seconds
         self.blocked_s = 0.0  # seconds the inner loop waited for rounds (synchronous mode only)
@@ -108,8 +110,12 @@ class TrainingLoop:
                 p, state, rebase = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if state is not None:
+            sent = None if rebase else self._sent.pop(p, None)
+            if state is not None and sent is not None and self.keep_flight:
+                self.learner.install_keeping_flight(state, sent.delta, sent.tokens, sent.steps)
+            elif state is not None:
                 self.learner.install(state, rebase=rebase)
+            if state is not None:
                 self.stats.installs += 1
                 self.stats.rebases += int(rebase)
             if not rebase:
@@ -152,6 +158,7 @@ class TrainingLoop:
                 tokens, steps = self.learner.counters(p)
                 contrib = Contribution(tuple(self.learner.pseudo_gradient(p)), tokens, steps)
                 self.pending.add(p)
+                self._sent[p] = contrib
                 self.dispatch(p, contrib, self.learner.global_states[p])
             if self.synchronous and self.pending:
                 t0 = time.monotonic()

@@ -62,6 +62,11 @@ class OuterConfig:
     # for all live learners and training blocks until it is applied, as in synchronous
     # DiLoCo (OpenDiLoCo, arXiv 2407.07852; torchft's DiLoCo).
     synchronous: bool = False
+    # What a learner does on arrival of a merge that contains its contribution: "overwrite"
+    # θ_p with the new Θ_p (the paper's rule, brief section 1), dropping the inner steps that
+    # ran while the round was in flight; or "keep" those steps on top of the new Θ_p and
+    # contribute them at the next round (no token is lost; see Learner.install_keeping_flight).
+    on_arrival: str = "keep"
 
     def __post_init__(self) -> None:
         _validate(
@@ -76,6 +81,7 @@ class OuterConfig:
             ("quorum_timeout", self.quorum_timeout > 0, "must be > 0"),
             ("liveness_timeout", self.liveness_timeout > 0, "must be > 0"),
             ("wire_precision", self.wire_precision in WIRE_DTYPES, f"must be one of {', '.join(WIRE_DTYPES)}"),
+            ("on_arrival", self.on_arrival in ("keep", "overwrite"), "must be keep or overwrite"),
         )
 
 

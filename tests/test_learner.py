@@ -201,3 +201,28 @@ def test_bad_configs_and_covers():
     frags = balanced_fragments(params, 2)
     with pytest.raises(ValueError):
         Learner(model, frags[::-1], INNER)
+
+
+def test_install_keeping_flight_keeps_only_post_send_progress():
+    """θ_p ← Θ_new + (θ_now − θ_sent); counters keep only what ran after sending."""
+    from p2pdiloco.core.outer import FragmentState as _FS
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2, bias=False)
+    frags = balanced_fragments([("weight", (2, 3))], 1)
+    learner = Learner(model, frags, InnerConfig(warmup_steps=0, total_steps=10))
+    anchor = learner.global_states[0].theta[0].clone()
+    with torch.no_grad():
+        model.weight.sub_(0.5)  # progress before sending: θ_sent = anchor − 0.5
+    learner._tokens[0], learner._steps[0] = 40, 4
+    sent = learner.pseudo_gradient(0)  # Δ = 0.5 everywhere
+    assert torch.allclose(sent[0], torch.full((2, 3), 0.5))
+    with torch.no_grad():
+        model.weight.sub_(0.25)  # progress while the round is in flight
+    learner._tokens[0], learner._steps[0] = 60, 6
+    new = _FS.create(0, 1, [anchor + 1.0], [torch.zeros(2, 3)])
+    learner.install_keeping_flight(new, sent, 40, 4)
+    assert torch.allclose(model.weight, anchor + 1.0 - 0.25)  # Θ_new plus the in-flight progress only
+    assert learner.counters(0) == (20, 2)
+    assert learner.global_states[0] is new
+    assert torch.allclose(learner.pseudo_gradient(0)[0], torch.full((2, 3), 0.25))

@@ -173,6 +173,30 @@ class Learner:
             self._tokens[p] = self._steps[p] = 0
         self.global_states[p] = state
 
+    def install_keeping_flight(self, state: FragmentState, sent: Sequence[Tensor], tokens: int, steps: int) -> None:
+        """Adopt the merge that contains our contribution ``sent`` (the Δ_p sent, fp32, slot
+        shapes, made after ``steps`` steps and ``tokens`` tokens) while keeping the progress
+        made since it was sent: θ_p ← Θ_new + (θ_p − (Θ_anchor − sent)); the counters keep only
+        the steps and tokens taken since sending.
+
+        This is :meth:`install` (overwrite) plus the inner steps that ran while the round was
+        in flight, which the paper's overwrite drops (brief section 1, "On arrival"); they are
+        contributed at the next round instead (as in asynchronous Local-SGD, arXiv
+        2401.09135). With nothing trained in flight both are identical.
+        Raises ValueError on an unknown index, shape mismatch or counters larger than ours."""
+        p = self._check(state.index)
+        if [tuple(t.shape) for t in state.theta] != [s.shape for s in self.fragments[p].slots]:
+            raise ValueError(f"state of fragment {p} does not match its slot shapes")
+        if not (0 <= tokens <= self._tokens[p] and 0 <= steps <= self._steps[p]):
+            raise ValueError(f"sent counters ({tokens}, {steps}) exceed fragment {p}'s ({self._tokens[p]}, {self._steps[p]})")
+        old = self.global_states[p]
+        with torch.no_grad():
+            for q, new, anchor, d in zip(self._params[p], state.theta, old.theta, sent):
+                q.copy_(new + (_cpu32(q) - (anchor - d)))
+        self._tokens[p] -= tokens
+        self._steps[p] -= steps
+        self.global_states[p] = state
+
     def state_dict(self) -> dict:
         """A deep copy of everything needed to resume: model, optimizer, inner config, step,
         counters, global states (tensors, versions, digests). The lr schedule is a pure
