@@ -79,8 +79,11 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
     if data_dir:
         data_dir.mkdir(parents=True, exist_ok=True)
     sw = cfg.swarm
+    from p2pdiloco.trust import load_node_trust  # noqa: PLC0415  (identity, private-swarm membership)
+
+    trust = load_node_trust(cfg.trust, data_dir)
     swarm = await Swarm.start(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"],
-                              announce_maddrs=sw.announce, identity_path=identity)
+                              announce_maddrs=sw.announce, identity=trust.identity, membership=trust.membership)
     try:
         maddrs = await swarm.visible_maddrs()
         setup = await asyncio.to_thread(Setup.build, cfg, name, swarm.peer_id)

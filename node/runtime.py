@@ -90,7 +90,10 @@ class Node:
         # so a mismatched peer is never matched, instead of crashing deep in a transfer.
         tag = protocol_tag(self.cfg)
         self.matchmaker = Matchmaker(swarm, f"{self.cfg.swarm.run_id}/{tag}", out.min_quorum)
-        self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout)
+        trust = self.cfg.trust  # signed contributions (run and tag in every signature), robust merge
+        self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout,
+                                     run_id=f"{self.cfg.swarm.run_id}/{tag}", outliers=trust.outliers,
+                                     outlier_factor=trust.outlier_factor)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed)
         self.training: TrainingLoop | None = None
         self._in_flight: set[int] = set()

@@ -150,6 +150,43 @@ class DataConfig:
         )
 
 
+@dataclass(frozen=True)
+class TrustConfig:
+    """Identity, private-swarm membership and robust merging (docs/trust.md)."""
+
+    identity: str = ""  # Ed25519 identity file; "" = {data_dir}/p2p.key (a new key each start without data_dir)
+    swarm_key: str = ""  # private swarm: its public key (64 hex digits) or swarm.pub path; "" = public swarm
+    certificate: str = ""  # membership certificate; "" = {data_dir}/member.cert
+    revocations: str = ""  # the swarm's signed revocation list (optional)
+    outliers: str = "clip"  # norms far above the round's median: clip | drop | off
+    outlier_factor: float = 4.0  # "far above": more than this many times the lower median
+
+    def __post_init__(self) -> None:
+        from p2pdiloco.core.merge import OUTLIER_POLICIES  # noqa: PLC0415
+
+        _validate(
+            ("outliers", self.outliers in OUTLIER_POLICIES, f"must be one of {', '.join(OUTLIER_POLICIES)}"),
+            ("outlier_factor", self.outlier_factor > 1, "must be > 1"),
+            ("swarm_key", not self.swarm_key or _is_swarm_key(self.swarm_key),
+             "expected 64 hex digits (from `p2pdiloco swarm init`) or the path of a swarm.pub file"),
+            ("certificate", not self.certificate or Path(self.certificate).expanduser().is_file(),
+             f"{self.certificate!r} is not a file"),
+            ("revocations", not self.revocations or Path(self.revocations).expanduser().is_file(),
+             f"{self.revocations!r} is not a file"),
+        )
+
+
+def _is_swarm_key(text: str) -> bool:
+    from p2pdiloco.trust.certificates import decode_swarm_key  # noqa: PLC0415
+    from p2pdiloco.trust.errors import CertificateError  # noqa: PLC0415
+
+    try:
+        decode_swarm_key(text)
+    except CertificateError:
+        return False
+    return True
+
+
 def _usable_dir(path: str) -> bool:
     return not path or not Path(path).exists() or Path(path).is_dir()
 
@@ -181,6 +218,7 @@ class NodeConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    trust: TrustConfig = field(default_factory=TrustConfig)
 
     def __post_init__(self) -> None:
         _validate(
@@ -207,7 +245,7 @@ def _is_fault(text: str) -> bool:
     return kind in ("kill-in-allreduce", "fail-last-stage") and n.isdigit() and int(n) >= 1
 
 
-SECTIONS = ("model", "inner", "outer", "swarm", "data")
+SECTIONS = ("model", "inner", "outer", "swarm", "data", "trust")
 TOP_LEVEL = tuple(f.name for f in dataclasses.fields(NodeConfig) if f.name not in SECTIONS)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -331,7 +369,7 @@ def load_config(
 
     Args:
         path: TOML file with top-level fields and ``[model]``, ``[inner]``, ``[outer]``,
-            ``[swarm]``, ``[data]`` tables.
+            ``[swarm]``, ``[data]``, ``[trust]`` tables.
         env: environment (default ``os.environ``); ``P2PDILOCO_LOG`` is not a setting.
         overrides: ``{"section.field" or "field": value}``, applied last.
         overrides_source: how problems in ``overrides`` say where the value came from.

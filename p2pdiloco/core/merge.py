@@ -13,12 +13,18 @@ normalised in Python float64 first.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-__all__ = ["contribution_weight", "merge_tensor", "merge_pseudo_gradients", "is_finite_contribution"]
+__all__ = ["contribution_weight", "merge_tensor", "merge_pseudo_gradients", "is_finite_contribution",
+           "robust_merge", "RobustMerge", "OUTLIER_POLICIES", "DEFAULT_OUTLIER_FACTOR"]
+
+OUTLIER_POLICIES = ("clip", "drop", "off")
+DEFAULT_OUTLIER_FACTOR = 4.0
 
 DIRECTION_EPS = 1e-6  # below this norm of the (normalised) direction sum, use the weighted mean
 
@@ -112,3 +118,115 @@ def merge_pseudo_gradients(
         if len(ts) != len(embedding_mask):
             raise ValueError(f"member {m} has {len(ts)} tensors, expected {len(embedding_mask)}")
     return [merge_tensor([ts[i] for ts in per_member], weights, e) for i, e in enumerate(embedding_mask)]
+
+
+@dataclass(frozen=True)
+class RobustMerge:
+    """What :func:`robust_merge` did.
+
+    Attributes:
+        merged: one fp32 tensor per slot.
+        kept: indices (input order) of the members whose contributions were merged.
+        dropped: member index -> reason (``non_finite``, ``bad_weight``, ``outlier``).
+        clipped: (member index, slot index) of every norm-clipped tensor.
+        weights: the weight each member was merged with (0.0 for dropped members); differs
+            from the input where a weight was clipped.
+    """
+
+    merged: list[Tensor]
+    kept: tuple[int, ...]
+    dropped: dict[int, str] = field(default_factory=dict)
+    clipped: tuple[tuple[int, int], ...] = ()
+    weights: tuple[float, ...] = ()
+
+
+def robust_merge(
+    per_member: Sequence[Sequence[Tensor]], weights: Sequence[float], embedding_mask: Sequence[bool],
+    *, policy: str = "clip", factor: float = DEFAULT_OUTLIER_FACTOR,
+) -> RobustMerge:
+    """Token-weighted merge (:func:`merge_tensor`) that a few bad contributions cannot wreck.
+
+    Rule, applied in this order to ``per_member[m][i]`` (member m's Δ for slot i) and its
+    weight ``weights[m]``:
+
+    1. A member with any non-finite element is dropped (``non_finite``); one with a
+       non-finite or negative weight too (``bad_weight``). Always, whatever the policy.
+    2. ``policy == "off"``: merge the rest unchanged.
+    3. Weights: ``c = factor × lower median of the positive weights``; every weight above
+       ``c`` becomes ``c`` (weights are claimed token counts, which a peer can inflate).
+    4. Norms, per slot i, among members with positive weight: ``T_i = factor × lower median
+       of ‖Δ_m,i‖`` (skipped when that median is 0). A tensor with ‖Δ_m,i‖ > T_i is
+       scaled to norm T_i (``clip``), or its member is dropped from the merge (``drop``,
+       reason ``outlier``). Medians are taken once, over the members left after step 1.
+    5. Merge the kept members slot by slot with :func:`merge_tensor`.
+
+    The lower median (``statistics.median_low``) is an element of the set, so with two
+    members the smaller norm bounds the larger; like every median rule it needs a majority
+    of honest members to hold. ``factor`` > 1 leaves honest spread alone (a learner that
+    missed a round brings about twice the norm and weight) and only touches contributions
+    *far* above the round's median.
+
+    Sources: clipping every update to the median of the update norms is FLAME's bound
+    (Nguyen et al., "FLAME: Taming Backdoors in Federated Learning", USENIX Security 2022,
+    arXiv 2101.02281); norm bounding of updates against scaled ("model replacement")
+    updates: Sun et al., "Can You Really Backdoor Federated Learning?", arXiv 1911.07963.
+    Here the bound is ``factor`` × the lower median instead of the median itself, so the
+    merge of honest learners stays the plain token-weighted merge of arXiv 2604.21428.
+
+    Deterministic: Python float64 for medians and thresholds, fp32 tensor arithmetic in
+    member order, so one reducer's result is reproducible from its inputs.
+
+    Raises:
+        ValueError: unknown policy, ``factor`` <= 1, or inputs of mismatched lengths or shapes.
+    """
+    if policy not in OUTLIER_POLICIES:
+        raise ValueError(f"unknown outlier policy {policy!r}; choose one of {OUTLIER_POLICIES}")
+    if not factor > 1 or not math.isfinite(factor):
+        raise ValueError(f"outlier factor must be a finite number > 1, got {factor}")
+    if len(weights) != len(per_member):
+        raise ValueError(f"{len(weights)} weights for {len(per_member)} members")
+    n_slots = len(embedding_mask)
+    for m, ts in enumerate(per_member):
+        if len(ts) != n_slots:
+            raise ValueError(f"member {m} has {len(ts)} tensors, expected {n_slots}")
+    dropped: dict[int, str] = {}
+    ws = [float(w) for w in weights]
+    for m, ts in enumerate(per_member):
+        if not is_finite_contribution(ts):
+            dropped[m] = "non_finite"
+        elif not (math.isfinite(ws[m]) and ws[m] >= 0):
+            dropped[m] = "bad_weight"
+    alive = [m for m in range(len(per_member)) if m not in dropped]
+    deltas = {m: [t.detach().to(torch.float32) for t in per_member[m]] for m in alive}
+    clipped: list[tuple[int, int]] = []
+    if policy != "off" and len(alive) > 1:
+        positive = [ws[m] for m in alive if ws[m] > 0]
+        if positive:
+            cap = factor * statistics.median_low(positive)
+            for m in alive:
+                ws[m] = min(ws[m], cap)
+        live = [m for m in alive if ws[m] > 0]
+        outliers: set[int] = set()
+        for i in range(n_slots):
+            norms = {m: float(torch.linalg.vector_norm(deltas[m][i])) for m in live}
+            ref = statistics.median_low(norms.values()) if norms else 0.0
+            if ref <= 0:
+                continue
+            bound = factor * ref
+            for m, norm in norms.items():
+                if norm > bound:
+                    if policy == "drop":
+                        outliers.add(m)
+                    else:
+                        deltas[m][i] = deltas[m][i] * (bound / norm)
+                        clipped.append((m, i))
+        for m in sorted(outliers):
+            dropped[m] = "outlier"
+        clipped = [(m, i) for m, i in clipped if m not in outliers]
+    kept = tuple(m for m in alive if m not in dropped)
+    if not kept:
+        raise ValueError(f"no contribution left to merge: {dropped}")
+    kept_ws = [ws[m] for m in kept]
+    merged = [merge_tensor([deltas[m][i] for m in kept], kept_ws, embedding_mask[i]) for i in range(n_slots)]
+    used = tuple(ws[m] if m in kept else 0.0 for m in range(len(per_member)))
+    return RobustMerge(merged, kept, dropped, tuple(clipped), used)

@@ -1,17 +1,44 @@
-"""Butterfly all-reduce of one fragment's pseudo-gradients within a closed group.
+"""Butterfly all-reduce of one fragment's pseudo-gradients within a closed group, signed and robust.
 
 The fragment's tensors are split among the members with the same greedy balanced packing
 as fragments (``assign_parts``); member r reduces the tensors it owns. Every member sends
 each reducer its slice of the pseudo-gradient with its token and step counts, in one
-``ar.reduce`` request that the reducer answers, once it holds every member's slice, with
-the merged slice (token-weighted, radial-directional merge, brief section 1). Whole tensors
-per reducer mean every norm of the radial-directional merge is computed by exactly one
-peer, and everyone receives the same bytes.
+``ar.reduce`` request. Whole tensors per reducer mean every norm of the radial-directional
+merge is computed by exactly one peer, and everyone receives the same bytes.
 
-All or nothing (invariant I2): a reducer answers only when it holds all contributions; if
-any is missing at its deadline it answers an error, and a member commits only when every
-reducer answered. A member that got no answer cannot know whether others committed, so the
-caller re-syncs from the swarm's records instead of guessing.
+Signed updates (docs/trust.md). Each ``ar.reduce`` request carries the author's Ed25519
+signature (``signing.message("ar.contrib", ...)``: run, fragment, version, state digest,
+round id, member list, reducer index, tokens, steps, sha256 of the exact slice bytes) and
+the author's public key (``k``). The reducer verifies it against the key inlined in the
+sender's authenticated peer ID before it decodes anything. A slice that fails (``banned``,
+``wrong_key``, ``bad_signature``, ``bad_counters``, ``malformed``, ``non_finite``) is
+rejected: the round goes on without it, the sender is banned for the rest of the run
+(``Swarm.bans``), and the rejection is logged and counted in ``AllReducer.stats.rejected``.
+The reducer merges what it accepted with :func:`p2pdiloco.core.merge.robust_merge`
+(outliers clipped or dropped, reason ``outlier``) and answers every member with the same
+statement: the contributor set it used (member indices), the merged bytes, and its
+signature over ``signing.message("ar.merged", [..., reducer index, phase, contributors,
+sha256(merged bytes)])``. Members verify that signature before using the bytes.
+
+Agreement (invariants I1, I2: every member reaches the same result or none). A reducer
+answers once every member's slice is accepted or rejected, or ``timeout`` seconds after the
+round's first slice (missing members are then left out, reason ``missing``); a slice that
+arrives after that gets the same answer. Each reducer sends one statement to all members,
+so every member that hears from every reducer sees the same statements:
+
+* all reducers used the same contributor set S: phase 1 is the result;
+* otherwise (a slice rejected or missing at one reducer only, an outlier dropped at one
+  reducer): S = the intersection of the sets, computed identically by every member, and
+  phase 2 (``ar.final``) asks each reducer to re-merge over S. The request carries every
+  reducer's signed phase-1 statement, so a reducer recomputes S itself and trusts no member;
+  phase 2 clips outliers but never drops, so its set is exactly S.
+
+A member commits only when every reducer answered with a verified statement over the same
+S; a member outside S raises :class:`ContributionExcluded` (its progress was not merged: it
+must not reset its counters, and follows the others through the records). Anything else
+(no answer, an unverifiable answer, an empty S) is :class:`RoundFailed` and nothing is
+committed. What remains trusted: a reducer computes its tensors alone, so a malicious
+reducer can return a wrong merge of its part; its signature makes that attributable.
 """
 
 from __future__ import annotations
@@ -19,19 +46,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from p2pdiloco.core.fragments import Fragment, assign_parts
-from p2pdiloco.core.merge import contribution_weight, is_finite_contribution, merge_tensor
+from p2pdiloco.core.merge import (
+    DEFAULT_OUTLIER_FACTOR,
+    OUTLIER_POLICIES,
+    contribution_weight,
+    is_finite_contribution,
+    robust_merge,
+)
 from p2pdiloco.errors import NetworkError, ProtocolError, RoundFailed
 from p2pdiloco.net import wire
 from p2pdiloco.net.matchmaking import Group
 from p2pdiloco.net.transport import Header, Swarm
+from p2pdiloco.trust import signing
+from p2pdiloco.trust.identity import public_key_of
 
 log = logging.getLogger(__name__)
+
+# Reasons a reducer rejects a slice. All but "missing" and "outlier" also ban the sender.
+BANNING_REASONS = ("wrong_key", "bad_signature", "bad_counters", "malformed", "non_finite")
+KEEP_DECIDED_SECONDS = 30.0  # a decided round is kept this long after its deadline, for phase 2
+
+
+class ContributionExcluded(RoundFailed):
+    """The round merged without this member's contribution (a reducer rejected it, or it
+    arrived after a reducer's deadline). The others may have committed: follow them, but
+    keep the local progress, which is not inside their result."""
 
 
 @dataclass(frozen=True)
@@ -50,41 +96,79 @@ class Contribution:
 
 
 @dataclass
-class _Accumulator:
+class _Round:
+    """A reducer's view of one round."""
+
+    round_id: str
+    fragment: int
+    version: int
+    digest: str
     members: tuple[str, ...]
-    slots: tuple[int, ...]
+    index: int  # this reducer's position in members
+    slots: tuple[int, ...]  # fragment slots this reducer merges
     created: float = field(default_factory=time.monotonic)
     parts: dict[str, tuple[list[torch.Tensor], int, int]] = field(default_factory=dict)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    result: bytes | None = None
-    error: str | None = None
+    rejected: dict[str, str] = field(default_factory=dict)
+    decided: asyncio.Event = field(default_factory=asyncio.Event)
+    contributors: tuple[int, ...] = ()
+    answer: tuple[Header, bytes] = ({}, b"")
+    final: tuple[tuple[int, ...], Header, bytes] | None = None
 
 
 @dataclass
 class AllReduceStats:
+    """Counters of this node's all-reduces.
+
+    Attributes:
+        rounds: rounds this member completed with a result.
+        failed: rounds that ended without a result (including ``excluded``).
+        excluded: rounds merged without our contribution.
+        reconciled: rounds that needed phase 2 (reducers used different contributor sets).
+        rejected: slices this node rejected as a reducer, by reason (see the module
+            docstring), plus ``bad_result`` for a reducer answer that failed verification.
+        clipped: tensors norm-clipped by the robust merge.
+        sign_seconds, verify_seconds: CPU time spent hashing and signing our slices and
+            statements, and hashing and verifying others' (the cost of signed updates).
+    """
+
     rounds: int = 0
     failed: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
+    excluded: int = 0
+    reconciled: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    clipped: int = 0
+    sign_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 class AllReducer:
-    """Runs fragment all-reduces; serves ``ar.reduce``. One per node.
+    """Runs fragment all-reduces; serves ``ar.reduce`` and ``ar.final``. One per node.
 
     Args:
-        swarm: the transport.
+        swarm: the transport (its identity signs, its ban list is consulted and extended).
         fragments: the model's fragments (identical on every member).
         precision: wire precision of pseudo-gradient slices and merged slices.
-        timeout: liveness timeout (seconds): how long a reducer waits for a missing member.
+        timeout: liveness timeout (seconds): how long a reducer waits for missing members.
+        run_id: the run's name (with its protocol tag), part of every signature.
+        outliers: robust-merge policy for norms far above the round's median: ``clip``,
+            ``drop`` or ``off`` (non-finite contributions are always dropped).
+        outlier_factor: "far above" means more than this many times the lower median.
     """
 
-    def __init__(self, swarm: Swarm, fragments: Sequence[Fragment], precision: str, timeout: float):
+    def __init__(self, swarm: Swarm, fragments: Sequence[Fragment], precision: str, timeout: float, *,
+                 run_id: str = "", outliers: str = "clip", outlier_factor: float = DEFAULT_OUTLIER_FACTOR):
         wire.wire_dtype(precision)
+        if outliers not in OUTLIER_POLICIES:
+            raise ValueError(f"unknown outlier policy {outliers!r}; choose one of {OUTLIER_POLICIES}")
         self.swarm, self.fragments, self.precision, self.timeout = swarm, tuple(fragments), precision, timeout
-        self._rounds: dict[str, _Accumulator] = {}
+        self.run_id, self.outliers, self.outlier_factor = run_id, outliers, outlier_factor
+        self._rounds: dict[str, _Round] = {}
         self.stats = AllReduceStats()
+        self.last_contributors: tuple[str, ...] = ()  # peers merged in our last completed round
 
     async def start(self) -> None:
         await self.swarm.add_handler("ar.reduce", self._on_reduce)
+        await self.swarm.add_handler("ar.final", self._on_final)
 
     def _shapes(self, fragment: int, slots: Sequence[int]) -> list[tuple[int, ...]]:
         frag = self.fragments[fragment]
@@ -93,103 +177,307 @@ class AllReducer:
     def _parts(self, fragment: int, n: int) -> tuple[tuple[int, ...], ...]:
         return assign_parts([s.numel for s in self.fragments[fragment].slots], n)
 
+    # ---- signatures ------------------------------------------------------------------------
+    def _sign(self, purpose: str, fields: list) -> bytes:
+        t0 = time.perf_counter()
+        sig = signing.sign(self.swarm.identity, purpose, fields)
+        self.stats.sign_seconds += time.perf_counter() - t0
+        return sig
+
+    def _verify(self, peer: str, purpose: str, fields: list, sig: object) -> bool:
+        t0 = time.perf_counter()
+        ok = isinstance(sig, bytes) and signing.verify_by_peer(peer, purpose, fields, sig)
+        self.stats.verify_seconds += time.perf_counter() - t0
+        return ok
+
+    def _digest(self, data: bytes, *, signing_side: bool) -> bytes:
+        t0 = time.perf_counter()
+        h = signing.sha256(data)
+        dt = time.perf_counter() - t0
+        if signing_side:
+            self.stats.sign_seconds += dt
+        else:
+            self.stats.verify_seconds += dt
+        return h
+
+    def _merged_fields(self, rnd: _Round | Group, reducer: int, phase: int, contributors: Sequence[int],
+                       h: bytes) -> list:
+        if isinstance(rnd, Group):
+            frag, version, digest, round_id = rnd.key.fragment, rnd.key.version, rnd.key.digest, rnd.round_id
+        else:
+            frag, version, digest, round_id = rnd.fragment, rnd.version, rnd.digest, rnd.round_id
+        return signing.merged_fields(self.run_id, frag, version, digest, round_id, reducer, phase, contributors, h)
+
+    # ---- member side -----------------------------------------------------------------------
     async def run(self, group: Group, contrib: Contribution) -> list[torch.Tensor]:
         """Merge ``contrib`` with the other members' and return the merged pseudo-gradient.
 
         Returns:
-            fp32 tensors, one per fragment slot, bit-identical on every member.
+            fp32 tensors, one per fragment slot, bit-identical on every member that gets a
+            result; :attr:`last_contributors` holds the peers whose contributions it merges.
         Raises:
-            RoundFailed: some reducer did not answer with a complete merge in time.
+            ContributionExcluded: the round merged without our contribution.
+            RoundFailed: some reducer did not answer with a verified statement, or the
+                reducers' contributor sets have no member in common.
         """
-        frag, me = group.key.fragment, self.swarm.peer_id
-        parts = self._parts(frag, len(group.members))
-        head = {
-            "round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,
-            "members": list(group.members), "tokens": contrib.tokens, "steps": contrib.steps,
-        }
+        frag, me, members = group.key.fragment, self.swarm.peer_id, group.members
+        parts = self._parts(frag, len(members))
+        reducers = [r for r in range(len(members)) if parts[r]]
+        base = {"round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,
+                "members": list(members), "tokens": contrib.tokens, "steps": contrib.steps,
+                "k": self.swarm.identity.public_key}
 
-        async def one(r: int, reducer: str) -> tuple[int, bytes]:
-            if not parts[r]:
-                return r, b""
-            slice_ = [contrib.delta[i] for i in parts[r]]
-            payload = wire.encode(slice_, self.precision)
-            if reducer == me:  # same rounding as every other member's slice
-                own = wire.decode(payload, self._shapes(frag, parts[r]), self.precision)
-                return r, await self._accept(me, head, own)
-            _, body = await self.swarm.call(reducer, "ar.reduce", head, payload, timeout=self.timeout + 5)
-            return r, body
+        async def phase1(r: int) -> tuple[int, tuple[int, ...], bytes, bytes]:
+            payload = wire.encode([contrib.delta[i] for i in parts[r]], self.precision)
+            fields = signing.contribution_fields(self.run_id, frag, group.key.version, group.key.digest,
+                                                 group.round_id, members, r, contrib.tokens, contrib.steps,
+                                                 self._digest(payload, signing_side=True))
+            head, payload = self._outgoing(r, dict(base, r=r, sig=self._sign("ar.contrib", fields)), payload)
+            if members[r] == me:
+                reply, body = await self._receive(me, head, payload)
+                if "error" in reply:
+                    raise RoundFailed(f"own reducer part: {reply['error']}")
+            else:
+                reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload, timeout=self.timeout + 5)
+            contributors = self._check_answer(group, r, 1, reply, body)
+            return r, contributors, reply["sig"], body
 
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(one(r, m)) for r, m in enumerate(group.members)]
-        except* (NetworkError, RoundFailed) as eg:
+        answers = await self._each_reducer(group, reducers, phase1, "")
+        sets = {c for c, _, _ in answers.values()}
+        if len(sets) == 1:
+            common = next(iter(sets))
+        else:
+            common = tuple(sorted(set.intersection(*(set(c) for c in sets))))
+            self.stats.reconciled += 1
+            log.info("round %s f%d: reducers used different contributor sets %s; merging over %s",
+                     group.round_id, frag, sorted(sets), list(common))
+        mine = members.index(me)
+        if mine not in common:
             self.stats.failed += 1
-            raise RoundFailed(f"round {group.round_id} of fragment {frag} failed: {eg.exceptions[0]}") from None
+            self.stats.excluded += 1
+            raise ContributionExcluded(f"round {group.round_id} of fragment {frag} was merged without our "
+                                       f"contribution (contributor sets {sorted(sets)})")
+        if len(sets) > 1:
+            answers = await self._phase2(group, reducers, answers, common)
         merged: list[torch.Tensor | None] = [None] * len(self.fragments[frag].slots)
-        for task in tasks:
-            r, body = task.result()
-            for i, t in zip(parts[r], wire.decode(body, self._shapes(frag, parts[r]), self.precision)):
+        for r, (_, _, body) in answers.items():
+            try:
+                tensors = wire.decode(body, self._shapes(frag, parts[r]), self.precision)
+            except ProtocolError as e:  # signed, so the reducer sent these wrong bytes
+                self.stats.failed += 1
+                raise RoundFailed(f"round {group.round_id}: merged slice of {members[r][-8:]}: {e}") from None
+            for i, t in zip(parts[r], tensors):
                 merged[i] = t
         self.stats.rounds += 1
+        self.last_contributors = tuple(members[i] for i in common)
         return [t for t in merged if t is not None]
 
-    async def _accept(self, peer: str, head: Header, tensors: list[torch.Tensor]) -> bytes:
-        """Add one member's slice to the round's accumulator; wait for and return the result."""
-        round_id, members = str(head["round"]), tuple(str(m) for m in head["members"])
-        frag = int(head["f"])
+    async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
+        """Ask every reducer to merge over ``common``, proving the sets with their statements."""
+        statements = [[r, list(c), self._digest(body, signing_side=False), sig] for r, (c, sig, body) in answers.items()]
         me = self.swarm.peer_id
-        if me not in members or peer not in members or tuple(sorted(members)) != members:
-            raise ProtocolError("not a member of that round")
-        acc = self._rounds.get(round_id)
-        if acc is None:
-            slots = self._parts(frag, len(members))[members.index(me)]
-            acc = self._rounds[round_id] = _Accumulator(members, slots)
-            asyncio.get_running_loop().call_later(self.timeout, self._expire, round_id)
-        elif acc.members != members:
-            raise ProtocolError("member list differs from the round's")
-        tokens, steps = int(head["tokens"]), int(head["steps"])
-        if tokens < 0 or steps < 0:
-            raise ProtocolError("negative counters")
-        if not is_finite_contribution(tensors):
-            self.stats.rejected["non_finite"] = self.stats.rejected.get("non_finite", 0) + 1
-            raise ProtocolError("non-finite pseudo-gradient")
-        acc.parts[peer] = (tensors, tokens, steps)
-        if len(acc.parts) == len(acc.members) and acc.result is None and acc.error is None:
-            acc.result = self._reduce(frag, acc)
-            acc.done.set()
-        await acc.done.wait()
-        if acc.error is not None:
-            raise RoundFailed(acc.error)
-        return acc.result
 
-    def _reduce(self, frag: int, acc: _Accumulator) -> bytes:
-        order = [acc.parts[m] for m in acc.members]  # fixed order: sorted peer IDs
-        weights = [contribution_weight(tok, st) for _, tok, st in order]
-        slots = self.fragments[frag].slots
-        merged = [
-            merge_tensor([ts[k] for ts, _, _ in order], weights, slots[i].is_embedding)
-            for k, i in enumerate(acc.slots)
-        ]
-        return wire.encode(merged, self.precision)
+        async def final(r: int) -> tuple[int, tuple[int, ...], bytes, bytes]:
+            head = {"round": group.round_id, "r": r, "st": statements}
+            if group.members[r] == me:
+                reply, body = await self._finalize(me, head)
+            else:
+                reply, body = await self.swarm.call(group.members[r], "ar.final", head, timeout=self.timeout + 5)
+            contributors = self._check_answer(group, r, 2, reply, body)
+            if contributors != common:
+                raise RoundFailed(f"reducer {group.members[r][-8:]} merged over {list(contributors)}, not {list(common)}")
+            return r, contributors, reply["sig"], body
 
-    def _expire(self, round_id: str) -> None:
-        acc = self._rounds.pop(round_id, None)
-        if acc is not None and not acc.done.is_set():
-            missing = [m[-8:] for m in acc.members if m not in acc.parts]
-            acc.error = f"no contribution from {', '.join(missing)} within {self.timeout:.1f} s"
-            acc.done.set()
+        return await self._each_reducer(group, reducers, final, " in phase 2")
 
-    async def _on_reduce(self, peer: str, head: Header, payload: bytes) -> tuple[Header, bytes]:
+    async def _each_reducer(self, group: Group, reducers: list[int], ask, phase: str) -> dict:
+        """Run ``ask(r)`` for every reducer at once: {r: (contributors, signature, merged bytes)}.
+        Raises RoundFailed (counted) as soon as one of them fails."""
         try:
-            frag = int(head["f"])
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(ask(r)) for r in reducers]
+        except* (NetworkError, RoundFailed) as eg:
+            self.stats.failed += 1
+            raise RoundFailed(f"round {group.round_id} of fragment {group.key.fragment} failed{phase}: "
+                              f"{eg.exceptions[0]}") from None
+        return {r: (c, sig, body) for r, c, sig, body in (t.result() for t in tasks)}
+
+    def _check_answer(self, group: Group, r: int, phase: int, reply: Header, body: bytes) -> tuple[int, ...]:
+        """The contributor set of reducer r's signed statement; RoundFailed if it does not verify."""
+        if "error" in reply:
+            raise RoundFailed(f"reducer {group.members[r][-8:]}: {reply['error']}")
+        c, sig = reply.get("c"), reply.get("sig")
+        n = len(group.members)
+        if not (isinstance(c, list) and c and all(type(i) is int and 0 <= i < n for i in c) and c == sorted(set(c))):
+            raise RoundFailed(f"reducer {group.members[r][-8:]} sent a malformed contributor set")
+        fields = self._merged_fields(group, r, phase, c, self._digest(body, signing_side=False))
+        if not self._verify(group.members[r], "ar.merged", fields, sig):
+            self.stats.rejected["bad_result"] += 1
+            self.swarm.ban(group.members[r], f"merged slice with a bad signature in round {group.round_id}")
+            raise RoundFailed(f"reducer {group.members[r][-8:]}'s merged slice failed signature verification")
+        return tuple(c)
+
+    def _outgoing(self, reducer: int, head: Header, payload: bytes) -> tuple[Header, bytes]:
+        """The request about to be sent to ``reducer`` (index); tests override this to act
+        as a faulty or malicious member."""
+        return head, payload
+
+    # ---- reducer side ----------------------------------------------------------------------
+    async def _on_reduce(self, peer: str, head: Header, payload: bytes) -> tuple[Header, bytes]:
+        return await self._receive(peer, head, payload)
+
+    def _round_for(self, peer: str, head: Header) -> _Round:
+        """The round a request belongs to, created on its first slice. ProtocolError when the
+        request names no round this reducer and the sender are both members of."""
+        try:
+            round_id, frag = str(head["round"]), int(head["f"])
+            version, digest = int(head["v"]), str(head["d"])
+            members = tuple(str(m) for m in head["members"])
+            index = int(head["r"])
             if not 0 <= frag < len(self.fragments):
                 raise ValueError
-            members = tuple(str(m) for m in head["members"])
-            slots = self._parts(frag, len(members))[members.index(self.swarm.peer_id)]
         except (KeyError, TypeError, ValueError):
             raise ProtocolError("malformed reduce request") from None
-        tensors = wire.decode(payload, self._shapes(frag, slots), self.precision)
+        me = self.swarm.peer_id
+        if tuple(sorted(set(members))) != members or me not in members or peer not in members \
+                or members.index(me) != index:
+            raise ProtocolError("not a member of that round")
+        rnd = self._rounds.get(round_id)
+        if rnd is None:
+            slots = self._parts(frag, len(members))[index]
+            if not slots:
+                raise ProtocolError("this member reduces no tensor in that round")
+            rnd = self._rounds[round_id] = _Round(round_id, frag, version, digest, members, index, slots)
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.timeout, self._deadline, rnd)
+            loop.call_later(self.timeout + KEEP_DECIDED_SECONDS, self._forget, rnd)
+        elif (rnd.members, rnd.fragment, rnd.version, rnd.digest) != (members, frag, version, digest):
+            raise ProtocolError("request differs from the round's members, fragment, version or digest")
+        return rnd
+
+    async def _receive(self, peer: str, head: Header, payload: bytes) -> tuple[Header, bytes]:
+        """Check one member's slice, add it to its round (or reject it), wait for the round's
+        decision and return the reducer's signed statement."""
+        rnd = self._round_for(peer, head)
+        if not rnd.decided.is_set():
+            if peer in rnd.parts or peer in rnd.rejected:
+                raise ProtocolError("duplicate slice")
+            reason, tensors = self._check_slice(peer, rnd, head, payload)
+            if reason is None:
+                rnd.parts[peer] = (tensors, int(head["tokens"]), int(head["steps"]))
+            else:
+                self._reject(rnd, peer, reason)
+            if len(rnd.parts) + len(rnd.rejected) == len(rnd.members):
+                self._decide(rnd)
+        await rnd.decided.wait()
+        return rnd.answer
+
+    def _check_slice(self, peer: str, rnd: _Round, head: Header, payload: bytes) -> tuple[str | None, list]:
+        """(None, tensors) for a slice that verifies, else (reason, [])."""
+        if peer in self.swarm.bans:
+            return "banned", []
         try:
-            return {}, await self._accept(peer, head, tensors)
-        except RoundFailed as e:
-            return {"error": str(e)}, b""
+            if head.get("k") != public_key_of(peer):
+                return "wrong_key", []
+        except ValueError:  # not an Ed25519 peer ID: it cannot sign
+            return "wrong_key", []
+        tokens, steps = head.get("tokens"), head.get("steps")
+        if type(tokens) is not int or type(steps) is not int:
+            return "malformed", []
+        fields = signing.contribution_fields(self.run_id, rnd.fragment, rnd.version, rnd.digest, rnd.round_id,
+                                             rnd.members, rnd.index, tokens, steps,
+                                             self._digest(payload, signing_side=False))
+        if not self._verify(peer, "ar.contrib", fields, head.get("sig")):
+            return "bad_signature", []
+        if tokens < 0 or steps < 0:
+            return "bad_counters", []
+        try:
+            tensors = wire.decode(payload, self._shapes(rnd.fragment, rnd.slots), self.precision)
+        except ProtocolError:
+            return "malformed", []
+        if not is_finite_contribution(tensors):
+            return "non_finite", []
+        return None, tensors
+
+    def _reject(self, rnd: _Round, peer: str, reason: str) -> None:
+        rnd.rejected[peer] = reason
+        self.stats.rejected[reason] += 1
+        log.warning("round %s f%d: rejected the contribution of %s: %s", rnd.round_id, rnd.fragment, peer[-8:], reason)
+        if reason in BANNING_REASONS:
+            self.swarm.ban(peer, f"{reason} contribution in round {rnd.round_id} of fragment {rnd.fragment}")
+
+    def _deadline(self, rnd: _Round) -> None:
+        if not rnd.decided.is_set():
+            for m in rnd.members:
+                if m not in rnd.parts and m not in rnd.rejected:
+                    self._reject(rnd, m, "missing")
+            self._decide(rnd)
+
+    def _forget(self, rnd: _Round) -> None:
+        if self._rounds.get(rnd.round_id) is rnd:
+            del self._rounds[rnd.round_id]
+
+    def _merge(self, rnd: _Round, contributors: Sequence[int], policy: str):
+        """Robust merge of the given members' slices (indices into rnd.members, sorted)."""
+        order = [rnd.parts[rnd.members[i]] for i in contributors]
+        weights = [contribution_weight(tok, st) for _, tok, st in order]
+        mask = [self.fragments[rnd.fragment].slots[i].is_embedding for i in rnd.slots]
+        out = robust_merge([ts for ts, _, _ in order], weights, mask, policy=policy, factor=self.outlier_factor)
+        self.stats.clipped += len(out.clipped)
+        return out
+
+    def _statement(self, rnd: _Round, phase: int, contributors: Sequence[int], merged) -> tuple[Header, bytes]:
+        body = wire.encode(merged, self.precision)
+        fields = self._merged_fields(rnd, rnd.index, phase, contributors, self._digest(body, signing_side=True))
+        head = {"c": list(contributors), "sig": self._sign("ar.merged", fields),
+                "rej": {p[-8:]: why for p, why in rnd.rejected.items()}}  # informational, unsigned
+        return head, body
+
+    def _decide(self, rnd: _Round) -> None:
+        """Phase 1: merge what was accepted, sign the statement, release every waiting member."""
+        accepted = [i for i, m in enumerate(rnd.members) if m in rnd.parts]
+        try:
+            if not accepted:
+                raise ValueError("no valid contribution")
+            out = self._merge(rnd, accepted, self.outliers)
+            for k, reason in out.dropped.items():
+                self._reject(rnd, rnd.members[accepted[k]], reason)
+            rnd.contributors = tuple(accepted[k] for k in out.kept)
+            rnd.answer = self._statement(rnd, 1, rnd.contributors, out.merged)
+        except ValueError as e:
+            rnd.answer = {"error": f"nothing to merge: {e}"}, b""
+        rnd.decided.set()
+
+    async def _on_final(self, peer: str, head: Header, _: bytes) -> tuple[Header, bytes]:
+        return await self._finalize(peer, head)
+
+    async def _finalize(self, peer: str, head: Header) -> tuple[Header, bytes]:
+        """Phase 2: verify every reducer's phase-1 statement, merge over their common set."""
+        rnd = self._rounds.get(str(head.get("round")))
+        if rnd is None or peer not in rnd.members or head.get("r") != rnd.index:
+            raise ProtocolError("unknown or expired round")
+        await rnd.decided.wait()
+        reducers = [r for r, slots in enumerate(self._parts(rnd.fragment, len(rnd.members))) if slots]
+        try:
+            statements = {int(r): (tuple(c), h, sig) for r, c, h, sig in head["st"]}
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError("malformed phase-2 request") from None
+        if sorted(statements) != reducers:
+            raise ProtocolError("phase-2 request does not hold one statement per reducer")
+        for r, (c, h, sig) in statements.items():
+            if not (isinstance(h, bytes) and all(type(i) is int for i in c)):
+                raise ProtocolError("malformed statement")
+            if not self._verify(rnd.members[r], "ar.merged", self._merged_fields(rnd, r, 1, c, h), sig):
+                raise ProtocolError(f"statement of reducer {rnd.members[r][-8:]} does not verify")
+        if statements[rnd.index][0] != rnd.contributors:
+            raise ProtocolError("our own statement differs from the one presented")
+        common = tuple(sorted(set.intersection(*(set(c) for c, _, _ in statements.values()))))
+        if not common:
+            raise ProtocolError("the reducers' contributor sets have no member in common")
+        if rnd.final is None:
+            out = self._merge(rnd, common, "off" if self.outliers == "off" else "clip")
+            head_out, body = self._statement(rnd, 2, common, out.merged)
+            rnd.final = (common, head_out, body)
+        elif rnd.final[0] != common:
+            raise ProtocolError("phase 2 of this round was already merged over another set")
+        return rnd.final[1], rnd.final[2]

@@ -11,6 +11,11 @@ joined), then answers every joiner with the same member list and round ID
 A learner that arrives after a group already closed at its version does not form a
 competing group (that would split the swarm's history); it reports ``late`` and the caller
 catches up with the group's result instead.
+
+Trust: declarations are DHT records under the declaring peer's own ID, so only that peer can
+write or overwrite them (``transport.SignedRecords``); entries under any other subkey are
+ignored. Peers on the swarm's ban list (``Swarm.bans``: a contribution of theirs failed
+verification) are neither followed as leaders nor admitted by ``mm.join``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Literal
 
 from p2pdiloco.errors import NetworkError, ProtocolError
 from p2pdiloco.net.transport import Header, Swarm
+from p2pdiloco.trust.identity import is_peer_id
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +125,8 @@ class Matchmaker:
         quorum_at: float | None = None
         try:
             while True:
-                entries = await self.swarm.get(dht_key)
+                entries = {p: v for p, v in (await self.swarm.get(dht_key)).items()
+                           if is_peer_id(p) and p not in self.swarm.bans}
                 open_peers = {p for p, v in entries.items() if isinstance(v, dict) and v.get("open")}
                 open_peers = (open_peers - excluded) | {me}
                 someone_closed = any(isinstance(v, dict) and not v.get("open") for v in entries.values())
@@ -203,6 +210,8 @@ class Matchmaker:
             key = GroupKey(int(header["f"]), int(header["v"]), str(header["d"]))
         except (KeyError, TypeError, ValueError):
             raise ProtocolError("malformed join request") from None
+        if peer in self.swarm.bans:
+            raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
         gathering = self._gatherings.get(key.fragment)
         if gathering is None or gathering.closed or gathering.key != key:
             return {"status": "closed"}, b""

@@ -10,6 +10,14 @@ it the same way and the losers re-sync.
 Transfer: ``state.get`` returns a fragment's Θ and outer momentum (fp32) with its version
 and digest; the receiver recomputes the digest over the bytes it got and installs nothing
 unless it matches the record it chose (a partial or stale download is discarded).
+
+Trust: records are signed DHT records under their owner's peer ID (``transport.SignedRecords``):
+nobody can write or overwrite another node's record, and entries under a subkey that is not
+an Ed25519 peer ID are ignored, so every holder counted by :func:`newest_heads` is a peer that
+signed its claim. A download is accepted only from a holder and only if the digest over the
+received bytes equals the (version, digest) of those signed records. On start, a node asks a
+few record owners whether they accept it (``trust.hello``): a node refused by a private swarm
+stops with the members' reason instead of training alone.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from p2pdiloco.core.outer import FragmentState, fragment_digest
 from p2pdiloco.errors import NetworkError, ProtocolError, StateSyncError
 from p2pdiloco.net import wire
 from p2pdiloco.net.transport import Header, Swarm
+from p2pdiloco.trust.errors import AccessDenied
+from p2pdiloco.trust.identity import is_peer_id
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +108,38 @@ class StateSync:
         return f"{self.run_id}/heads"
 
     async def start(self) -> None:
+        """Serve ``state.get``, then check that the swarm accepts us (:meth:`check_admission`).
+
+        Raises:
+            AccessDenied: the swarm's members refuse this node (private swarm, no valid
+                certificate); the message carries their reason.
+        """
         await self.swarm.add_handler("state.get", self._on_get)
+        await self.check_admission()
+
+    async def check_admission(self, tries: int = 3) -> None:
+        """Ask up to ``tries`` record owners (random order) whether they accept this node.
+        Returns at the first acceptance, or when nobody published a record or answered.
+
+        Raises:
+            AccessDenied: every peer that answered refused us.
+        """
+        try:
+            peers = [p for p in await self.records() if p != self.swarm.peer_id]
+        except NetworkError:
+            return
+        random.shuffle(peers)
+        refusal: AccessDenied | None = None
+        for peer in peers[:tries]:
+            try:
+                await self.swarm.hello(peer)
+                return
+            except AccessDenied as e:
+                refusal = e
+            except NetworkError as e:
+                log.debug("hello to %s: %s", peer[-8:], e)
+        if refusal is not None:
+            raise AccessDenied(f"the swarm refused this node ({self.swarm.peer_id}): {refusal}", refusal.reason)
 
     async def publish(self, extra: dict[str, Any]) -> None:
         """Store this node's record: per-fragment [version, digest] plus ``extra`` figures."""
@@ -106,8 +147,9 @@ class StateSync:
         await self.swarm.store(self.heads_key, self.swarm.peer_id, record, HEAD_TTL)
 
     async def records(self) -> dict[str, Any]:
-        """Every live node's record, {peer ID: record}."""
-        return await self.swarm.get(self.heads_key)
+        """Every live node's record, {peer ID: record}: only records under a peer ID, which
+        the DHT accepted only when signed by that peer (and, in a private swarm, a member)."""
+        return {p: r for p, r in (await self.swarm.get(self.heads_key)).items() if is_peer_id(p)}
 
     async def download(self, fragment: int, head: Head, *, timeout: float) -> FragmentState:
         """Fetch ``fragment`` at ``head`` from one of its holders, trying them in random order.

@@ -1,0 +1,291 @@
+"""Trust over real sockets: several in-process swarms (one p2pd each) on 127.0.0.1.
+
+Signed and robust all-reduce rounds with faulty and malicious members, owner-only DHT
+records, private-swarm admission, and an identity used twice. Every swarm started here is
+shut down in ``finally`` (its p2pd with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgpack
+import psutil
+import pytest
+import torch
+
+from p2pdiloco.core.fragments import Fragment, TensorSlot
+from p2pdiloco.core.merge import contribution_weight, robust_merge
+from p2pdiloco.errors import ProtocolError
+from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded
+from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
+from p2pdiloco.net.statesync import StateSync
+from p2pdiloco.net.transport import Swarm
+from p2pdiloco.trust import signing
+from p2pdiloco.trust.certificates import Membership, SwarmKey, fingerprint
+from p2pdiloco.trust.errors import AccessDenied, IdentityError
+from p2pdiloco.trust.identity import Identity
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def no_daemon_left():
+    """Every p2pd a test starts (swarms and identity probes) is gone when it ends."""
+    yield
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        left = [c for c in psutil.Process().children(recursive=True)
+                if c.name() == "p2pd" and c.status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"p2pd daemons outlived the test: {[c.pid for c in left]}")
+
+SHAPES = [(24, 16), (16,), (16, 16), (40,), (8, 8), (12, 4), (30,), (6, 6), (20,)]
+FRAGMENT = Fragment(0, tuple(TensorSlot(f"t{i}", s, int(torch.Size(s).numel()), i == 0) for i, s in enumerate(SHAPES)))
+KEY = GroupKey(0, 3, "ab" * 32)
+
+
+@contextlib.asynccontextmanager
+async def swarms(n: int, memberships: list[Membership | None] | None = None,
+                 identities: list[Identity | None] | None = None) -> AsyncIterator[list[Swarm]]:
+    started: list[Swarm] = []
+    try:
+        for i in range(n):
+            peers = await started[0].visible_maddrs() if started else []
+            started.append(await Swarm.start(
+                initial_peers=peers, membership=(memberships or [None] * n)[i],
+                identity=(identities or [None] * n)[i]))
+        yield started
+    finally:
+        await asyncio.gather(*(s.shutdown() for s in started), return_exceptions=True)
+
+
+def delta(seed: int, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, generator=g) * scale * 1e-2 for s in SHAPES)
+
+
+class Resigned(AllReducer):
+    """A member whose requests are tampered with after signing."""
+
+    def __init__(self, *args, mode: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mode, self.other = mode, Identity.generate()
+
+    def _outgoing(self, reducer, head, payload):
+        head = dict(head)
+        if self.mode == "bad_signature":  # the signature no longer matches the bytes
+            head["sig"] = bytes([head["sig"][0] ^ 1]) + head["sig"][1:]
+        elif self.mode == "other_key":  # signed by a key that is not its peer ID's
+            fields = signing.contribution_fields(self.run_id, KEY.fragment, KEY.version, KEY.digest,
+                                                 head["round"], head["members"], reducer, head["tokens"],
+                                                 head["steps"], signing.sha256(payload))
+            head["sig"], head["k"] = signing.sign(self.other, "ar.contrib", fields), self.other.public_key
+        return head, payload
+
+
+async def run_round(reducers: dict[str, AllReducer], contribs: dict[str, Contribution]) -> dict[str, object]:
+    members = tuple(sorted(reducers))
+    group = Group("r1", KEY, members, 0.0)
+
+    async def one(peer: str):
+        try:
+            return await reducers[peer].run(group, contribs[peer])
+        except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
+            return e
+
+    results = await asyncio.gather(*(one(p) for p in members))
+    return dict(zip(members, results))
+
+
+def expected_merge(contribs: list[Contribution], policy: str = "drop") -> list[torch.Tensor]:
+    out = robust_merge([c.delta for c in contribs], [contribution_weight(c.tokens, c.steps) for c in contribs],
+                       FRAGMENT.embedding_mask, policy=policy, factor=4.0)
+    return out.merged
+
+
+@pytest.mark.asyncio
+async def test_faulty_and_malicious_members_are_rejected_and_honest_members_agree():
+    """Three honest members and four bad ones in one group: NaN in one tensor (only that
+    tensor's reducer sees it, so the reducers disagree and phase 2 reconciles), a 10^6 times
+    larger norm (dropped as an outlier), a broken signature, a signature by another key."""
+    async with swarms(7) as sw:
+        ids = [s.peer_id for s in sw]
+        honest, (nan, huge, badsig, otherkey) = ids[:3], ids[3:]
+        reducers: dict[str, AllReducer] = {}
+        for s in sw:
+            mode = {badsig: "bad_signature", otherkey: "other_key"}.get(s.peer_id)
+            cls_kwargs = dict(run_id="run/tag", outliers="drop", outlier_factor=4.0)
+            reducers[s.peer_id] = (Resigned(s, [FRAGMENT], "fp32", 4.0, mode=mode, **cls_kwargs) if mode
+                                   else AllReducer(s, [FRAGMENT], "fp32", 4.0, **cls_kwargs))
+            await reducers[s.peer_id].start()
+        contribs = {p: Contribution(delta(i), 1000 + 100 * i, 10 + i) for i, p in enumerate(ids)}
+        poisoned = list(contribs[nan].delta)
+        poisoned[2] = poisoned[2].clone()
+        poisoned[2][0, 0] = float("nan")
+        contribs[nan] = dataclasses.replace(contribs[nan], delta=tuple(poisoned))
+        contribs[huge] = dataclasses.replace(contribs[huge], delta=tuple(t * 1e6 for t in contribs[huge].delta))
+
+        results = await run_round(reducers, contribs)
+
+        expected = expected_merge([contribs[p] for p in sorted(honest)])
+        for p in honest:
+            merged = results[p]
+            assert isinstance(merged, list), merged
+            assert all(torch.isfinite(t).all() for t in merged)
+            assert all(torch.equal(a, b) for a, b in zip(merged, expected)), "not the clean merge of the honest"
+            assert set(reducers[p].last_contributors) == set(honest)
+        for p in (nan, huge, badsig, otherkey):
+            assert isinstance(results[p], ContributionExcluded), results[p]
+        rejected = sum((r.stats.rejected for r in reducers.values()), start=Counter())
+        assert rejected["non_finite"] == 1  # only the reducer of tensor 2 saw the NaN
+        assert rejected["outlier"] == 7 and rejected["bad_signature"] == 7 and rejected["wrong_key"] == 7
+        assert sum(r.stats.reconciled for r in reducers.values()) == 7  # every member needed phase 2
+        for s in sw:  # verification failures ban the sender on every reducer that saw them; outliers are not banned
+            assert badsig in s.bans or s.peer_id == badsig
+            assert otherkey in s.bans or s.peer_id == otherkey
+            assert huge not in s.bans
+
+
+@pytest.mark.asyncio
+async def test_clip_policy_keeps_a_scaled_contribution_bounded():
+    async with swarms(3) as sw:
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, run_id="run", outliers="clip") for s in sw}
+        for r in reducers.values():
+            await r.start()
+        ids = sorted(reducers)
+        contribs = {p: Contribution(delta(i, 1e6 if i == 0 else 1.0), 1000, 10) for i, p in enumerate(ids)}
+        results = await run_round(reducers, contribs)
+        expected = expected_merge([contribs[p] for p in ids], policy="clip")
+        plain = expected_merge([contribs[p] for p in ids], policy="off")
+        for p in ids:
+            assert all(torch.equal(a, b) for a, b in zip(results[p], expected))
+        honest_norm = max(float(t.norm()) for p in ids[1:] for t in contribs[p].delta)
+        assert max(float(t.norm()) for t in expected) < 4 * 4 * honest_norm < max(float(t.norm()) for t in plain)
+        assert sum(r.stats.clipped for r in reducers.values()) == len(SHAPES)
+
+
+@pytest.mark.asyncio
+async def test_a_reducer_answer_that_fails_verification_fails_the_round():
+    class ForgingReducer(AllReducer):
+        def _statement(self, rnd, phase, contributors, merged):
+            head, body = super()._statement(rnd, phase, contributors, merged)
+            return head, body[:-4] + b"\0\0\0\0"  # bytes no longer match the signed digest
+
+    async with swarms(2) as sw:
+        good = AllReducer(sw[0], [FRAGMENT], "fp32", 4.0, run_id="run")
+        bad = ForgingReducer(sw[1], [FRAGMENT], "fp32", 4.0, run_id="run")
+        for r in (good, bad):
+            await r.start()
+        results = await run_round({sw[0].peer_id: good, sw[1].peer_id: bad},
+                                  {s.peer_id: Contribution(delta(i), 100, 5) for i, s in enumerate(sw)})
+        assert all(isinstance(r, Exception) for r in results.values())
+        assert good.stats.rejected["bad_result"] == 1 and sw[1].peer_id in sw[0].bans
+
+
+# ---- DHT records -------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_dht_record_under_another_nodes_key_is_rejected():
+    async with swarms(3) as (a, b, c):
+        key = "run/heads"
+        assert await a.store(key, a.peer_id, {"f": [[1, "a" * 64]]}, 30)
+        # b writes under a's peer ID, signed by b: every validating peer refuses it
+        assert not await b.store(key, a.peer_id, {"f": [[99, "b" * 64]]}, 60)
+        # b bypasses its own checks and forges the envelope: author a, signature by b
+        forged_author = a.peer_id
+
+        def forge(record):
+            inner = record.value
+            fields = [record.key, record.subkey, inner, float(record.expiration_time)]
+            return msgpack.packb([1, forged_author, inner, signing.sign(b.identity, "dht.record", fields), None],
+                                 use_bin_type=True)
+
+        b.records.sign_value, b.records.validate = forge, lambda record: True
+        await b.store(key, a.peer_id, {"f": [[1000, "c" * 64]]}, 90)
+        for peer in (a, c):
+            seen = await peer.get(key)
+            assert seen.get(a.peer_id) == {"f": [[1, "a" * 64]]}, seen
+        assert a.records.rejected["not_owner"] >= 1 and a.records.rejected["bad_signature"] >= 1
+
+
+# ---- private swarms ----------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_private_swarm_refuses_non_members_and_members_carry_on():
+    owner = SwarmKey.generate()
+    ids = [Identity.generate() for _ in range(4)]
+    now = time.time()
+    members = [Membership(owner.public_key, owner.admit(i.public_key, valid_for=3600)) for i in ids[:2]]
+    expired = Membership(owner.public_key, owner.admit(ids[3].public_key, valid_for=60, now=now - 3600))
+    async with swarms(4, [*members, None, expired], ids) as (a, b, outsider, lapsed):
+        name = f"private swarm {fingerprint(owner.public_key)}"
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, run_id="run") for s in (a, b)}
+        sync_a = StateSync(a, "run", [FRAGMENT], lambda: [])
+        for service in (*reducers.values(), Matchmaker(a, "run", 1), sync_a):
+            await service.start()
+        assert await b.hello(a.peer_id) == name
+        with pytest.raises(AccessDenied, match="presented no membership certificate"):
+            await outsider.hello(a.peer_id)
+        with pytest.raises(AccessDenied, match="expired at"):
+            await lapsed.hello(b.peer_id)
+        for rpc in ("ar.reduce", "mm.join", "state.get"):
+            with pytest.raises(AccessDenied, match=f"refused {rpc}: not a member of {name}"):
+                await outsider.call(a.peer_id, rpc, {"f": 0}, timeout=5)
+        # a node started on the swarm's records is told why it cannot join
+        await sync_a.publish({"name": "a"})
+        for intruder in (outsider, lapsed):
+            with pytest.raises(AccessDenied, match="the swarm refused this node"):
+                await StateSync(intruder, "run", [FRAGMENT], lambda: []).start()
+        # non-members' DHT writes are not accepted by members
+        await outsider.store("run/heads", outsider.peer_id, {"f": []}, 30)
+        await lapsed.store("run/heads", lapsed.peer_id, {"f": []}, 30)
+        assert set(await sync_a.records()) == {a.peer_id}
+        assert a.records.rejected["missing"] + b.records.rejected["missing"] >= 1
+        assert a.refused["missing"] >= 4 and b.refused["expired"] >= 1
+        # members still merge together
+        contribs = {p: Contribution(delta(i), 100, 5) for i, p in enumerate(sorted(reducers))}
+        results = await run_round(reducers, contribs)
+        expected = expected_merge([contribs[p] for p in sorted(reducers)], policy="clip")
+        assert all(all(torch.equal(x, y) for x, y in zip(r, expected)) for r in results.values())
+
+
+@pytest.mark.asyncio
+async def test_matchmaking_ignores_banned_peers():
+    async with swarms(2) as (a, b):
+        mm_a, mm_b = Matchmaker(a, "run", 1), Matchmaker(b, "run", 1)
+        await mm_a.start()
+        await mm_b.start()
+        a.ban(b.peer_id, "test")
+        b.ban(a.peer_id, "test")
+        (oa, ga), (ob, gb) = await asyncio.gather(mm_a.form_group(KEY, grace=1.0, quorum_timeout=3.0, expected=2),
+                                                  mm_b.form_group(KEY, grace=1.0, quorum_timeout=3.0, expected=2))
+        assert oa == ob == "group" and ga.members == (a.peer_id,) and gb.members == (b.peer_id,)
+        with pytest.raises(ProtocolError, match="excluded from this run"):
+            await mm_a._on_join(b.peer_id, {"f": 0, "v": 3, "d": KEY.digest}, b"")
+
+
+# ---- identity ----------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_second_node_with_the_same_identity_refuses_to_start(tmp_path: Path):
+    path = tmp_path / "p2p.key"
+    ident, created = Identity.load_or_create(path)
+    assert created and (path.stat().st_mode & 0o777) == 0o600
+    async with swarms(1, identities=[Identity.load(path)]) as (first,):
+        assert first.peer_id == ident.peer_id
+        maddrs = await first.visible_maddrs()
+        t0 = time.monotonic()
+        with pytest.raises(IdentityError, match="is already used by a running node"):
+            await Swarm.start(initial_peers=maddrs, identity_path=str(path))
+        assert time.monotonic() - t0 < 15
+        other = await Swarm.start(initial_peers=maddrs, identity_path=str(tmp_path / "new.key"))
+        await other.shutdown()
