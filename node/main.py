@@ -83,7 +83,8 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
 
     trust = load_node_trust(cfg.trust, data_dir)
     swarm = await Swarm.start(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"],
-                              announce_maddrs=sw.announce, identity=trust.identity, membership=trust.membership)
+                              announce_maddrs=sw.announce, identity=trust.identity, membership=trust.membership,
+                              admission_key=f"{sw.run_id}/heads")
     try:
         maddrs = await swarm.visible_maddrs()
         setup = await asyncio.to_thread(Setup.build, cfg, name, swarm.peer_id)

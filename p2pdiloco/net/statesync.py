@@ -34,7 +34,6 @@ from p2pdiloco.core.outer import FragmentState, fragment_digest
 from p2pdiloco.errors import NetworkError, ProtocolError, StateSyncError
 from p2pdiloco.net import wire
 from p2pdiloco.net.transport import Header, Swarm
-from p2pdiloco.trust.errors import AccessDenied
 from p2pdiloco.trust.identity import is_peer_id
 
 log = logging.getLogger(__name__)
@@ -108,38 +107,15 @@ class StateSync:
         return f"{self.run_id}/heads"
 
     async def start(self) -> None:
-        """Serve ``state.get``, then check that the swarm accepts us (:meth:`check_admission`).
+        """Serve ``state.get``, then check that the swarm accepts us (``Swarm.check_admission``
+        on the records' owners).
 
         Raises:
             AccessDenied: the swarm's members refuse this node (private swarm, no valid
                 certificate); the message carries their reason.
         """
         await self.swarm.add_handler("state.get", self._on_get)
-        await self.check_admission()
-
-    async def check_admission(self, tries: int = 3) -> None:
-        """Ask up to ``tries`` record owners (random order) whether they accept this node.
-        Returns at the first acceptance, or when nobody published a record or answered.
-
-        Raises:
-            AccessDenied: every peer that answered refused us.
-        """
-        try:
-            peers = [p for p in await self.records() if p != self.swarm.peer_id]
-        except NetworkError:
-            return
-        random.shuffle(peers)
-        refusal: AccessDenied | None = None
-        for peer in peers[:tries]:
-            try:
-                await self.swarm.hello(peer)
-                return
-            except AccessDenied as e:
-                refusal = e
-            except NetworkError as e:
-                log.debug("hello to %s: %s", peer[-8:], e)
-        if refusal is not None:
-            raise AccessDenied(f"the swarm refused this node ({self.swarm.peer_id}): {refusal}", refusal.reason)
+        await self.swarm.check_admission(self.heads_key)
 
     async def publish(self, extra: dict[str, Any]) -> None:
         """Store this node's record: per-fragment [version, digest] plus ``extra`` figures."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -215,6 +216,7 @@ class Swarm:
         self.identity, self.membership, self.records = identity, membership, records
         self.bans: dict[str, str] = {}
         self.refused: Counter[str] = Counter()
+        self.admitted = False  # a member of the swarm accepted us (check_admission)
         self.stats = TrafficStats()
         self.started_at = time.time()
 
@@ -234,6 +236,7 @@ class Swarm:
         identity_path: str | None = None,
         identity: Identity | None = None,
         membership: Membership | None = None,
+        admission_key: str | None = None,
         bootstrap_timeout: float = 10.0,
         startup_timeout: float = 20.0,
     ) -> Swarm:
@@ -243,6 +246,8 @@ class Swarm:
             identity: the node's key pair; else loaded from (or created at) ``identity_path``;
                 else a new key held in memory (a new peer ID every start).
             membership: the private swarm this node belongs to; default: public swarm.
+            admission_key: a DHT key of records under peer IDs (``{run}/heads``): when given,
+                :meth:`check_admission` runs before returning.
 
         Raises:
             IdentityError: the identity file is unusable, or a running peer of the swarm
@@ -250,6 +255,8 @@ class Swarm:
                 daemon starts, for an identity loaded from an existing file).
             NetworkError: the daemon did not start (port in use...) or none of the initial
                 peers answered within ``bootstrap_timeout`` seconds.
+            AccessDenied: ``admission_key`` given and the swarm refuses this node; the daemon
+                is shut down.
         """
         if identity is None:
             identity = Identity.load_or_create(identity_path)[0] if identity_path else Identity.generate()
@@ -300,10 +307,45 @@ class Swarm:
             raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
         await swarm.add_handler("trust.hello", swarm._on_hello)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
+        if admission_key is not None:
+            try:
+                await swarm.check_admission(admission_key)
+            except BaseException:
+                await swarm.shutdown()
+                raise
         return swarm
 
     async def _on_hello(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
         return {"swarm": self.membership.name}, b""
+
+    async def check_admission(self, key: str, tries: int = 3) -> None:
+        """Ask up to ``tries`` owners of records under ``key`` (random order) whether they
+        accept this node (``trust.hello``). Returns at the first acceptance, when nobody
+        published a record or answered, or at once when an earlier check passed.
+
+        Raises:
+            AccessDenied: every peer that answered refused us (for instance: this node has no
+                valid certificate of the private swarm those peers belong to).
+        """
+        if self.admitted:
+            return
+        try:
+            peers = [p for p in await self.get(key) if is_peer_id(p) and p != self.peer_id]
+        except NetworkError:
+            return
+        random.shuffle(peers)
+        refusal: AccessDenied | None = None
+        for peer in peers[:tries]:
+            try:
+                await self.hello(peer)
+                self.admitted = True
+                return
+            except AccessDenied as e:
+                refusal = e
+            except NetworkError as e:
+                log.debug("hello to %s: %s", peer[-8:], e)
+        if refusal is not None:
+            raise AccessDenied(f"the swarm refused this node ({self.peer_id}): {refusal}", refusal.reason)
 
     async def hello(self, peer: str, timeout: float = 5.0) -> str:
         """Ask ``peer`` whether it accepts us; returns its swarm's name.

@@ -1,0 +1,278 @@
+"""Trust unit tests: identities, signatures, certificates, revocation, robust merge rule, CLI."""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from p2pdiloco.cli import main as cli_main
+from p2pdiloco.config import load_config
+from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients, robust_merge
+from p2pdiloco.errors import ConfigError
+from p2pdiloco.trust import load_node_trust, signing
+from p2pdiloco.trust.certificates import Certificate, Membership, RevocationList, SwarmKey, parse_public_key
+from p2pdiloco.trust.errors import AccessDenied, CertificateError, IdentityError
+from p2pdiloco.trust.identity import Identity, b58decode, b58encode, is_peer_id, peer_id_of, public_key_of
+
+t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+
+
+# ---- identity ----------------------------------------------------------------------------
+
+def test_identity_file_is_private_and_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "p2p.key"
+    ident, created = Identity.load_or_create(path)
+    assert created and ident.created
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    data = path.read_bytes()
+    assert len(data) == 68 and data[:4] == bytes([0x08, 0x01, 0x12, 0x40])  # libp2p PrivateKey{Ed25519}
+    again, created = Identity.load_or_create(path)
+    assert not created and again.peer_id == ident.peer_id and again.public_key == ident.public_key
+
+
+def test_peer_id_is_the_public_key() -> None:
+    ident = Identity.generate()
+    assert ident.peer_id.startswith("12D3KooW")  # identity multihash of an Ed25519 key
+    assert public_key_of(ident.peer_id) == ident.public_key and peer_id_of(ident.public_key) == ident.peer_id
+    assert is_peer_id(ident.peer_id)
+    assert not is_peer_id("QmV6bPa3xB8gg5YhjHnmHBCvVpymShB3aaPJmsvxWoq5LB")  # RSA-style: only a hash
+    assert not is_peer_id("3") and not is_peer_id(None)
+    assert b58decode(b58encode(b"\0\0abc")) == b"\0\0abc"
+    with pytest.raises(ValueError, match="not the peer ID of an Ed25519 key"):
+        public_key_of("QmV6bPa3xB8gg5YhjHnmHBCvVpymShB3aaPJmsvxWoq5LB")
+
+
+def test_identity_file_problems_are_clear(tmp_path: Path) -> None:
+    path = tmp_path / "p2p.key"
+    Identity.generate().write(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(IdentityError, match=r"accessible by other users \(mode 0644\); run `chmod 600"):
+        Identity.load(path)
+    rsa = tmp_path / "old.key"
+    rsa.write_bytes(bytes([0x08, 0x00, 0x12, 0x80, 0x09]) + b"\1" * 1200)
+    os.chmod(rsa, 0o600)
+    with pytest.raises(IdentityError, match="RSA key written by an older version"):
+        Identity.load(rsa)
+    bad = tmp_path / "bad.key"
+    data = bytearray(Identity.generate().to_libp2p_bytes())
+    data[-1] ^= 1  # public half no longer matches the seed
+    bad.write_bytes(bytes(data))
+    os.chmod(bad, 0o600)
+    with pytest.raises(IdentityError, match="corrupt"):
+        Identity.load(bad)
+    with pytest.raises(IdentityError, match="does not exist"):
+        Identity.load(tmp_path / "missing.key")
+
+
+# ---- signatures --------------------------------------------------------------------------
+
+def test_signed_message_layout_and_verification() -> None:
+    ident = Identity.generate()
+    fields = signing.contribution_fields("run/tag", 2, 7, "ab" * 32, "r1", ["A", "B"], 1, 1000, 10,
+                                         signing.sha256(b"payload"))
+    assert signing.message("ar.contrib", fields) == (
+        b"p2pdiloco/v1/ar.contrib\0" + msgpack.packb(fields, use_bin_type=True))
+    sig = signing.sign(ident, "ar.contrib", fields)
+    assert len(sig) == 64
+    assert signing.verify_by_peer(ident.peer_id, "ar.contrib", fields, sig)
+    assert not signing.verify_by_peer(ident.peer_id, "ar.merged", fields, sig)  # other purpose
+    for i, changed in [(7, 1001), (8, 11), (9, signing.sha256(b"payloaD")), (4, "r2"), (2, 8)]:
+        tampered = list(fields)
+        tampered[i] = changed
+        assert not signing.verify_by_peer(ident.peer_id, "ar.contrib", tampered, sig)
+    assert not signing.verify_by_peer(Identity.generate().peer_id, "ar.contrib", fields, sig)  # other key
+    assert not signing.verify_by_peer("QmV6bPa3xB8gg5YhjHnmHBCvVpymShB3aaPJmsvxWoq5LB", "ar.contrib", fields, sig)
+    assert not signing.verify(ident.public_key, "ar.contrib", fields, sig[:63])
+    with pytest.raises(ValueError):
+        signing.message("anything", [])
+
+
+# ---- certificates ------------------------------------------------------------------------
+
+NOW = 1_800_000_000
+
+
+def test_certificate_checks() -> None:
+    owner, other_swarm = SwarmKey.generate(), SwarmKey.generate()
+    member, stranger = Identity.generate(), Identity.generate()
+    cert = owner.admit(member.public_key, valid_for=3600, now=NOW)
+    assert Certificate.decode(cert.encode()) == cert
+    cert.verify(owner.public_key, member.public_key, now=NOW + 10)
+    cert.verify(owner.public_key, member.public_key, now=NOW - 200)  # within the allowed clock skew
+    cases = [
+        (dict(swarm=other_swarm.public_key, member=member.public_key, now=NOW), "wrong_swarm"),
+        (dict(swarm=owner.public_key, member=stranger.public_key, now=NOW), "wrong_member"),
+        (dict(swarm=owner.public_key, member=member.public_key, now=NOW + 3600), "expired"),
+        (dict(swarm=owner.public_key, member=member.public_key, now=NOW - 1000), "not_yet_valid"),
+    ]
+    for kw, reason in cases:
+        with pytest.raises(CertificateError) as e:
+            cert.verify(kw["swarm"], kw["member"], now=kw["now"])
+        assert e.value.reason == reason
+    forged = Certificate(cert.swarm, cert.member, cert.issued, cert.expires + 10**6, cert.signature)
+    with pytest.raises(CertificateError, match="valid signature") as e:
+        forged.verify(owner.public_key, member.public_key, now=NOW)
+    by_other = other_swarm.admit(member.public_key, valid_for=3600, now=NOW)
+    with pytest.raises(CertificateError) as e:
+        by_other.verify(owner.public_key, member.public_key, now=NOW)
+    assert e.value.reason == "wrong_swarm"
+    with pytest.raises(CertificateError, match="malformed"):
+        Certificate.decode(b"\x93\x01\x02\x03")
+
+
+def test_revocation_list(tmp_path: Path) -> None:
+    owner = SwarmKey.generate()
+    a, b = Identity.generate(), Identity.generate()
+    first = owner.revoke([a.public_key], now=NOW)
+    second = owner.revoke([b.public_key], first, now=NOW + 1)
+    assert second.serial == 2 and second.revoked == {a.public_key, b.public_key}
+    second.save(tmp_path / "rev.txt")
+    loaded = RevocationList.load(tmp_path / "rev.txt", owner.public_key)
+    assert loaded == second
+    with pytest.raises(CertificateError) as e:
+        RevocationList.load(tmp_path / "rev.txt", SwarmKey.generate().public_key)
+    assert e.value.reason == "wrong_swarm"
+    tampered = RevocationList(owner.public_key, 3, NOW, frozenset(), second.signature)
+    with pytest.raises(CertificateError, match="not signed by the swarm key"):
+        RevocationList.decode(tampered.encode(), owner.public_key)
+    cert = owner.admit(a.public_key, valid_for=3600, now=NOW)
+    with pytest.raises(CertificateError) as e:
+        cert.verify(owner.public_key, a.public_key, now=NOW, revocations=loaded)
+    assert e.value.reason == "revoked"
+
+
+def test_membership_admits_members_only() -> None:
+    owner = SwarmKey.generate()
+    member, outsider = Identity.generate(), Identity.generate()
+    cert = owner.admit(member.public_key, valid_for=3600).encode()
+    private = Membership(owner.public_key)
+    private.check(member.peer_id, cert)
+    private.check(member.peer_id, cert)  # cached
+    for peer, presented, reason in [(outsider.peer_id, None, "missing"), (outsider.peer_id, cert, "wrong_member"),
+                                    (member.peer_id, b"junk", "malformed")]:
+        with pytest.raises(AccessDenied, match="not a member of private swarm") as e:
+            private.check(peer, presented)
+        assert e.value.reason == reason
+    Membership().check(outsider.peer_id, None)  # public swarm: everyone
+
+
+def test_files_and_public_key_forms(tmp_path: Path) -> None:
+    owner = SwarmKey.generate()
+    key_path, pub_path = owner.save(tmp_path)
+    assert stat.S_IMODE(key_path.stat().st_mode) == 0o600
+    assert SwarmKey.load(key_path).public_key == owner.public_key
+    with pytest.raises(CertificateError, match="exists already"):
+        owner.save(tmp_path)
+    ident = Identity.generate()
+    assert parse_public_key(ident.peer_id) == parse_public_key(ident.public_key.hex()) == ident.public_key
+    with pytest.raises(CertificateError, match="is not a public key"):
+        parse_public_key("nope")
+    cert = owner.admit(ident.public_key, valid_for=60)
+    cert.save(tmp_path / "m.cert")
+    assert Certificate.load(tmp_path / "m.cert") == cert
+    assert pub_path.read_text().strip() == owner.public_key.hex()
+
+
+def test_node_trust_from_config(tmp_path: Path) -> None:
+    owner = SwarmKey.generate()
+    _, pub = owner.save(tmp_path / "owner")
+    public = load_node_trust(load_config(env={}).trust, tmp_path / "n0")
+    assert not public.membership.private and (tmp_path / "n0" / "p2p.key").exists()
+    cfg = load_config(env={}, overrides={"trust.swarm_key": str(pub)}).trust
+    with pytest.raises(CertificateError, match=r"no membership certificate at .*member.cert.*swarm admit 12D3KooW"):
+        load_node_trust(cfg, tmp_path / "n1")
+    ident = Identity.load(tmp_path / "n1" / "p2p.key")  # created by the refused start: admit it
+    owner.admit(ident.public_key, valid_for=60, now=time.time() - 120).save(tmp_path / "n1" / "member.cert")
+    with pytest.raises(CertificateError, match="cannot join private swarm .* expired at"):
+        load_node_trust(cfg, tmp_path / "n1")
+    owner.admit(ident.public_key, valid_for=60).save(tmp_path / "n1" / "member.cert")
+    trust = load_node_trust(cfg, tmp_path / "n1")
+    assert trust.membership.private and trust.identity.peer_id == ident.peer_id
+    with pytest.raises(ConfigError, match="trust.swarm_key: expected 64 hex digits"):
+        load_config(env={}, overrides={"trust.swarm_key": "abc"})
+    with pytest.raises(ConfigError, match="trust.outliers: must be one of clip, drop, off"):
+        load_config(env={}, overrides={"trust.outliers": "median"})
+
+
+# ---- robust merge ------------------------------------------------------------------------
+
+W = [contribution_weight(10, 1)] * 3  # equal weights, 100 each
+
+
+def test_robust_merge_drops_non_finite_and_keeps_the_plain_merge_of_the_rest() -> None:
+    members = [[t(3, 4)], [t(0, 2)], [t(float("nan"), 1)]]
+    out = robust_merge(members, W, [False])
+    assert out.kept == (0, 1) and out.dropped == {2: "non_finite"}
+    assert torch.equal(out.merged[0], merge_pseudo_gradients(members[:2], W[:2], [False])[0])
+
+
+def test_robust_merge_clips_norms_far_above_the_lower_median() -> None:
+    # norms 5, 2 and 500: lower median 5, bound 4 * 5 = 20; [300, 400] is scaled to [12, 16]
+    members = [[t(3, 4)], [t(0, 2)], [t(300, 400)]]
+    out = robust_merge(members, W, [True], policy="clip", factor=4.0)
+    assert out.clipped == ((2, 0),) and out.kept == (0, 1, 2)
+    # embedding: weighted mean of [3, 4], [0, 2], [12, 16] with equal weights = [5, 22/3]
+    assert torch.allclose(out.merged[0], t(5.0, 22 / 3), atol=1e-6)
+    dropped = robust_merge(members, W, [True], policy="drop", factor=4.0)
+    assert dropped.kept == (0, 1) and dropped.dropped == {2: "outlier"}
+    assert torch.allclose(dropped.merged[0], t(1.5, 3.0), atol=1e-6)
+    off = robust_merge(members, W, [True], policy="off")
+    assert torch.allclose(off.merged[0], t(101, 406 / 3), atol=1e-4)
+
+
+def test_robust_merge_caps_inflated_weights() -> None:
+    # weights 100, 100 and 10**8 (claimed tokens): capped at 4 * 100, so 400 / 600 of the mean
+    members = [[t(1, 0)], [t(1, 0)], [t(0, 1)]]
+    out = robust_merge(members, [100.0, 100.0, 1e8], [True])
+    assert out.weights == (100.0, 100.0, 400.0)
+    assert torch.allclose(out.merged[0], t(1 / 3, 2 / 3), atol=1e-6)
+
+
+def test_robust_merge_two_members_and_edge_cases() -> None:
+    # with two members the lower median is the smaller norm: a 10^6 times larger Δ is bounded
+    out = robust_merge([[t(0, 1)], [t(0, 1e6)]], [1.0, 1.0], [False], factor=4.0)
+    assert math.isclose(out.merged[0].norm().item(), (1 + 4) / 2, rel_tol=1e-6)
+    # a median norm of 0 defines no bound; one member alone is its own Δ
+    z = robust_merge([[t(0, 0)], [t(0, 0)], [t(1, 1)]], W, [False])
+    assert z.clipped == () and torch.allclose(z.merged[0], t(1 / 3, 1 / 3))
+    assert torch.equal(robust_merge([[t(2, 3)]], [5.0], [False]).merged[0], t(2, 3))
+    with pytest.raises(ValueError, match="no contribution left"):
+        robust_merge([[t(float("inf"), 0)]], [1.0], [False])
+    with pytest.raises(ValueError, match="unknown outlier policy"):
+        robust_merge([[t(1, 0)]], [1.0], [False], policy="median")
+    with pytest.raises(ValueError, match="factor"):
+        robust_merge([[t(1, 0)]], [1.0], [False], factor=1.0)
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+
+def test_swarm_cli_init_identity_admit_revoke(tmp_path: Path, capsys) -> None:
+    assert cli_main(["swarm", "init", "--dir", str(tmp_path)]) == 0
+    pub = (tmp_path / "swarm.pub").read_text().strip()
+    assert f"trust.swarm_key={pub}" in capsys.readouterr().out
+    assert cli_main(["swarm", "init", "--dir", str(tmp_path)]) == 2
+    assert "exists already" in capsys.readouterr().err
+    assert cli_main(["swarm", "identity", "--data-dir", str(tmp_path / "node")]) == 0
+    peer = capsys.readouterr().out.strip()
+    assert is_peer_id(peer)
+    cert_path = tmp_path / "node" / "member.cert"
+    assert cli_main(["swarm", "admit", peer, "--swarm-key", str(tmp_path / "swarm.key"), "--days", "2",
+                     "--out", str(cert_path)]) == 0
+    cert = Certificate.load(cert_path)
+    assert cert.member == public_key_of(peer) and cert.swarm.hex() == pub
+    assert 2 * 86400 - 5 <= cert.expires - time.time() <= 2 * 86400
+    rev = tmp_path / "rev.txt"
+    assert cli_main(["swarm", "revoke", peer, "--swarm-key", str(tmp_path / "swarm.key"), "--list", str(rev)]) == 0
+    assert RevocationList.load(rev, cert.swarm).revoked == {cert.member}
+    capsys.readouterr()
+    assert cli_main(["swarm", "admit", "not-a-key", "--swarm-key", str(tmp_path / "swarm.key")]) == 2
+    assert "is not a public key" in capsys.readouterr().err
+    assert cli_main(["swarm", "admit", peer, "--swarm-key", str(tmp_path / "none.key")]) == 2
+    assert "swarm init" in capsys.readouterr().err

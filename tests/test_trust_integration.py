@@ -1,0 +1,85 @@
+"""Trust with real node processes: a private swarm refuses outsiders while its members train
+on; a second node with an identity already in use refuses to start."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from p2pdiloco.trust.certificates import SwarmKey
+from p2pdiloco.trust.identity import Identity
+
+from tests.conftest import TINY, read_report
+
+pytestmark = pytest.mark.integration
+
+
+def _wait_training(harness, proc, d: Path, timeout: float = 90) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        harness.track_daemons()
+        try:
+            if json.loads((d / "status.json").read_text()).get("state") == "training":
+                return
+        except (OSError, ValueError):
+            pass
+        assert proc.poll() is None, (d / "node.log").read_text()[-3000:]
+        time.sleep(0.3)
+    raise AssertionError(f"{d.name} never started training:\n{(d / 'node.log').read_text()[-3000:]}")
+
+
+def _log(d: Path) -> str:
+    return (d / "node.log").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_private_swarm_refuses_outsiders_and_members_carry_on(harness, tmp_path: Path):
+    owner = SwarmKey.generate()
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    swarm = ["--set", f"trust.swarm_key={owner.public_key.hex()}"]
+
+    def member(name: str, valid_for: float = 3600, now: float | None = None) -> list[str]:
+        ident, _ = Identity.load_or_create(keys / f"{name}.key")
+        owner.admit(ident.public_key, valid_for=valid_for, now=now).save(keys / f"{name}.cert")
+        return [*swarm, "--set", f"trust.identity={keys / f'{name}.key'}",
+                "--set", f"trust.certificate={keys / f'{name}.cert'}"]
+
+    maddr = harness.bootstrap()
+    settings = {**TINY, "data.num_shards": "2"}
+    members = [harness.node(maddr, f"m{i}", {**settings, "data.shard_index": str(i)}, "--duration", "25",
+                            *member(f"m{i}")) for i in range(2)]
+    for proc, d in members:
+        _wait_training(harness, proc, d)
+    # an outsider with no swarm key: the members' records tell it the run is private, they refuse it
+    outsider, od = harness.node(maddr, "outsider", settings, "--duration", "10")
+    # a former member whose certificate expired an hour ago: refused before it joins
+    lapsed, ld = harness.node(maddr, "lapsed", settings, "--duration", "10",
+                              *member("lapsed", valid_for=600, now=time.time() - 4200))
+    assert harness.wait(outsider, 120, od / "node.log") == 1, _log(od)[-3000:]
+    assert "p2pdiloco: the swarm refused this node" in _log(od)
+    assert "not a member of private swarm" in _log(od) and "presented no membership certificate" in _log(od)
+    assert harness.wait(lapsed, 60, ld / "node.log") == 2, _log(ld)[-3000:]
+    assert "p2pdiloco: this node cannot join private swarm" in _log(ld) and "expired at" in _log(ld)
+    for proc, d in members:
+        assert harness.wait(proc, 180, d / "node.log") == 0, _log(d)[-3000:]
+    reports = [read_report(d) for _, d in members]
+    assert reports[0]["global_digest"] == reports[1]["global_digest"]
+    assert any(r["rounds_committed"] > r["rounds_alone"] for r in reports), "the members never merged together"
+    assert "refused" in _log(members[0][1]) + _log(members[1][1])  # they saw and refused the outsider
+
+
+@pytest.mark.timeout(240)
+def test_second_node_with_the_same_identity_refuses_to_start(harness, tmp_path: Path):
+    key = tmp_path / "shared.key"
+    Identity.load_or_create(key)
+    maddr = harness.bootstrap()
+    first, d0 = harness.node(maddr, "first", TINY, "--duration", "15", "--set", f"trust.identity={key}")
+    _wait_training(harness, first, d0)
+    second, d1 = harness.node(maddr, "second", TINY, "--duration", "15", "--set", f"trust.identity={key}")
+    assert harness.wait(second, 60, d1 / "node.log") == 2, _log(d1)[-3000:]
+    assert "is already used by a running node of this swarm" in _log(d1)
+    assert harness.wait(first, 150, d0 / "node.log") == 0, _log(d0)[-3000:]
