@@ -18,7 +18,11 @@ from pathlib import Path
 from p2pdiloco.chaos.harness import ChaosConfig, ChaosError, run
 from p2pdiloco.chaos.metrics import ChaosResult
 from p2pdiloco.chaos.presets import PRESETS, TINY
+from p2pdiloco.chaos.replay import round_seconds
 from p2pdiloco.chaos.schedule import Freeze, Kill, Schedule, Slow, parse_script, random_schedule, round_robin_schedule
+
+# inner steps per second of one tiny node at the default CPU share on the 2-core development machine
+TINY_STEPS_PER_S = 40.0
 
 __all__ = ["PRESETS", "TINY", "ChaosConfig", "ChaosError", "ChaosResult", "Freeze", "Kill", "Schedule", "Slow",
            "parse_script", "random_schedule", "round_robin_schedule", "run", "run_schedule"]
@@ -31,14 +35,21 @@ def run_schedule(schedule, *, settings: dict[str, str] | None = None, workdir: P
     measured :class:`ChaosResult`; ``.goodput`` is merged tokens / (nodes x standalone
     tokens/s x duration), the definition :func:`p2pdiloco.sim.chaos.predict_chaos_goodput`
     predicts. The schedule's ``tokens_per_s`` is not imposed (goodput does not depend on it);
-    the standalone rate is measured. ``round_s`` sets H so that one node's H inner steps take
-    about ``round_s`` seconds at the rate of a calibration guess, and is reported.
+    the standalone rate is measured. With the default (tiny) settings, ``round_s`` sets H so
+    that one node's H inner steps take about ``round_s`` seconds (at ``TINY_STEPS_PER_S``);
+    the realized value is added to the result's notes.
     """
     sched = round_robin_schedule(schedule.nodes, schedule.kill_interval_s, schedule.restart_delay_s,
                                  schedule.duration_s)
     base = dict(TINY if settings is None else settings)
     base["outer.min_quorum"] = str(schedule.min_quorum)
+    if settings is None:  # H inner steps of the tiny model take about round_s seconds
+        base["outer.sync_every"] = str(max(1, round(schedule.round_s * TINY_STEPS_PER_S)))
     work = workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-chaos-"))
     cfg = ChaosConfig(schedule=sched, duration=schedule.duration_s, settings=base, workdir=work, mode=mode,
                       warmup=warmup, **kw)
-    return run(cfg)
+    result = run(cfg)
+    if result.standalone_tokens_per_s > 0:
+        result.notes.append(f"round_s asked {schedule.round_s:g} s, realized "
+                            f"{round_seconds(base, result.standalone_tokens_per_s):.1f} s (H inner steps of one node)")
+    return result

@@ -106,10 +106,12 @@ def format_results(results: list) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     for r in results:
         load = r.load or {}
-        lines.append(f"{r.mode}: {r.nodes} nodes, {r.duration_s:.0f} s measured, standalone "
-                     f"{r.standalone_tokens_per_s:.0f} tokens/s per node (CPU share {r.cpu_share:g}), "
-                     f"{r.tokens_processed:.0f} tokens processed, {r.tokens_merged:.0f} merged, "
-                     f"rounds {r.rounds_committed} committed / {r.rounds_failed} failed")
+        lines.append(f"{r.mode}: {r.nodes} nodes, {r.duration_s:.0f} s measured; standalone "
+                     f"{r.standalone_tokens_per_s:.0f} tokens/s per node ({r.rate_source}; warm-up "
+                     f"{r.warmup_tokens_per_s:.0f}; CPU share {r.cpu_share:g}); {r.tokens_processed:.0f} tokens "
+                     f"processed, {r.tokens_merged:.0f} merged; {r.training_node_s:.0f} of "
+                     f"{r.nodes * r.duration_s:.0f} node-seconds training; rounds {r.rounds_committed} committed, "
+                     f"{r.rounds_failed} failed; uptime window {r.uptime_window_s:g} s")
         if load:
             lines.append(f"  machine: {load['busy_cores']:.2f} of {load['cores']} cores busy on average, "
                          f"{load['ours_cores']:.2f} by this run, {load['others_cores']:.2f} by other processes")
@@ -152,12 +154,14 @@ def run_chaos(args: argparse.Namespace) -> int:
     try:
         tps = args.standalone_tps
         for mode in modes:
+            source = "given" if args.standalone_tps else "the decoupled run" if tps else "this run"
             cfg = ChaosConfig(schedule=schedule, duration=args.duration, settings=settings, workdir=work, mode=mode,
-                              warmup=args.warmup, cpu_share=args.cpu_share, standalone_tps=tps, data=args.data,
-                              progress=say)
+                              warmup=args.warmup, cpu_share=args.cpu_share, standalone_tps=tps, rate_source=source,
+                              data=args.data, progress=say)
             res = run(cfg)
             results.append(res)
-            tps = tps or res.standalone_tokens_per_s  # the baseline is charged the same allocation
+            # the baseline is charged the same allocation: its own rate includes its waits
+            tps = tps or res.standalone_tokens_per_s
     except ChaosError as e:
         print(f"p2pdiloco: {e}", file=sys.stderr)
         return 1

@@ -35,7 +35,7 @@ def apply_event(run: Run, ev: Event) -> None:
         run.throttle.release(cur.proc)
         run.procs.kill(cur.proc)
         cur.exit_code = cur.proc.popen.returncode
-        tr.frozen_since = None
+        tr.thawed(now)
         run.failures["kill"] += 1
         run.say(f"t={now - run.t0:5.0f} s  killed {tr.name} (SIGKILL to its process group)")
     elif ev.action == "restart":
@@ -56,13 +56,15 @@ def apply_event(run: Run, ev: Event) -> None:
             return
         cur.proc.signal_group(signal.SIGCONT)
         cur.proc.stopped = cur.proc.paused = False
-        tr.frozen_since = None
+        tr.thawed(now)
         run.say(f"t={now - run.t0:5.0f} s  thawed {tr.name} (SIGCONT)")
     elif ev.action in ("slow", "unslow"):
         tr.slow_factor = ev.arg if ev.action == "slow" else 1.0
+        tr.slowed = tr.slowed or ev.action == "slow"
         run.failures["slow"] += ev.action == "slow"
         run.apply_throttle(tr)
-        run.say(f"t={now - run.t0:5.0f} s  {tr.name} runs x{tr.slow_factor:g} slower")
+        run.say(f"t={now - run.t0:5.0f} s  {tr.name} " + (f"runs x{ev.arg:g} slower (CPU duty cycle)"
+                                                         if ev.action == "slow" else "back to full speed"))
 
 
 def startup_guess(run: Run) -> float:
@@ -78,7 +80,7 @@ def finish_nodes(run: Run) -> None:
         if tr.up() and tr.frozen_since is not None:
             tr.current.proc.signal_group(signal.SIGCONT)
             tr.current.proc.stopped = tr.current.proc.paused = False
-            tr.frozen_since = None
+            tr.thawed(time.monotonic())
     run.stopping = True
     live = [tr for tr in run.tracks if tr.up()]
     end = time.monotonic() + run.cfg.stop_timeout

@@ -2,7 +2,7 @@
 
 Phases of one run: start (bootstrap, then every node with ``python -m node run``, each with
 its own data dir, fixed port, status and report file), wait until every node trains, a
-fault-free warm-up (measures the standalone tokens/s), the measured window of ``duration``
+fault-free warm-up, the measured window of ``duration``
 seconds in which the schedule is applied, then SIGTERM to every live node: each finishes
 its rounds, settles with the swarm and writes its report. Every process is ended on every
 exit path (own process groups; :class:`~p2pdiloco.chaos.procs.Processes`).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from p2pdiloco.chaos.faults import apply_event, finish_nodes
 from p2pdiloco.chaos.load import LoadMonitor
-from p2pdiloco.chaos.metrics import ChaosResult, standalone_rate, summarize
+from p2pdiloco.chaos.metrics import ChaosResult, commit_times, summarize, warmup_rate
 from p2pdiloco.chaos.observe import Incarnation, NodeTrack, clock_offset, close_incarnation, is_rejoined
 from p2pdiloco.chaos.procs import Processes
 from p2pdiloco.chaos.replay import replay_goodput
@@ -40,8 +40,8 @@ class ChaosError(RuntimeError):
 class ChaosConfig:
     """One chaos run. ``settings``: ``--set`` values for every node; ``cpu_share``: the CPU
     duty cycle of each training node (None: ``0.7 x cores / nodes``, at most 1; 1: no
-    throttling); ``standalone_tps``: per-node tokens/s for goodput (None: measured in the
-    warm-up)."""
+    throttling); ``standalone_tps``: per-node tokens/s for goodput (None: measured over
+    this run, :mod:`p2pdiloco.chaos.metrics`)."""
 
     schedule: Schedule
     duration: float
@@ -52,8 +52,9 @@ class ChaosConfig:
     cpu_share: float | None = None
     throttle_period: float = 0.1
     standalone_tps: float | None = None
+    rate_source: str = "given"  # how standalone_tps was obtained, for the report
     data: str | None = None
-    uptime_window: float = 5.0
+    uptime_window: float | None = None  # None: max(5 s, twice the warm-up's median gap between merges)
     rejoin_slack: float = 2.0
     start_timeout: float = 180.0
     stop_timeout: float = 150.0  # after the window: budget-end spread + finishing rounds + settle
@@ -92,7 +93,7 @@ class Run:
         self.failures = {"kill": 0, "kill_skipped": 0, "freeze": 0, "slow": 0}
         self.notes: list[str] = list(cfg.extra_notes)
         self.next_poll = 0.0
-        self.t0 = self.t1 = 0.0
+        self.t0 = self.t1 = self.ready = 0.0
         self.stopping = False
         self.load = LoadMonitor(self.procs)
         self.next_load = 0.0
@@ -209,7 +210,7 @@ class Run:
         self.say(f"{cfg.mode}: {cfg.nodes} nodes starting (logs in {self.work})")
         self.wait_training()
         starts = [tr.current.training_at for tr in self.tracks]
-        ready = max(starts)
+        ready = self.ready = max(starts)
         # the nodes' budgets end around t1 (they started training at slightly different times)
         self.t1 = statistics.median(starts) + budget
         self.t0 = self.t1 - cfg.duration
@@ -222,11 +223,11 @@ class Run:
         for tr in self.tracks:
             cur = tr.current
             before = [x for x in cur.samples if x.t <= self.t0] or cur.samples[:1]
-            if before:
-                cur.base_tokens, cur.base_merged, cur.base_committed = \
-                    before[-1].tokens, before[-1].merged, before[-1].committed
-        tps = cfg.standalone_tps or standalone_rate(self.tracks, ready + 1.0, self.t0)
-        self.say(f"{cfg.mode}: measured window starts; standalone rate {tps:.0f} tokens/s per node")
+            if before:  # merged tokens pay off the warm-up's tokens first (metrics docstring)
+                cur.base_tokens, cur.base_committed = before[-1].tokens, before[-1].committed
+                cur.base_merged = max(before[-1].tokens, before[-1].merged)
+        warm = warmup_rate(self.tracks, ready + 1.0, self.t0)
+        self.say(f"{cfg.mode}: measured window starts; warm-up rate {warm:.0f} tokens/s per node")
         for ev in cfg.schedule.events():
             if self.t0 + ev.at >= self.t1:
                 break
@@ -236,20 +237,28 @@ class Run:
         self.load.sample(time.monotonic())
         self.say(f"{cfg.mode}: measured window over; waiting for the nodes to settle and exit")
         self.finish()
-        return self.result(tps)
+        return self.result(warm)
 
-    def result(self, tps: float) -> ChaosResult:
+    def auto_window(self) -> float:
+        commits = [t for t in commit_times(self.tracks) if self.ready <= t <= self.t0]
+        gaps = [b - a for a, b in zip(commits, commits[1:], strict=False)]
+        return round(max(5.0, 2 * statistics.median(gaps)), 1) if gaps else 10.0
+
+    def result(self, warm: float) -> ChaosResult:
         self.procs.close()
         survivors = self.procs.survivors()
         if survivors:
             self.notes.append(f"processes still running after close: {survivors}")
+        window = self.cfg.uptime_window or self.auto_window()
         res = summarize(self.cfg.mode, self.tracks, t0=self.t0, t1=self.t1, schedule=self.cfg.schedule.text(),
-                        failures=self.failures, standalone_tps=tps, window=self.cfg.uptime_window,
+                        failures=self.failures, standalone_tps=self.cfg.standalone_tps,
+                        rate_source=self.cfg.rate_source, warmup_tps=warm, window=window,
                         workdir=str(self.work), survivors=survivors, notes=self.notes)
         res.load = self.load.summary()
         res.cpu_share = round(self.cfg.share(), 3)
         if self.cfg.mode == "decoupled" and not self.failures["freeze"] and not self.failures["slow"]:
-            res.simulated_goodput = replay_goodput(self.tracks, self.t0, self.t1, tps, self.cfg.settings)
+            res.simulated_goodput = replay_goodput(self.tracks, self.t0, self.t1, res.standalone_tokens_per_s,
+                                                   self.cfg.settings)
         return res
 
 

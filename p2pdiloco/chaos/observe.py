@@ -41,6 +41,8 @@ class Sample:
     tps: float
     versions: tuple[int, ...]
     digest: str
+    heldout: float | None = None  # held-out loss of the local model at its last evaluation
+    blocked: float = 0.0  # seconds training waited for rounds (synchronous mode), if reported
 
 
 @dataclass
@@ -83,7 +85,15 @@ class NodeTrack:
     folder: Path
     lives: list[Incarnation] = field(default_factory=list)
     frozen_since: float | None = None
+    frozen: list[tuple[float, float]] = field(default_factory=list)  # (SIGSTOP, SIGCONT or kill) times
     slow_factor: float = 1.0
+    slowed: bool = False  # ever slowed down by the schedule
+
+    def thawed(self, at: float) -> None:
+        """The freeze ended at ``at`` (SIGCONT or a kill)."""
+        if self.frozen_since is not None:
+            self.frozen.append((self.frozen_since, at))
+        self.frozen_since = None
 
     @property
     def name(self) -> str:
@@ -137,8 +147,10 @@ def sample_of(data: dict[str, Any], t: float) -> Sample:
 
     frags = data.get("fragments") or []
     versions = tuple(int(f[0]) for f in frags if isinstance(f, (list, tuple)) and f)
+    held = data.get("heldout_loss")
     return Sample(t, str(data.get("state", "?")), num("tokens"), num("tokens_merged"), int(num("rounds_committed")),
-                  int(num("rounds_failed")), num("tokens_per_s"), versions, str(data.get("global_digest", "")))
+                  int(num("rounds_failed")), num("tokens_per_s"), versions, str(data.get("global_digest", "")),
+                  float(held) if isinstance(held, (int, float)) else None, num("blocked_s"))
 
 
 def clock_offset() -> float:
