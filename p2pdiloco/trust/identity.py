@@ -23,6 +23,7 @@ one context never verifies in the other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import stat
 import tempfile
@@ -73,6 +74,7 @@ def peer_id_of(public_key: bytes) -> str:
     return b58encode(_IDENTITY_MULTIHASH + _LIBP2P_PUBLIC_PREFIX + public_key)
 
 
+@functools.lru_cache(maxsize=4096)
 def public_key_of(peer_id: str) -> bytes:
     """The raw 32-byte Ed25519 public key inlined in ``peer_id``.
 
