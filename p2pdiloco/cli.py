@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="p2pdiloco", description="Decoupled DiLoCo over a peer-to-peer swarm")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _node_parser(sub)
+    swarm = sub.add_parser("swarm", help="private-swarm keys: init, admit, revoke, identity")
+    from p2pdiloco.trust.cli import add_swarm_key_parsers  # noqa: PLC0415
+
+    add_swarm_key_parsers(swarm.add_subparsers(dest="swarm_cmd", required=True))  # docs/trust.md
     boot = sub.add_parser("bootstrap", help="run a bootstrap peer (DHT only) and print its multiaddrs")
     from bootstrap.main import add_arguments  # noqa: PLC0415
 
@@ -126,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(getattr(args, "verbose", 0))
     if args.cmd == "node":
         return _node_run(args)
+    if args.cmd == "swarm":
+        from p2pdiloco.trust.cli import run_swarm_key_command  # noqa: PLC0415
+
+        return run_swarm_key_command(args)
     if args.cmd == "bootstrap":
         from bootstrap.main import serve  # noqa: PLC0415
 
