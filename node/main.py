@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import json
 import logging
+import math
 import os
 import signal
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from p2pdiloco.config import NodeConfig
 from p2pdiloco.data import bits_per_byte, evaluate
+from p2pdiloco.errors import P2PDilocoError
+from p2pdiloco.net.statesync import is_behind, newest_heads
 from p2pdiloco.net.transport import Swarm
 
+from node.control import ControlServer, start_metrics
 from node.runtime import Node
 from node.setup import Setup
 
 log = logging.getLogger(__name__)
+
+PROCESS_START = psutil.Process().create_time()
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -46,77 +57,248 @@ def global_digest(node: Node) -> str:
     return h.hexdigest()[:16]
 
 
-def snapshot(node: Node, swarm: Swarm, maddrs: list[str]) -> dict[str, Any]:
-    """The node's statistics as one JSON-able dict (rendered by the demo and `status`)."""
+def _num(x: Any, ndigits: int = 4) -> float | None:
+    """A float for JSON: rounded, None for NaN/inf (scripts get valid JSON)."""
+    return round(x, ndigits) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def reachability(maddrs: list[str]) -> str:
+    """How other peers can reach this node, from the addresses it announces."""
+    if any("/p2p-circuit" in m for m in maddrs):
+        return "relayed"
+    ips = []
+    for m in maddrs:
+        parts = m.strip("/").split("/")
+        if len(parts) >= 2 and parts[0] in ("ip4", "ip6"):
+            try:
+                ips.append(ipaddress.ip_address(parts[1]))
+            except ValueError:
+                continue
+        elif len(parts) >= 2 and parts[0].startswith("dns"):
+            return "direct"
+    if not ips or all(ip.is_loopback for ip in ips):
+        return "loopback only"
+    if any(ip.is_global for ip in ips):
+        return "direct"
+    return "direct, private network only"
+
+
+class SwarmView:
+    """The swarm as this node last read it from the DHT (``{run}/heads``), refreshed every
+    few seconds by :meth:`refresh_forever`; read by status, metrics and the live view."""
+
+    REFRESH_SECONDS = 5.0
+
+    def __init__(self) -> None:
+        self.records: dict[str, Any] | None = None
+        self.read_at: float | None = None
+        self.connections: int | None = None
+
+    async def refresh_forever(self, node: Node, swarm: Swarm) -> None:
+        while True:
+            try:
+                self.records = await node.sync.records()
+                self.read_at = time.time()
+            except P2PDilocoError as e:
+                log.debug("swarm view: %s", e)
+            try:
+                self.connections = await swarm.num_connected()
+            except Exception as e:  # the daemon's answer is informative only
+                log.debug("swarm view: connections: %s", e)
+            await asyncio.sleep(self.REFRESH_SECONDS)
+
+    def summary(self, committed: list, me: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """(swarm figures, per-fragment status against the swarm's newest heads). This node's
+        own record counts with what it holds now, not with what it last published."""
+        frags = [{"fragment": st.index, "version": st.version, "digest": st.short(), "swarm_version": None,
+                  "holders": 0, "status": "unknown"} for st in committed]
+        if self.records is None:
+            return None, frags
+        records = {k: r for k, r in self.records.items() if isinstance(r, dict)}
+        records[me] = {**records.get(me, {}), "f": [[st.version, st.digest] for st in committed]}
+        heads = newest_heads(records, len(committed))
+        for f, st, head in zip(frags, committed, heads):
+            if head is None:
+                f["status"] = "no record"
+                continue
+            f.update(swarm_version=head.version, holders=len(head.holders))
+            f["status"] = ("newest" if (st.version, st.digest) == (head.version, head.digest)
+                           else "behind" if is_behind(st, head) else "ahead")
+        now = time.time()
+        return {
+            "peers": len(records),
+            "learners": sum(1 for r in records.values() if not r.get("done")),
+            "newest": [h.version if h else None for h in heads],
+            "behind": [f["fragment"] for f in frags if f["status"] == "behind"],
+            "read_age_s": _num(now - self.read_at, 1) if self.read_at else None,
+        }, frags
+
+
+def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None = None,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The node's figures as one JSON-able dict: the status file, the report, `node status`,
+    the metrics endpoint and the live view all read it."""
     tr = node.training.stats if node.training else None
     st = node.stats
+    swarm_figures, fragments = (view or SwarmView()).summary(node.committed, swarm.peer_id)
+    in_flight = sorted(getattr(node, "_in_flight", ()))
+    rejected = dict(node.allreducer.stats.rejected)
     return {
-        "name": node.setup.name, "peer_id": swarm.peer_id, "maddrs": maddrs, "pid": os.getpid(),
-        "p2pd_pid": swarm.daemon_pid, "state": st.state, "uptime_s": round(time.time() - swarm.started_at, 1),
+        "name": node.setup.name, "run_id": node.cfg.swarm.run_id, "peer_id": swarm.peer_id, "maddrs": maddrs,
+        "reachability": reachability(maddrs), "connections": view.connections if view else None,
+        "pid": os.getpid(), "p2pd_pid": swarm.daemon_pid, "state": st.state,
+        "merging": in_flight, "uptime_s": round(time.time() - PROCESS_START, 1),
         "step": tr.step if tr else 0, "tokens": tr.tokens if tr else 0,
         "tokens_per_s": round(tr.tokens_per_s, 1) if tr else 0.0,
-        "loss": tr.loss if tr else None, "heldout_loss": tr.heldout_loss if tr else None,
+        "loss": _num(tr.loss) if tr else None, "heldout_loss": _num(tr.heldout_loss) if tr else None,
         "rounds_committed": st.rounds_committed, "rounds_failed": st.rounds_failed,
         "rounds_late": st.rounds_late, "rounds_alone": st.rounds_alone, "catchups": st.catchups,
         "tokens_merged": st.tokens_merged,
         "last_round": vars(st.recent[-1]) if st.recent else None,
+        "recent_rounds": [{**vars(r), "seconds": round(r.seconds, 2)} for r in st.recent[-10:]],
         "bytes_out": swarm.stats.bytes_out, "bytes_in": swarm.stats.bytes_in,
+        "rpc_calls": swarm.stats.calls_out, "rpc_failed": swarm.stats.calls_failed,
+        "rejected": rejected, "rejected_total": sum(rejected.values()),
+        "allreduce": {k: v for k, v in vars(node.allreducer.stats).items() if type(v) is int},
         "fragments": [[s.version, s.short()] for s in node.committed],
-        "global_digest": global_digest(node),
+        "fragment_status": fragments, "swarm": swarm_figures,
+        "global_digest": global_digest(node), "time": round(time.time(), 3),
+        **(extra or {}),
     }
 
 
+class Board:
+    """What a running node shows: ``current()`` builds a fresh snapshot (event loop only);
+    ``latest`` is the one built last second, safe to read from other threads (metrics)."""
+
+    def __init__(self, cfg: NodeConfig, name: str, control: ControlServer):
+        self.cfg, self.name, self.control = cfg, name, control
+        self.metrics_url = f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None
+        self.current: Callable[[], dict[str, Any]] = self.starting
+        self.latest: dict[str, Any] = self.starting()
+
+    def extra(self) -> dict[str, Any]:
+        return {"uptime_s": round(time.time() - PROCESS_START, 1), "control_socket": str(self.control.path),
+                "metrics": self.metrics_url}
+
+    def starting(self) -> dict[str, Any]:
+        return {"name": self.name, "run_id": self.cfg.swarm.run_id, "state": "starting", "pid": os.getpid(),
+                **self.extra()}
+
+    def refresh(self) -> dict[str, Any]:
+        self.latest = self.current()
+        return self.latest
+
+
+async def live_progress(board: Board) -> None:
+    """Redraw the node's status in its terminal every second (rich); log lines scroll above."""
+    from rich.live import Live  # noqa: PLC0415
+
+    from node.status_view import render_live  # noqa: PLC0415
+
+    handlers = [h for h in logging.getLogger().handlers
+                if isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr, sys.stdout)]
+    streams = [h.stream for h in handlers]
+    with Live(render_live(board.latest), refresh_per_second=2, redirect_stderr=True, redirect_stdout=True) as live:
+        for h in handlers:  # through rich's proxy, so log lines print above the live view
+            h.setStream(sys.stderr)
+        try:
+            while True:
+                await asyncio.sleep(1.0)
+                live.update(render_live(board.latest))
+        finally:
+            for h, stream in zip(handlers, streams):
+                h.setStream(stream)
+
+
 async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | None = None,
-                   report_path: Path | None = None, on_ready=None) -> dict[str, Any]:
+                   report_path: Path | None = None, on_ready=None, progress: bool = False) -> dict[str, Any]:
     """Run one node to the end of its budget or until SIGINT/SIGTERM; returns its report.
 
+    While it runs, ``p2pdiloco node status`` reads it on its control socket (``control.sock``
+    in the data dir), Prometheus on ``metrics_port`` when set, and with ``progress`` the
+    terminal shows a live view.
+
     Raises:
-        NetworkError: the transport could not start or join.
+        NetworkError: the transport could not start or join, another node runs with the same
+            data dir, or the metrics port cannot be bound.
         ConfigError: the data or model settings cannot work.
     """
     data_dir = Path(cfg.data_dir) if cfg.data_dir else None
-    identity = str(data_dir / "p2p.key") if data_dir else None
     if data_dir:
         data_dir.mkdir(parents=True, exist_ok=True)
-    sw = cfg.swarm
-    from p2pdiloco.trust import load_node_trust  # noqa: PLC0415  (identity, private-swarm membership)
-
-    trust = load_node_trust(cfg.trust, data_dir)
-    swarm = await Swarm.start(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"],
-                              announce_maddrs=sw.announce, identity=trust.identity, membership=trust.membership,
-                              admission_key=f"{sw.run_id}/heads")
+    control = await ControlServer.start(data_dir)
+    board = Board(cfg, name, control)
+    control.provider = lambda: board.current()
+    stop_metrics = None
     try:
-        maddrs = await swarm.visible_maddrs()
-        setup = await asyncio.to_thread(Setup.build, cfg, name, swarm.peer_id)
-        node = Node(setup, swarm)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, node.stop)
-        if on_ready is not None:
-            on_ready(swarm.peer_id, maddrs)
+        if cfg.metrics_port:
+            stop_metrics = start_metrics(cfg.metrics_host, cfg.metrics_port, lambda: board.latest)
+        sw = cfg.swarm
+        from p2pdiloco.trust import load_node_trust  # noqa: PLC0415  (identity, private-swarm membership)
 
-        async def write_status() -> None:
-            while True:
-                if status_path is not None:
-                    await asyncio.to_thread(write_json_atomic, status_path, snapshot(node, swarm, maddrs))
-                await asyncio.sleep(1.0)
-
-        async with asyncio.TaskGroup() as tg:
-            writer = tg.create_task(write_status())
-            try:
-                await node.run()
-            finally:
-                writer.cancel()
-        report = snapshot(node, swarm, maddrs)
-        final = await asyncio.to_thread(evaluate, setup.global_model(node.committed), setup.heldout)
-        start = node.training.stats.heldout_history[0][1]
-        report.update(start_loss=start, end_loss=final, end_bits_per_byte=bits_per_byte(final),
-                      heldout_history=node.training.stats.heldout_history, state="stopped")
-        log.info("%s done: held-out loss %.3f -> %.3f nats/byte, %d rounds, digest %s",
-                 name, start, final, node.stats.rounds_committed, report["global_digest"])
-        for path in (status_path, report_path):
-            if path is not None:
-                write_json_atomic(path, report)
-        return report
+        trust = load_node_trust(cfg.trust, data_dir)
+        swarm = await Swarm.start(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"],
+                                  announce_maddrs=sw.announce, identity=trust.identity, membership=trust.membership,
+                                  admission_key=f"{sw.run_id}/heads")
+        try:
+            return await _serve(cfg, name, swarm, board, status_path, report_path, on_ready, progress)
+        finally:
+            await swarm.shutdown()
     finally:
-        await swarm.shutdown()
+        if stop_metrics is not None:
+            stop_metrics()
+        await control.close()
+
+
+async def _serve(cfg: NodeConfig, name: str, swarm: Swarm, board: Board, status_path: Path | None,
+                 report_path: Path | None, on_ready, progress: bool) -> dict[str, Any]:
+    maddrs = await swarm.visible_maddrs()
+    where = f"--data-dir {cfg.data_dir}" if cfg.data_dir else f"--socket {board.control.path}"
+    log.info("%s: status with `p2pdiloco node status %s`%s", name, where,
+             f"; Prometheus metrics on {board.metrics_url}" if board.metrics_url else "")
+    if reachability(maddrs) == "loopback only":
+        log.warning("%s: only loopback addresses are announced (%s); peers on other machines cannot dial this "
+                    "node: use --host 0.0.0.0, or --set swarm.announce=/ip4/PUBLIC_IP/tcp/PORT behind NAT",
+                    name, ", ".join(maddrs))
+    board.current = lambda: {**board.starting(), "peer_id": swarm.peer_id, "p2pd_pid": swarm.daemon_pid,
+                             "maddrs": maddrs, "reachability": reachability(maddrs)}
+    setup = await asyncio.to_thread(Setup.build, cfg, name, swarm.peer_id)
+    node = Node(setup, swarm)
+    view = SwarmView()
+    board.current = lambda: snapshot(node, swarm, maddrs, view, board.extra())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, node.stop)
+    if on_ready is not None:
+        on_ready(swarm.peer_id, maddrs)
+
+    async def write_status() -> None:
+        while True:
+            board.refresh()
+            if status_path is not None:
+                await asyncio.to_thread(write_json_atomic, status_path, board.latest)
+            await asyncio.sleep(1.0)
+
+    async with asyncio.TaskGroup() as tg:
+        background = [tg.create_task(write_status()), tg.create_task(view.refresh_forever(node, swarm))]
+        if progress:
+            background.append(tg.create_task(live_progress(board)))
+        try:
+            await node.run()
+        finally:
+            for task in background:
+                task.cancel()
+    board.current = lambda: {**snapshot(node, swarm, maddrs, view, board.extra()), "state": "evaluating"}
+    report = snapshot(node, swarm, maddrs, view, board.extra())
+    final = await asyncio.to_thread(evaluate, setup.global_model(node.committed), setup.heldout)
+    start = node.training.stats.heldout_history[0][1]
+    report.update(start_loss=start, end_loss=final, end_bits_per_byte=bits_per_byte(final),
+                  heldout_history=node.training.stats.heldout_history, state="stopped")
+    board.current = lambda: {**report, **board.extra()}
+    log.info("%s done: held-out loss %.3f -> %.3f nats/byte, %d rounds, digest %s",
+             name, start, final, node.stats.rounds_committed, report["global_digest"])
+    for path in (status_path, report_path):
+        if path is not None:
+            write_json_atomic(path, report)
+    return report

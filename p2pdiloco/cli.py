@@ -1,4 +1,4 @@
-"""The ``p2pdiloco`` command: node, bootstrap, demo and simulate subcommands.
+"""The ``p2pdiloco`` command: node (run, status), swarm status, bootstrap, demo and simulate.
 
 Every expected failure (bad config or address, unreachable peers, port in use) ends with one
 line on stderr and a non-zero exit code: 2 for configuration errors, 1 for the rest.
@@ -71,7 +71,129 @@ def _node_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--report-file", type=Path, default=None, help="write the final JSON report here")
     run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                      help="override any config value, e.g. --set outer.sync_every=50")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no live view in the terminal (it is shown only when stdout is a terminal)")
     run.add_argument("-v", "--verbose", action="count", default=1)
+    status = nsub.add_parser("status", help="show what a running node on this machine is doing",
+                             description="Read a running node over its local control socket (control.sock in its "
+                                         "data dir). Exit 1 with one line when no node answers within a few seconds.")
+    where = status.add_mutually_exclusive_group()
+    where.add_argument("--data-dir", default=None, help="the node's --data-dir (default: the only node without one)")
+    where.add_argument("--socket", default=None, help="path of the node's control socket")
+    status.add_argument("--json", action="store_true", help="print the raw JSON snapshot (for scripts)")
+    status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                        help="refresh every SECONDS (default 2) until Ctrl+C")
+    status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the node's answer (default 3)")
+
+
+def _swarm_parser(sub: argparse._SubParsersAction) -> None:
+    swarm = sub.add_parser("swarm", help="swarm status (without joining), private-swarm keys: init, admit, revoke, identity")
+    ssub = swarm.add_subparsers(dest="swarm_cmd", required=True)
+    from p2pdiloco.trust.cli import add_swarm_key_parsers  # noqa: PLC0415
+
+    add_swarm_key_parsers(ssub)  # init, admit, revoke, identity: private-swarm keys (docs/trust.md)
+    status = ssub.add_parser("status", help="every node's record in the DHT: state, step, tokens/s, versions",
+                             description="Join the DHT as a light peer (no model, no training), print every node's "
+                                         "record under the run, then leave.")
+    status.add_argument("--initial-peers", nargs="+", default=None, metavar="MULTIADDR",
+                        help="multiaddrs of peers to join through (from `p2pdiloco bootstrap`)")
+    status.add_argument("--run-id", default=None, help="name of the training run (default: from --config, else "
+                                                       "'p2pdiloco')")
+    status.add_argument("--config", type=Path, default=None, help="a node's TOML config: its peers and run ID")
+    status.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    status.add_argument("--wait", type=float, default=10.0,
+                        help="seconds to wait for records to appear (default 10)")
+    status.add_argument("-v", "--verbose", action="count", default=0)
+
+
+def _node_status(args: argparse.Namespace) -> int:
+    import time  # noqa: PLC0415
+
+    from node.control import ControlUnreachable, find_socket, query  # noqa: PLC0415
+
+    try:
+        path = find_socket(args.data_dir, args.socket)
+        snap = query(path, timeout=args.timeout)
+    except ControlUnreachable as e:
+        return report_error(e)
+    if args.watch is None:
+        _print_node_status(snap, args.json)
+        return 0
+    from rich.live import Live  # noqa: PLC0415
+
+    from node.status_view import render_node  # noqa: PLC0415
+
+    if args.json or not sys.stdout.isatty():  # one snapshot after the other: JSON lines, or plain text
+        try:
+            while True:
+                if args.json:
+                    print(json.dumps(snap), flush=True)
+                else:
+                    _print_node_status(snap, False)
+                    print(flush=True)
+                time.sleep(max(0.2, args.watch))
+                snap = query(path, timeout=args.timeout)
+        except ControlUnreachable as e:
+            return report_error(e)
+        except KeyboardInterrupt:
+            return 0
+    try:
+        with Live(render_node(snap), auto_refresh=False) as live:
+            while True:
+                time.sleep(max(0.2, args.watch))
+                snap = query(path, timeout=args.timeout)
+                live.update(render_node(snap), refresh=True)
+    except ControlUnreachable as e:
+        return report_error(e)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _print_node_status(snap: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(snap, indent=1))
+        return
+    from rich.console import Console  # noqa: PLC0415
+
+    from node.status_view import render_node  # noqa: PLC0415
+
+    Console().print(render_node(snap))
+
+
+def _swarm_status(args: argparse.Namespace) -> int:
+    from p2pdiloco.config import load_config  # noqa: PLC0415
+    from p2pdiloco.net.addresses import check_any_reachable, check_peer_maddr  # noqa: PLC0415
+
+    try:
+        if args.config is not None:
+            cfg = load_config(args.config).swarm
+            peers, run_id = list(args.initial_peers or cfg.initial_peers), args.run_id or cfg.run_id
+        else:
+            peers, run_id = list(args.initial_peers or []), args.run_id or "p2pdiloco"
+        if not peers:
+            raise ConfigError("swarm status needs --initial-peers MULTIADDR (or --config with swarm.initial_peers)")
+        for m in peers:
+            check_peer_maddr(m)
+        check_any_reachable(peers)
+    except P2PDilocoError as e:
+        return report_error(e)
+    from node.status_view import read_swarm, render_swarm  # noqa: PLC0415
+
+    async def go() -> int:
+        view = await read_swarm(peers, run_id, wait=args.wait)
+        if args.json:
+            print(json.dumps(view, indent=1))
+        else:
+            from rich.console import Console  # noqa: PLC0415
+
+            Console().print(render_swarm(view))
+        if not view["peers"]:
+            print(f"p2pdiloco: no node of run {run_id!r} published a record in the last minute "
+                  "(check --run-id; nodes publish every 5 s)", file=sys.stderr)
+            return 1
+        return 0
+
+    return run_async(go())
 
 
 def _node_run(args: argparse.Namespace) -> int:
@@ -87,13 +209,18 @@ def _node_run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides=overrides)
         # preflight: the two most common start-up mistakes, before any daemon is started
         check_listen_port(cfg.swarm.host, cfg.swarm.port)
+        if cfg.metrics_port:
+            from node.control import check_metrics_port  # noqa: PLC0415
+
+            check_metrics_port(cfg.metrics_host, cfg.metrics_port)
         check_any_reachable(cfg.swarm.initial_peers)
     except P2PDilocoError as e:
         return report_error(e)
     from node.main import run_node  # noqa: PLC0415
 
     async def go() -> int:
-        report = await run_node(cfg, name=args.name, status_path=args.status_file, report_path=args.report_file)
+        report = await run_node(cfg, name=args.name, status_path=args.status_file, report_path=args.report_file,
+                                progress=sys.stdout.isatty() and not args.no_progress)
         print(json.dumps({k: report[k] for k in ("name", "steps", "start_loss", "end_loss", "global_digest")
                           if k in report}))
         return 0
@@ -105,10 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="p2pdiloco", description="Decoupled DiLoCo over a peer-to-peer swarm")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _node_parser(sub)
-    swarm = sub.add_parser("swarm", help="private-swarm keys: init, admit, revoke, identity")
-    from p2pdiloco.trust.cli import add_swarm_key_parsers  # noqa: PLC0415
-
-    add_swarm_key_parsers(swarm.add_subparsers(dest="swarm_cmd", required=True))  # docs/trust.md
+    _swarm_parser(sub)
     boot = sub.add_parser("bootstrap", help="run a bootstrap peer (DHT only) and print its multiaddrs")
     from bootstrap.main import add_arguments  # noqa: PLC0415
 
@@ -129,11 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "verbose", 0))
     if args.cmd == "node":
-        return _node_run(args)
+        return _node_status(args) if args.node_cmd == "status" else _node_run(args)
     if args.cmd == "swarm":
-        from p2pdiloco.trust.cli import run_swarm_key_command  # noqa: PLC0415
+        if args.swarm_cmd != "status":
+            from p2pdiloco.trust.cli import run_swarm_key_command  # noqa: PLC0415
 
-        return run_swarm_key_command(args)
+            return run_swarm_key_command(args)
+        return _swarm_status(args)
     if args.cmd == "bootstrap":
         from bootstrap.main import serve  # noqa: PLC0415
 

@@ -1,0 +1,244 @@
+"""Terminal views of a node and of a swarm (rich): ``p2pdiloco node status``, the node's live
+progress, and ``p2pdiloco swarm status``.
+
+Everything here renders plain dicts: a node's snapshot (``node.main.snapshot``, served on its
+control socket) and the records nodes publish under ``{run}/heads`` in the DHT. Only
+:func:`read_swarm` touches the network (it imports the transport lazily, so ``node status``
+stays fast).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+LOOPBACK_HINT = ("only loopback addresses are announced: peers on other machines cannot dial this node; "
+                 "restart it with --host 0.0.0.0, or --set swarm.announce=/ip4/PUBLIC_IP/tcp/PORT behind NAT")
+PRIVATE_HINT = ("only private-network addresses are announced: peers outside this network cannot dial this node; "
+                "behind NAT forward the port and --set swarm.announce=/ip4/PUBLIC_IP/tcp/PORT")
+
+
+# ---- formatting -----------------------------------------------------------------------------
+def fmt_num(x: Any, spec: str = ".3f") -> str:
+    return "-" if not isinstance(x, (int, float)) or x != x else format(x, spec)
+
+
+def fmt_bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return "-"
+
+
+def fmt_count(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    return f"{n / 1e9:.2f}G" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else str(n)
+
+
+def fmt_age(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def state_text(s: dict[str, Any]) -> str:
+    state = str(s.get("state", "unknown"))
+    merging = s.get("merging") or []
+    if merging and state == "training":
+        return f"training, merging {', '.join(f'f{p}' for p in merging)}"
+    return state
+
+
+def address_warning(s: dict[str, Any]) -> str | None:
+    reach = s.get("reachability")
+    return LOOPBACK_HINT if reach == "loopback only" else PRIVATE_HINT if reach == "direct, private network only" else None
+
+
+# ---- node status ----------------------------------------------------------------------------
+def _fragments_table(s: dict[str, Any]) -> Table:
+    t = Table(title="fragments", title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("fragment", "version", "swarm newest", "holders", "digest", "status"):
+        t.add_column(col, justify="right" if col in ("fragment", "version", "swarm newest", "holders") else "left")
+    styles = {"newest": "green", "behind": "yellow", "ahead": "cyan"}
+    for f in s.get("fragment_status") or []:
+        newest = f.get("swarm_version")
+        t.add_row(str(f["fragment"]), str(f["version"]), "-" if newest is None else str(newest),
+                  str(f.get("holders", 0)), f.get("digest", ""),
+                  Text(f.get("status", ""), style=styles.get(f.get("status", ""), "")))
+    return t
+
+
+def _rounds_table(s: dict[str, Any]) -> Table:
+    t = Table(title="recent rounds (newest last)", title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("fragment", "version", "members", "seconds", "outcome"):
+        t.add_column(col, justify="left" if col == "outcome" else "right")
+    for r in s.get("recent_rounds") or []:
+        outcome = Text("committed", style="green") if r.get("committed") else \
+            Text(f"discarded: {r.get('reason') or 'no result'}", style="yellow")
+        t.add_row(f"f{r['fragment']}", str(r["version"]), str(r.get("members", 0)),
+                  fmt_num(r.get("seconds"), ".2f"), outcome)
+    return t
+
+
+def node_lines(s: dict[str, Any]) -> Table:
+    """The key/value summary of one node's snapshot."""
+    g = Table.grid(padding=(0, 2))
+    g.add_column(style="bold", no_wrap=True)
+    g.add_column(overflow="fold")
+    g.add_row("node", f"{s.get('name', '?')} (run {s.get('run_id', '?')})")
+    g.add_row("state", state_text(s))
+    g.add_row("uptime", f"{fmt_age(s.get('uptime_s'))}   pid {s.get('pid', '-')}   p2pd pid {s.get('p2pd_pid') or '-'}")
+    if s.get("peer_id"):
+        g.add_row("peer ID", s["peer_id"])
+    maddrs = s.get("maddrs") or []
+    if maddrs:
+        g.add_row("addresses", "\n".join(maddrs))
+    if s.get("reachability"):
+        conns = s.get("connections")
+        g.add_row("reachability", s["reachability"] + ("" if conns is None else f"   ({plural(conns, 'connection')} now)"))
+    warning = address_warning(s)
+    if warning:
+        g.add_row(Text("warning", style="bold yellow"), Text(warning, style="yellow"))
+    sw = s.get("swarm")
+    if sw:
+        behind = sw.get("behind") or []
+        g.add_row("swarm", f"{plural(sw['peers'], 'node')} with a live record, {sw['learners']} training; "
+                           f"this node is {'behind on ' + ', '.join(f'f{p}' for p in behind) if behind else 'up to date'}"
+                           f" (read {fmt_age(sw.get('read_age_s'))} ago)")
+    elif s.get("state") not in (None, "starting"):
+        g.add_row("swarm", "not read yet")
+    if "step" in s:
+        g.add_row("training", f"inner step {s.get('step', 0)}   {fmt_count(s.get('tokens'))} tokens   "
+                              f"{fmt_num(s.get('tokens_per_s'), ',.0f')} tokens/s")
+        g.add_row("loss", f"training {fmt_num(s.get('loss'))}   held-out {fmt_num(s.get('heldout_loss'))} (nats/byte)")
+        g.add_row("rounds", f"{s.get('rounds_committed', 0)} committed ({s.get('rounds_alone', 0)} alone), "
+                            f"{s.get('rounds_failed', 0)} failed, {s.get('rounds_late', 0)} late; "
+                            f"{s.get('catchups', 0)} catch-ups; {fmt_count(s.get('tokens_merged'))} of its tokens merged")
+        rejected = s.get("rejected") or {}
+        g.add_row("rejected", ", ".join(f"{n} {reason}" for reason, n in sorted(rejected.items()) if n) or "none")
+        if s.get("allreduce"):
+            g.add_row("all-reduce", ", ".join(f"{n} {k}" for k, n in s["allreduce"].items()))
+        g.add_row("traffic", f"sent {fmt_bytes(s.get('bytes_out'))}   received {fmt_bytes(s.get('bytes_in'))}   "
+                             f"({s.get('rpc_calls', 0)} calls, {s.get('rpc_failed', 0)} failed)")
+        if s.get("global_digest"):
+            g.add_row("global digest", s["global_digest"])
+    g.add_row("control", str(s.get("control_socket", "-")) + (f"   metrics {s['metrics']}" if s.get("metrics") else ""))
+    return g
+
+
+def render_node(s: dict[str, Any]) -> RenderableType:
+    """``p2pdiloco node status``: summary, fragments against the swarm, recent rounds."""
+    parts: list[RenderableType] = [node_lines(s)]
+    if s.get("fragment_status"):
+        parts += [Text(""), _fragments_table(s)]
+    if s.get("recent_rounds"):
+        parts += [Text(""), _rounds_table(s)]
+    return Group(*parts)
+
+
+def render_live(s: dict[str, Any]) -> RenderableType:
+    """The node's own terminal: one compact table, redrawn every second."""
+    t = Table(show_edge=True, title=f"p2pdiloco {s.get('name', 'node')} (run {s.get('run_id', '?')})")
+    for col in ("state", "step", "tokens/s", "loss", "held-out", "rounds", "versions (swarm)", "peers", "sent/recv",
+                "uptime"):
+        t.add_column(col)
+    frags = s.get("fragment_status") or []
+    versions = " ".join(f"{f['version']}" + (f"({f['swarm_version']})" if f.get("status") == "behind" else "")
+                        for f in frags) or "-"
+    sw = s.get("swarm") or {}
+    t.add_row(state_text(s), str(s.get("step", 0)), fmt_num(s.get("tokens_per_s"), ",.0f"), fmt_num(s.get("loss")),
+              fmt_num(s.get("heldout_loss")), f"{s.get('rounds_committed', 0)}/{s.get('rounds_failed', 0)} failed",
+              versions, str(sw.get("peers", "-")), f"{fmt_bytes(s.get('bytes_out'))}/{fmt_bytes(s.get('bytes_in'))}",
+              fmt_age(s.get("uptime_s")))
+    return t
+
+
+# ---- swarm status ---------------------------------------------------------------------------
+def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """Every peer's record and the swarm's newest fragment versions, as one JSON-able dict."""
+    from p2pdiloco.net.statesync import newest_heads  # noqa: PLC0415
+
+    from p2pdiloco.trust.identity import is_peer_id  # noqa: PLC0415
+
+    now = time.time() if now is None else now
+    # only records under a peer ID count: the DHT accepts those only when signed by that peer
+    good = {p: r for p, r in records.items() if is_peer_id(p) and isinstance(r, dict) and isinstance(r.get("f"), list)}
+    sizes = {len(r["f"]) for r in good.values()}
+    n = max(sizes, key=lambda k: sum(len(r["f"]) == k for r in good.values())) if sizes else 0
+    heads = newest_heads(good, n)
+    peers = []
+    for peer, r in sorted(good.items(), key=lambda kv: str(kv[1].get("name", ""))):
+        frags = [f for f in r["f"] if isinstance(f, list) and len(f) == 2]
+        behind = [p for p, (f, h) in enumerate(zip(frags, heads)) if h and (f[0], f[1]) != (h.version, h.digest)]
+        t = r.get("t")
+        peers.append({
+            "peer_id": peer, "name": r.get("name"), "state": r.get("state"), "done": bool(r.get("done")),
+            "step": r.get("step"), "tokens_per_s": r.get("tps"), "loss": r.get("loss"),
+            "versions": [f[0] for f in frags], "behind": behind,
+            "last_seen_s": round(now - t, 1) if isinstance(t, (int, float)) else None,
+            **{k: v for k, v in r.items() if k not in ("f", "t", "name", "state", "done", "step", "tps", "loss")},
+        })
+    return {"run_id": run_id, "peers": peers, "newest": [h.version if h else None for h in heads],
+            "malformed": len(records) - len(good)}
+
+
+def render_swarm(view: dict[str, Any]) -> RenderableType:
+    peers = view["peers"]
+    training = sum(1 for p in peers if not p["done"])
+    t = Table(title=f"swarm {view['run_id']}: {plural(len(peers), 'node')} with a live record, {training} training",
+              title_justify="left")
+    for col in ("peer", "name", "state", "step", "tokens/s", "loss", "fragment versions", "last seen"):
+        t.add_column(col, justify="right" if col in ("step", "tokens/s", "loss", "last seen") else "left")
+    for p in peers:
+        versions = Text()
+        for i, v in enumerate(p["versions"]):
+            versions.append(("" if i == 0 else " ") + str(v), style="yellow" if i in p["behind"] else "")
+        t.add_row("…" + p["peer_id"][-8:], str(p.get("name") or "-"), str(p.get("state") or "-"), str(p.get("step", "-")),
+                  fmt_num(p.get("tokens_per_s"), ",.0f"), fmt_num(p.get("loss")), versions,
+                  f"{fmt_age(p.get('last_seen_s'))} ago")
+    notes = [Text(f"newest fragment versions: {' '.join(str(v) for v in view['newest']) or '-'}"
+                  "   (yellow: behind the newest, or another digest at it)")]
+    if view.get("malformed"):
+        notes.append(Text(f"{view['malformed']} malformed records ignored", style="yellow"))
+    return Group(t, *notes)
+
+
+async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.0) -> dict[str, Any]:
+    """Join the DHT as a light peer (no model, no training), read ``{run}/heads`` until it is
+    non-empty or ``wait`` seconds passed, shut the daemon down and return the summary.
+
+    Raises:
+        NetworkError: no initial peer answered, or the daemon did not start.
+    """
+    from p2pdiloco.net.transport import Swarm  # noqa: PLC0415  (imports hivemind)
+
+    swarm = await Swarm.start(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        end = time.monotonic() + wait
+        records: dict[str, Any] = {}
+        while True:
+            records = await swarm.get(f"{run_id}/heads")
+            if records or time.monotonic() >= end:
+                break
+            await asyncio.sleep(1.0)
+        return summarize_swarm(run_id, records)
+    finally:
+        await swarm.shutdown()
