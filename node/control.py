@@ -211,9 +211,26 @@ def query(path: str, timeout: float = QUERY_TIMEOUT, command: str = "status") ->
 
 
 def temp_sockets() -> list[str]:
-    """Control sockets of this user's nodes that run without a data dir."""
+    """Live control sockets of this user's nodes that run without a data dir. Sockets left by
+    killed nodes (nothing listens) are removed with their temporary folder on the way."""
     pattern = os.path.join(tempfile.gettempdir(), f"{TEMP_PREFIX}*", SOCKET_NAME)
-    return sorted(p for p in glob.glob(pattern) if os.path.exists(p) and os.stat(p).st_uid == os.getuid())
+    live = []
+    for path in sorted(glob.glob(pattern)):
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(1.0)
+                s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                os.rmdir(os.path.dirname(path))
+            continue
+        except OSError:  # busy or hung: still a node; query() will say what is wrong
+            pass
+        live.append(path)
+    return live
 
 
 def find_socket(data_dir: str | None, socket_path: str | None) -> str:

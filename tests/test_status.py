@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node.control import ControlServer, ControlUnreachable, find_socket, query
+from node.control import TEMP_PREFIX, ControlServer, ControlUnreachable, find_socket, query, temp_sockets
 from node.main import reachability
 from node.status_view import render_node, summarize_swarm
 from p2pdiloco.cli import main
@@ -364,3 +365,21 @@ def test_reachability_and_views_of_crafted_records():
     console = Console(width=120, record=True)
     console.print(render_node({"name": "x", "run_id": "r", "state": "starting", "pid": 1, "uptime_s": 3}))
     assert "starting" in console.export_text()
+
+
+def test_node_without_data_dir_gets_a_private_socket_and_stale_ones_are_swept():
+    async def go() -> None:
+        server = await ControlServer.start(None)
+        stale = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))  # what a killed node without data dir leaves
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(stale / "control.sock"))
+        try:
+            assert stat.S_IMODE(os.stat(server.path.parent).st_mode) == 0o700
+            assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o600
+            found = await asyncio.to_thread(temp_sockets)
+            assert str(server.path) in found and not stale.exists()
+        finally:
+            await server.close()
+        assert not server.path.parent.exists()
+
+    asyncio.run(go())
