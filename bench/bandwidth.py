@@ -1,0 +1,330 @@
+"""Benchmark 1, bandwidth against quality: bytes sent per node per training token, and held-out
+loss at an equal token budget, for DDP, synchronous DiLoCo, torchft's DiLoCo and p2pdiloco at
+several H and wire precisions.
+
+    python bench/bandwidth.py            # about 11 minutes on a loaded 2-core machine
+    python bench/bandwidth.py --quick    # a smoke run (tiny budget, few systems)
+
+Every system trains the same model from the same seed on the same data shards for the same
+number of inner steps per process (``--steps``; the cosine ends there), with ``--nodes``
+processes, each system inside its own network namespace: the bytes are the namespace's
+loopback transmit counter (every byte that crossed a socket between its processes, with
+TCP/IP headers; for p2pdiloco it includes the bootstrap peer, the DHT and libp2p), divided
+by the number of nodes and by the tokens each node trained. Held-out loss: the final
+global model on the same held-out bytes (16 x 16 x 64 bytes of the standard library
+source, identical for every system).
+
+Writes docs/benchmarks/bandwidth.md, .json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as c  # noqa: E402
+
+LIGHTHOUSE = str(Path(c.PY).parent / "torchft_lighthouse")
+DDP_FACTOR = 500  # goal: at least this many times fewer bytes per token than DDP
+LOSS_SLACK = 0.02  # goal: held-out loss within 2% of DDP
+
+
+def run_baseline(mode: str, n: int, steps: int, H: int | None, work: Path) -> dict:
+    """DDP / synchronous DiLoCo / torchft DiLoCo: n worker processes in one namespace."""
+    values = c.settings(inner__total_steps=steps)
+    work.mkdir(parents=True, exist_ok=True)
+    with c.NetNS(mode) as ns, c.processes() as procs:
+        before, t0 = ns.tx_bytes(), time.monotonic()
+        extra: dict = {}
+        if mode == "torchft":
+            procs.start([*ns.prefix, LIGHTHOUSE, "--min_replicas", str(n), "--bind", "127.0.0.1:29510",
+                         "--join_timeout_ms", "10000"], work / "lighthouse.log")
+            extra = {"lighthouse": "http://127.0.0.1:29510", "min_replicas": n}
+        workers = [procs.start([*ns.prefix, *c.worker_argv(mode, r, n, values, work / f"rank{r}.json", steps=steps,
+                                                            H=H, **extra)], work / f"rank{r}.log")
+                   for r in range(n)]
+        c.wait_all(workers, 1800, mode)
+        sent = ns.tx_bytes() - before
+        seconds = time.monotonic() - t0
+        bad = [r for r, p in enumerate(workers) if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"{mode}: ranks {bad} failed; logs in {work}")
+        results = [json.loads((work / f"rank{r}.json").read_text()) for r in range(n)]
+    tokens = sum(r["tokens"] for r in results)
+    return {"system": {"ddp": "DDP", "diloco": "sync DiLoCo", "torchft": "torchft DiLoCo"}[mode], "H": H or 1,
+            "precision": "fp32", "nodes": n, "tokens": tokens, "bytes": sent, "payload": None,
+            "bytes_per_token": sent / tokens, "loss": results[0]["end_loss"], "seconds": seconds,
+            "isolated": ns.isolated,
+            "notes": (f"{results[0].get('commits', 0)} commits" if mode == "torchft" else "")}
+
+
+def run_p2p(n: int, steps: int, H: int, precision: str, work: Path) -> dict:
+    values = {**c.settings(inner__total_steps=steps, outer__sync_every=H, outer__wire_precision=precision,
+                           eval_every=10 * steps), **c.SWARM}
+    work.mkdir(parents=True, exist_ok=True)
+    with c.NetNS(f"p2p{H}{precision}") as ns, c.processes() as procs:
+        before, t0 = ns.tx_bytes(), time.monotonic()
+        nodes = c.start_swarm(procs, work, n, values, prefix=ns.prefix, max_steps=steps)
+        c.wait_all([p for p, _ in nodes], 1800, f"p2pdiloco H={H} {precision}")
+        sent = ns.tx_bytes() - before
+        seconds = time.monotonic() - t0
+        reports = [c.read_json(d / "report.json") for _, d in nodes]
+        if any(r is None for r in reports) or any(p.returncode != 0 for p, _ in nodes):
+            raise RuntimeError(f"p2pdiloco H={H} {precision}: a node failed; logs in {work}")
+    tokens = sum(r["tokens"] for r in reports)
+    digests = {r["global_digest"] for r in reports}
+    rounds = sum(r["rounds_committed"] for r in reports)
+    alone = sum(r["rounds_alone"] for r in reports)
+    return {"system": "p2pdiloco", "H": H, "precision": precision, "nodes": n, "tokens": tokens, "bytes": sent,
+            "payload": sum(r["bytes_out"] for r in reports), "bytes_per_token": sent / tokens,
+            "loss": sum(r["end_loss"] for r in reports) / n, "seconds": seconds, "isolated": ns.isolated,
+            "notes": f"{rounds} rounds ({alone} alone), {sum(r['catchups'] for r in reports)} catch-ups"
+                     + ("" if len(digests) == 1 else f", {len(digests)} different final states")}
+
+
+def plot(rows: list[dict], ddp: dict, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(8, 5.2))
+    ax.axhspan(0, ddp["loss"] * (1 + LOSS_SLACK), color="#e8f4e8", zorder=0)
+    ax.axvline(ddp["bytes_per_token"] / DDP_FACTOR, color="#888", ls="--", lw=1)
+    ax.text(ddp["bytes_per_token"] / DDP_FACTOR, ddp["loss"] * (1 + LOSS_SLACK), " DDP/500\n within 2%\n of DDP",
+            fontsize=7, va="top", color="#555")
+    styles = {"DDP": ("s", "black"), "sync DiLoCo": ("^", "tab:blue"), "torchft DiLoCo": ("v", "tab:orange")}
+    colors = {"fp32": "tab:red", "fp16": "tab:purple", "int8": "tab:green", "int4": "tab:brown"}
+    for sysname, (marker, color) in styles.items():
+        pts = sorted((r for r in rows if r["system"] == sysname), key=lambda r: r["bytes_per_token"])
+        if pts:
+            ax.plot([r["bytes_per_token"] for r in pts], [r["loss"] for r in pts], marker=marker, color=color,
+                    label=sysname, ls="-" if len(pts) > 1 else "none")
+            for r in pts:
+                if sysname != "DDP":
+                    ax.annotate(f"H={r['H']}", (r["bytes_per_token"], r["loss"]), fontsize=7,
+                                xytext=(4, -9), textcoords="offset points", color=color)
+    for prec, color in colors.items():
+        pts = sorted((r for r in rows if r["system"] == "p2pdiloco" and r["precision"] == prec),
+                     key=lambda r: r["bytes_per_token"])
+        if pts:
+            ax.plot([r["bytes_per_token"] for r in pts], [r["loss"] for r in pts], marker="o", color=color,
+                    label=f"p2pdiloco {prec}", ls="-" if len(pts) > 1 else "none")
+            for r in pts:
+                ax.annotate(f"H={r['H']}", (r["bytes_per_token"], r["loss"]), fontsize=7, xytext=(4, 3),
+                            textcoords="offset points", color=color)
+    ax.set_xscale("log")
+    lo = min(r["loss"] for r in rows)
+    ax.set_ylim(lo * 0.97, max(r["loss"] for r in rows) * 1.03)
+    ax.set_xlabel("bytes sent per node per training token (socket bytes, log scale)")
+    ax.set_ylabel("held-out loss at equal tokens (nats/byte)")
+    ax.set_title("Bandwidth against quality (lower left is better)")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Benchmark 1: bandwidth against quality")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--steps", type=int, default=500, help="inner steps per node (the token budget)")
+    p.add_argument("--H", type=int, nargs="+", default=[25, 100, 250], help="H values (int4 and sync DiLoCo)")
+    p.add_argument("--precision-H", type=int, default=100, help="H at which every wire precision is run")
+    p.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8", "int4"])
+    p.add_argument("--no-torchft", action="store_true")
+    p.add_argument("--quick", action="store_true", help="smoke run: 60 steps, H 30, int4 and fp32")
+    p.add_argument("--workdir", type=Path, default=None)
+    a = p.parse_args()
+    if a.quick:
+        a.steps, a.H, a.precision_H, a.precisions = 60, [30], 30, ["fp32", "int4"]
+    c.install_signal_handlers()
+    c.cleanup_stale()
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-bench-bw-"))
+    m, t0 = c.machine(), time.monotonic()
+    isolated = c.netns_available()
+    rows: list[dict] = []
+    failed: list[str] = []
+
+    def go(label: str, fn, *args) -> None:
+        print(f"bandwidth: {label} ...", flush=True)
+        try:
+            r = fn(*args)
+        except RuntimeError as e:
+            print(f"bandwidth: {label} failed: {e}", flush=True)
+            failed.append(f"{label}: {e}")
+            return
+        rows.append(r)
+        print(f"bandwidth: {label}: {r['bytes_per_token']:.3f} B/token, loss {r['loss']:.4f}, "
+              f"{r['seconds']:.0f} s", flush=True)
+
+    if any(a.steps % H for H in {*a.H, a.precision_H}):
+        raise SystemExit("bandwidth: every H must divide --steps (the synchronous baselines sync on the last step)")
+    go("DDP", run_baseline, "ddp", a.nodes, a.steps, None, work / "ddp")
+    for H in a.H:
+        go(f"sync DiLoCo H={H}", run_baseline, "diloco", a.nodes, a.steps, H, work / f"diloco{H}")
+    if not a.no_torchft:
+        try:
+            import torchft  # noqa: F401, PLC0415
+        except ImportError as e:
+            print(f"bandwidth: torchft not importable ({e}); skipped", flush=True)
+        else:
+            H = a.precision_H
+            go(f"torchft DiLoCo H={H}", run_baseline, "torchft", a.nodes, a.steps, H, work / "torchft")
+    runs = [(a.precision_H, prec) for prec in a.precisions]
+    runs += [(H, "int4") for H in a.H if (H, "int4") not in runs]
+    for H, prec in runs:
+        go(f"p2pdiloco H={H} {prec}", run_p2p, a.nodes, a.steps, H, prec, work / f"p2p-{H}-{prec}")
+    seconds = time.monotonic() - t0
+    write(a, rows, m, seconds, isolated, work, failed)
+    sys.exit(1 if failed else 0)
+
+
+def write(a: argparse.Namespace, rows: list[dict], m: dict, seconds: float, isolated: bool, work: Path,
+          failed: list[str]) -> None:
+    ddp = next((r for r in rows if r["system"] == "DDP"), None)
+    cmd = "python bench/bandwidth.py" + (" --quick" if a.quick else "")
+    doc = c.Doc("bandwidth", "Benchmark 1: bandwidth against quality", cmd)
+    doc.intro = [
+        f"{a.nodes} nodes (processes) per system, {a.steps} inner steps each of {c.TOKENS_PER_STEP} tokens "
+        f"(batch 16 x 64 bytes), so {a.steps * c.TOKENS_PER_STEP * a.nodes / 1e6:.2f}M training tokens per system; "
+        "the same byte-level GPT (2 layers, 64 wide, 119k parameters, seed 0), AdamW (lr 3e-3, 50 warmup steps, "
+        "cosine to the last step, weight decay 0.1, clip 1.0), data shard i of the standard library's source on "
+        "process i, and the same held-out bytes for everyone. DiLoCo variants: outer Nesterov lr 0.7, "
+        "momentum 0.9. p2pdiloco: 4 fragments, overlap 2, quorum 1, grace 1-3 s, real node processes "
+        "(`python -m node run --max-steps ...`) with a bootstrap peer.",
+        "",
+        "Bytes: " + ("each system ran in its own network namespace (`ip netns`) with only `lo`; the figure is the "
+                     "namespace's `lo` transmit counter over the whole run (start-up, training, final agreement), "
+                     "TCP/IP headers included, divided by nodes and by tokens per node. For p2pdiloco that also "
+                     "counts the bootstrap peer, the DHT (heartbeat records, matchmaking) and libp2p's own "
+                     "traffic. *payload* is what the nodes' RPCs carried (pseudo-gradient slices, merged slices, "
+                     "state downloads), from the nodes' own counters."
+                     if isolated else
+                     "`ip netns` was NOT available: the figure is the host's `lo` counter, which also counts any "
+                     "other traffic on this machine's loopback during the run (an overestimate)."),
+        "",
+        "Held-out loss: the final global model of each system (DDP: the model; synchronous and torchft "
+        "DiLoCo: the global parameters after the last outer step, which falls on the last inner step; "
+        "p2pdiloco: each node's global state Θ at the end, mean over nodes), in nats per byte.",
+    ]
+    if ddp is None:
+        doc.text("DDP did not run, so no ratio can be given.")
+        doc.write(m, seconds, {"rows": rows, "workdir": str(work)})
+        return
+    limit_b = ddp["bytes_per_token"] / DDP_FACTOR
+    limit_l = ddp["loss"] * (1 + LOSS_SLACK)
+    table = []
+    for r in rows:
+        less = ddp["bytes_per_token"] / r["bytes_per_token"]
+        dl = r["loss"] / ddp["loss"] - 1
+        ok = r["system"] == "p2pdiloco" and less >= DDP_FACTOR and dl <= LOSS_SLACK
+        table.append([r["system"], r["H"], r["precision"], f"{r['tokens'] / 1e6:.3f}M", f"{r['bytes'] / 1e6:.2f}",
+                      "" if r["payload"] is None else f"{r['payload'] / 1e6:.2f}",
+                      fmt_b(r["bytes_per_token"]), f"{less:,.0f}x", f"{r['loss']:.4f}", f"{100 * dl:+.1f}%",
+                      f"{r['seconds']:.0f}", ("**both goals met** " if ok else "") + r["notes"]])
+    doc.table(["system", "H", "wire", "tokens", "socket MB", "payload MB", "bytes / node / token",
+               "fewer bytes than DDP", "held-out loss", "vs DDP", "wall s", "notes"], table,
+              "All runs (one seed each):")
+    p2p = [r for r in rows if r["system"] == "p2pdiloco"]
+    meet = [r for r in p2p if r["bytes_per_token"] <= limit_b and r["loss"] <= limit_l]
+    best_b = [r for r in p2p if r["bytes_per_token"] <= limit_b]
+    best_l = [r for r in p2p if r["loss"] <= limit_l]
+    goal = (f"Goal: at least {DDP_FACTOR}x fewer bytes per token than DDP ({fmt_b(limit_b)} bytes or fewer) with "
+            f"held-out loss within {100 * LOSS_SLACK:.0f}% of DDP's ({limit_l:.4f} or lower).")
+    if meet:
+        best = min(meet, key=lambda r: r["loss"])
+        lines = [goal, "", f"Result: {c.verdict(True)} by p2pdiloco H={best['H']} {best['precision']}: "
+                 f"{ddp['bytes_per_token'] / best['bytes_per_token']:,.0f}x fewer bytes, loss "
+                 f"{100 * (best['loss'] / ddp['loss'] - 1):+.1f}% against DDP."]
+    else:
+        lines = [goal, "", f"Result: {c.verdict(False)}: no p2pdiloco run meets both."]
+        if best_b:
+            r = min(best_b, key=lambda r: r["loss"])
+            lines.append(f"Among runs at least {DDP_FACTOR}x below DDP, the best loss is H={r['H']} {r['precision']} "
+                         f"at {100 * (r['loss'] / ddp['loss'] - 1):+.1f}%.")
+        if best_l:
+            r = min(best_l, key=lambda r: r["bytes_per_token"])
+            lines.append(f"Among runs within {100 * LOSS_SLACK:.0f}% of DDP's loss, the fewest bytes are H={r['H']} "
+                         f"{r['precision']} at {ddp['bytes_per_token'] / r['bytes_per_token']:,.0f}x below DDP.")
+        r = max(p2p, key=lambda r: ddp["bytes_per_token"] / r["bytes_per_token"], default=None)
+        if r:
+            lines.append(f"Largest reduction: H={r['H']} {r['precision']}, "
+                         f"{ddp['bytes_per_token'] / r['bytes_per_token']:,.0f}x, loss "
+                         f"{100 * (r['loss'] / ddp['loss'] - 1):+.1f}%.")
+    doc.text("\n".join(lines))
+    doc.text(*why(rows, ddp, a))
+    if failed:
+        doc.text("Runs that failed (left out above): " + "; ".join(failed))
+    doc.text("![bandwidth against quality](bandwidth.png)")
+    doc.write(m, seconds, {"rows": rows, "workdir": str(work), "ddp_factor": DDP_FACTOR, "loss_slack": LOSS_SLACK})
+    plot(rows, ddp, c.DOCS / "bandwidth.png")
+    print(f"bandwidth: wrote {c.DOCS / 'bandwidth.md'} and bandwidth.png ({seconds / 60:.1f} min)", flush=True)
+
+
+PARAMS = 119_424  # parameters of the benchmark model
+FRAGMENTS = 4
+
+
+def why(rows: list[dict], ddp: dict, a: argparse.Namespace) -> list[str]:
+    """Generated reading of the table: what limits quality and what the bytes are."""
+    out = ["Reading the numbers:"]
+    H = a.precision_H
+    sync = next((r for r in rows if r["system"] == "sync DiLoCo" and r["H"] == H), None)
+    tft = next((r for r in rows if r["system"] == "torchft DiLoCo"), None)
+    if sync:
+        out.append(f"- Quality. Synchronous DiLoCo at H = {H} (the same inner and outer optimizer, every rank merging "
+                   f"every time, no swarm) is {100 * (sync['loss'] / ddp['loss'] - 1):+.1f}% against DDP"
+                   + (f", and torchft's DiLoCo gives {tft['loss']:.4f} against its {sync['loss']:.4f}"
+                      if tft else "")
+                   + f". With {a.steps} inner steps ({a.steps // H} outer steps at H = {H}) on a 119k-parameter "
+                   "model, DiLoCo-style training itself is more than 2% behind DDP at equal tokens, so no H that "
+                   "saves bandwidth can meet the 2% bound here; the gap narrows with longer runs and larger models "
+                   "(DiLoCo, arXiv 2311.08105). p2pdiloco's own extra loss against synchronous DiLoCo at the same H "
+                   "comes from merges with fewer members (a node that is not ready within the grace window is "
+                   "left out: the 'alone' rounds) and from the inner steps after each fragment's last merge, "
+                   "which the final global state does not contain.")
+    p2p = [r for r in rows if r["system"] == "p2pdiloco" and r["payload"]]
+    if p2p:
+        ctl = [(r["bytes"] - r["payload"]) / (r["nodes"] * r["seconds"]) for r in p2p]
+        share = [r["payload"] / r["bytes"] for r in p2p]
+        extra = [(r["bytes"] - r["payload"]) / r["tokens"] for r in p2p]
+        out.append(f"- Bytes. The nodes' own RPC payload is {100 * min(share):.0f}-{100 * max(share):.0f}% of "
+                   "p2pdiloco's socket bytes. The rest is libp2p framing (TLS, yamux and TCP/IP headers on every "
+                   "message) and the control plane, which costs bytes per second, not per token: DHT heartbeat "
+                   "records every 5 s, catch-up reads every 2 s, gathering polls every 0.5 s, matchmaking; "
+                   f"{min(ctl) / 1e3:.1f}-{max(ctl) / 1e3:.1f} kB/s per node over the runs. Per training token "
+                   f"that is {min(extra):.2f}-{max(extra):.2f} bytes (DDP/{ddp['bytes_per_token'] / max(extra):,.0f}"
+                   f" to DDP/{ddp['bytes_per_token'] / min(extra):,.0f}), above the 500x budget by itself, because "
+                   "a node of this small model trains only some 10k tokens per second on a shared core; for a "
+                   "model whose inner step takes seconds the per-second part would be negligible.")
+        frag_state = 8 * PARAMS / FRAGMENTS
+        rest = [f"H={r['H']} {r['precision']}: {catchups(r)} catch-ups, about {catchups(r) * frag_state / 1e6:.1f} MB "
+                f"of {r['payload'] / 1e6:.1f} MB payload" for r in p2p]
+        out.append("- Catch-ups. Each round that closes without every node (a lone merge, then the other node is "
+                   "behind) makes the others download that fragment's fp32 state, Θ and the momentum b: "
+                   f"{frag_state / 1e3:.0f} kB per download, 16 times an int4 pseudo-gradient of the fragment. "
+                   "They are a large part of the payload: " + "; ".join(rest) + ".")
+    return ["\n".join(out)]
+
+
+def catchups(r: dict) -> int:
+    try:
+        return int(r["notes"].split(" catch-ups")[0].rsplit(" ", 1)[-1])
+    except (ValueError, IndexError):
+        return 0
+
+
+def fmt_b(x: float) -> str:
+    return f"{x:.3g}" if x < 10 else f"{x:,.0f}"
+
+
+if __name__ == "__main__":
+    main()

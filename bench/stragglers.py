@@ -1,0 +1,236 @@
+"""Benchmark 2, stragglers: 4 nodes, one slowed 4x. Merged tokens per second of the whole
+swarm against the sum of the nodes' standalone throughputs, for p2pdiloco, DDP and
+synchronous DiLoCo.
+
+    python bench/stragglers.py           # about 5 minutes on a 2-core machine
+    python bench/stragglers.py --quick   # a smoke run (short windows)
+
+The slowdown is real CPU starvation: every process of a system runs in its own CPU-quota
+cgroup (CFS bandwidth control, ``cpu.cfs_quota_us``), ``--cap`` cores for the normal nodes
+and ``--cap / --slow`` for the slow one; a p2pdiloco node's cgroup also holds its p2pd. The
+slow node trains the same model on the same batch size; it only gets a quarter of the CPU.
+
+Phases, back to back, all under the same caps: (1) the four learners alone (no network:
+``bench/workers.py standalone``), (2) the p2pdiloco swarm, (3) DDP, (4) synchronous DiLoCo,
+(5) the learners alone again (the machine is shared: the reference is the mean of 1 and 5).
+Each phase waits until every process trains, lets ``--warm`` seconds pass, then measures
+over ``--window`` seconds from the processes' own status files.
+
+Writes docs/benchmarks/stragglers.md, .json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as c  # noqa: E402
+
+GOAL = 0.05  # a 4x-slowed node may cost the swarm at most 5% of its merged-token rate
+
+
+def caps_for(n: int, cap: float, slow: float) -> list[float]:
+    return [cap] * (n - 1) + [cap / slow]
+
+
+def phase(label: str, n: int, caps: list[float], start, warm: float, window: float, work: Path) -> list[dict]:
+    """Start n processes (``start(procs, i, ns_prefix, prefix) -> (popen, status_path)``, prefix:
+    join the CPU cap, then enter the namespace), measure their rates, end them all."""
+    print(f"stragglers: {label} ...", flush=True)
+    cgroups = [c.CpuCap(cap, f"{label[:8]}{i}") for i, cap in enumerate(caps)]
+    try:
+        with c.NetNS(label[:8]) as ns, c.processes() as procs:
+            # the cgroup first: `ip netns exec` remounts /sys, so the cgroup is out of reach inside
+            started = [start(procs, i, ns.prefix, [*cgroups[i].prefix, *ns.prefix]) for i in range(n)]
+            c.wait_training([s for _, s in started], [p for p, _ in started], 240)
+            rates = c.window_rates([s for _, s in started], warm, window)
+    finally:
+        for g in cgroups:
+            g.close()
+    total = sum(r["merged_per_s"] for r in rates)
+    print(f"stragglers: {label}: merged {total:.0f} tokens/s, processed "
+          f"{sum(r['tokens_per_s'] for r in rates):.0f} tokens/s", flush=True)
+    return rates
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Benchmark 2: stragglers")
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--cap", type=float, default=0.15, help="CPU cores per normal node (CFS quota)")
+    p.add_argument("--slow", type=float, default=4.0, help="the last node gets cap / slow")
+    p.add_argument("--H", type=int, default=100)
+    p.add_argument("--precision", default="int4")
+    p.add_argument("--warm", type=float, default=10.0)
+    p.add_argument("--window", type=float, default=30.0, help="seconds measured per baseline phase")
+    p.add_argument("--swarm-window", type=float, default=60.0, help="seconds measured for p2pdiloco")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--workdir", type=Path, default=None)
+    a = p.parse_args()
+    if a.quick:
+        a.warm, a.window, a.swarm_window = 5.0, 10.0, 15.0
+    c.install_signal_handlers()
+    c.cleanup_stale()
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-bench-straggler-"))
+    m, t0 = c.machine(), time.monotonic()
+    n, caps = a.nodes, caps_for(a.nodes, a.cap, a.slow)
+    base = c.settings(inner__total_steps=100_000)
+    life = 3600  # processes are ended after their window; this only bounds a forgotten one
+
+    def standalone(folder: Path):
+        def start(procs: c.Procs, i: int, ns_prefix: list[str], prefix: list[str]):
+            st = folder / f"rank{i}.status"
+            pr = procs.start([*prefix, *c.worker_argv("standalone", i, n, base, folder / f"rank{i}.json",
+                                                      duration=life, status=st)], folder / f"rank{i}.log")
+            return pr, st
+        return start
+
+    def sync(mode: str, folder: Path):
+        def start(procs: c.Procs, i: int, ns_prefix: list[str], prefix: list[str]):
+            st = folder / f"rank{i}.status"
+            pr = procs.start([*prefix, *c.worker_argv(mode, i, n, base, folder / f"rank{i}.json", duration=life,
+                                                      status=st, H=a.H if mode == "diloco" else None)],
+                             folder / f"rank{i}.log")
+            return pr, st
+        return start
+
+    swarm_values = {**base, **c.SWARM, "outer.sync_every": str(a.H), "outer.wire_precision": a.precision,
+                    "eval_every": "100000"}
+    swarm_dir = work / "p2pdiloco"
+    booted: dict = {}
+
+    def swarm(procs: c.Procs, i: int, ns_prefix: list[str], prefix: list[str]):
+        # the bootstrap peer (uncapped, in the namespace) starts with node 0
+        if "maddr" not in booted:
+            swarm_dir.mkdir(parents=True, exist_ok=True)
+            boot = procs.start([*ns_prefix, c.PY, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
+                                "--maddrs-file", str(swarm_dir / "bootstrap.txt")], swarm_dir / "bootstrap.log")
+            booted["maddr"] = c.wait_file(swarm_dir / "bootstrap.txt", boot, 90)
+        d = swarm_dir / f"node{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        argv = [c.PY, "-m", "node", "run", "--initial-peers", booted["maddr"], "--host", "127.0.0.1", "--port", "0",
+                "--name", f"node{i}", "--data-dir", str(d), "--status-file", str(d / "status.json"),
+                "--report-file", str(d / "report.json"), "--run-id", "straggler", "--no-progress",
+                "--duration", str(life), "--set", f"data.shard_index={i}", "--set", f"data.num_shards={n}",
+                *c.set_args(swarm_values)]
+        return procs.start([*prefix, *argv], d / "node.log"), d / "status.json"
+
+    results: dict[str, list[dict]] = {}
+    order = [("standalone", standalone(work / "alone1"), a.window),
+             ("p2pdiloco", swarm, a.swarm_window),
+             ("DDP", sync("ddp", work / "ddp"), a.window),
+             ("sync DiLoCo", sync("diloco", work / "diloco"), a.window),
+             ("standalone again", standalone(work / "alone2"), a.window)]
+    for label, start, window in order:
+        try:
+            results[label] = phase(label, n, caps, start, a.warm, window, work)
+        except RuntimeError as e:
+            print(f"stragglers: {label} failed: {e}", flush=True)
+    write(a, results, m, time.monotonic() - t0, work)
+    sys.exit(0 if len(results) == len(order) else 1)
+
+
+def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, seconds: float, work: Path) -> None:
+    cmd = "python bench/stragglers.py" + (" --quick" if a.quick else "")
+    doc = c.Doc("stragglers", "Benchmark 2: a 4x-slowed node", cmd)
+    doc.intro = [
+        f"{a.nodes} processes per system on the benchmark model (2 layers, 64 wide, batch 16 x 64 bytes). Every "
+        f"process runs in its own CPU-quota cgroup (CFS bandwidth control): {a.cap:g} cores for nodes 0 to "
+        f"{a.nodes - 2}, {a.cap / a.slow:g} cores (1/{a.slow:g}) for node {a.nodes - 1}, the straggler. A p2pdiloco "
+        "node's cgroup holds its Python process and its p2pd, so the swarm's own work counts against its quota. "
+        "The slow node trains the same model on the same batch size; it just gets a quarter of the CPU time.",
+        "",
+        f"p2pdiloco: H = {a.H}, {a.precision} on the wire, 4 fragments, quorum 1, grace 1-3 s. Synchronous DiLoCo: "
+        f"H = {a.H}, gloo all-reduce. DDP: gloo all-reduce of the gradients every step.",
+        "",
+        "Merged tokens per second: tokens that went into a committed merge (p2pdiloco: each node's "
+        "`tokens_merged`, counted per fragment), summed over the nodes, over the measured window. For DDP and "
+        "synchronous DiLoCo every trained token is merged (DiLoCo's at the next all-reduce), so their rate is the "
+        "tokens trained per second (synchronous DiLoCo: the number of ranks times the slowest rank's rate, "
+        "since every rank trains exactly H steps per all-reduce and the fast ones wait; their own counters move "
+        "in bursts of H steps, too coarse for the window). Rates are least-squares slopes of the counters "
+        "read about every second over the window. Reference: the sum of the four learners' throughputs when each trains alone "
+        "(no network) under the same caps, measured before and after the systems (mean of the two).",
+    ]
+    ref = [results[k] for k in ("standalone", "standalone again") if k in results]
+    if not ref:
+        doc.text("The standalone phases failed; no reference.")
+        doc.write(m, seconds, {"results": results, "workdir": str(work)})
+        return
+    per_node = [sum(r[i]["tokens_per_s"] for r in ref) / len(ref) for i in range(a.nodes)]
+    total_ref = sum(per_node)
+    fast = sorted(per_node[:-1])[len(per_node[:-1]) // 2]
+    factor = fast / per_node[-1] if per_node[-1] > 0 else float("inf")
+    rows = []
+    summary = {}
+    for label, rates in results.items():
+        merged = sum(r["merged_per_s"] for r in rates)
+        trained = sum(r["tokens_per_s"] for r in rates)
+        if label == "sync DiLoCo":
+            # every rank trains exactly H steps per all-reduce, so all run at the slowest rank's
+            # pace; the others' counters move in bursts of H steps, too coarse for the window
+            merged = trained = a.nodes * min(r["tokens_per_s"] for r in rates)
+        share = merged / total_ref
+        summary[label] = {"merged_per_s": merged, "tokens_per_s": trained, "share": share,
+                          "per_node": [r["tokens_per_s"] for r in rates]}
+        if label.startswith("standalone"):
+            rows.append([label, f"{trained:,.0f}", "", "", " / ".join(f"{r['tokens_per_s']:,.0f}" for r in rates), ""])
+            continue
+        rows.append([label, f"{trained:,.0f}", f"{merged:,.0f}", f"{100 * share:.1f}%",
+                     " / ".join(f"{r['tokens_per_s']:,.0f}" for r in rates),
+                     f"{100 * (1 - share):.1f}%" + (f" {c.verdict(1 - share < GOAL)}" if label == "p2pdiloco" else "")])
+    doc.table(["system", "tokens trained / s", "tokens merged / s", "merged / sum of standalone",
+               "per node trained / s (node 0 ... straggler)", "cost of the straggler"], rows,
+              f"Sum of the standalone throughputs (reference): {total_ref:,.0f} tokens/s; the straggler's standalone "
+              f"rate is 1/{factor:.2f} of a normal node's (median), the measured slowdown.")
+    p2p = summary.get("p2pdiloco")
+    lines = [f"Goal: the slowed node costs the swarm under {100 * GOAL:.0f}% of its merged-token rate, i.e. the swarm "
+             "merges at least 95% of the sum of the nodes' standalone throughputs."]
+    if p2p:
+        lines.append(f"Result: p2pdiloco merges {100 * p2p['share']:.1f}% of the standalone sum (cost "
+                     f"{100 * (1 - p2p['share']):.1f}%): {c.verdict(1 - p2p['share'] < GOAL)}. Split: the nodes "
+                     f"trained {100 * p2p['tokens_per_s'] / total_ref:.1f}% of the standalone sum (the rest is the "
+                     "swarm's own CPU inside each node's quota, benchmark 3, plus load drift), and "
+                     f"{100 * p2p['merged_per_s'] / max(1e-9, p2p['tokens_per_s']):.1f}% of what they trained was "
+                     "merged in the window; no node waits for the straggler.")
+    for k in ("DDP", "sync DiLoCo"):
+        if k in summary:
+            lines.append(f"{k} merges {100 * summary[k]['share']:.1f}% (every rank waits for the straggler at each "
+                         f"{'step' if k == 'DDP' else 'all-reduce'}).")
+    doc.text(" ".join(lines))
+    doc.text("![stragglers](stragglers.png)")
+    doc.write(m, seconds, {"results": results, "summary": summary, "reference_tokens_per_s": total_ref,
+                           "measured_slowdown": factor, "workdir": str(work)})
+    plot(summary, total_ref, c.DOCS / "stragglers.png")
+    print(f"stragglers: wrote {c.DOCS / 'stragglers.md'} ({seconds / 60:.1f} min)", flush=True)
+
+
+def plot(summary: dict, total_ref: float, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    labels = [k for k in ("p2pdiloco", "DDP", "sync DiLoCo") if k in summary]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    vals = [100 * summary[k]["share"] for k in labels]
+    bars = ax.bar(labels, vals, color=["tab:green", "black", "tab:blue"][:len(labels)])
+    ax.axhline(100, color="#888", lw=1)
+    ax.axhline(95, color="tab:red", ls="--", lw=1, label="goal: 95%")
+    for b, v in zip(bars, vals):
+        ax.text(b.get_x() + b.get_width() / 2, v + 1, f"{v:.0f}%", ha="center", fontsize=9)
+    ax.set_ylabel("merged tokens/s, % of the sum of standalone rates")
+    ax.set_title(f"4 nodes, one slowed 4x (reference {total_ref:,.0f} tokens/s)")
+    ax.set_ylim(0, 115)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
