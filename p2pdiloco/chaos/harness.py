@@ -10,6 +10,8 @@ exit path (own process groups; :class:`~p2pdiloco.chaos.procs.Processes`).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import socket
@@ -96,6 +98,7 @@ class Run:
         self.t0 = self.t1 = self.ready = 0.0
         self.stopping = False
         self.load = LoadMonitor(self.procs)
+        self.timeline = open(self.work / "timeline.jsonl", "w")  # every status sample, for later analysis
         self.next_load = 0.0
 
     def say(self, msg: str) -> None:
@@ -154,6 +157,8 @@ class Run:
             s = tr.poll(self.offset)
             if s is None or cur is None:
                 continue
+            self.timeline.write(json.dumps({"t": round(s.t - self.t0, 2) if self.t0 else None, "node": tr.name,
+                                            "life": len(tr.lives) - 1, **dataclasses.asdict(s)}) + "\n")
             if s.state == "training" and cur.proc.pid not in self.throttle.shares and tr.frozen_since is None:
                 self.apply_throttle(tr)
             if cur.restart and cur.rejoined_at is None and is_rejoined(self.tracks, tr, s, self.cfg.rejoin_slack):
@@ -274,3 +279,4 @@ def run(cfg: ChaosConfig) -> ChaosResult:
     finally:
         r.throttle.release_all()
         r.procs.close()
+        r.timeline.close()
