@@ -93,7 +93,7 @@ class Node:
         trust = self.cfg.trust  # signed contributions (run and tag in every signature), robust merge
         self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout,
                                      run_id=f"{self.cfg.swarm.run_id}/{tag}", outliers=trust.outliers,
-                                     outlier_factor=trust.outlier_factor)
+                                     outlier_factor=trust.outlier_factor, poison=trust.poison)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed)
         self.training: TrainingLoop | None = None
         self._in_flight: set[int] = set()

@@ -159,7 +159,10 @@ class TrustConfig:
     certificate: str = ""  # membership certificate; "" = {data_dir}/member.cert
     revocations: str = ""  # the swarm's signed revocation list (optional)
     outliers: str = "clip"  # norms far above the round's median: clip | drop | off
-    outlier_factor: float = 4.0  # "far above": more than this many times the lower median
+    outlier_factor: float = 2.0  # "far above": more than this many times the lower median
+    # Benchmarks and tests only: send poisoned pseudo-gradients (properly signed), "scale" (x1000),
+    # "flip" (x-1), "nan", or "mix" (x1000, x-1, NaN in turn); see bench/trust_poison.py.
+    poison: str = ""
 
     def __post_init__(self) -> None:
         from p2pdiloco.core.merge import OUTLIER_POLICIES  # noqa: PLC0415
@@ -167,6 +170,7 @@ class TrustConfig:
         _validate(
             ("outliers", self.outliers in OUTLIER_POLICIES, f"must be one of {', '.join(OUTLIER_POLICIES)}"),
             ("outlier_factor", self.outlier_factor > 1, "must be > 1"),
+            ("poison", self.poison in ("", "scale", "flip", "nan", "mix"), "must be scale, flip, nan or mix"),
             ("swarm_key", not self.swarm_key or _is_swarm_key(self.swarm_key),
              "expected 64 hex digits (from `p2pdiloco swarm init`) or the path of a swarm.pub file"),
             ("certificate", not self.certificate or Path(self.certificate).expanduser().is_file(),

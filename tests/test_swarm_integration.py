@@ -39,8 +39,8 @@ def test_three_nodes_merge_like_one_process(harness):
         rounds = sorted((t[rid] for t in traces), key=lambda t: t["me"])
         assert [t["me"] for t in rounds] == list(rounds[0]["members"])
         weights = [contribution_weight(t["tokens"], t["steps"]) for t in rounds]
-        # the node's default robust merge (trust.outliers = clip, factor 4): a learner with over
-        # 4 times the median steps since its last merge has its weight capped
+        # the node's default robust merge (trust.outliers = clip, factor 2): a learner with over
+        # twice the median steps since its last merge has its weight capped
         expected = robust_merge([t["delta"] for t in rounds], weights, rounds[0]["embedding_mask"]).merged
         for t in rounds:  # the distributed merge equals the one-process merge, bit for bit
             assert all(torch.equal(a, b) for a, b in zip(t["merged"], expected))

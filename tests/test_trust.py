@@ -208,7 +208,7 @@ W = [contribution_weight(10, 1)] * 3  # equal weights, 100 each
 
 def test_robust_merge_drops_non_finite_and_keeps_the_plain_merge_of_the_rest() -> None:
     members = [[t(3, 4)], [t(0, 2)], [t(float("nan"), 1)]]
-    out = robust_merge(members, W, [False])
+    out = robust_merge(members, W, [False], factor=4.0)  # norms 5 and 2: within 4 x the lower median
     assert out.kept == (0, 1) and out.dropped == {2: "non_finite"}
     assert torch.equal(out.merged[0], merge_pseudo_gradients(members[:2], W[:2], [False])[0])
 
@@ -228,11 +228,12 @@ def test_robust_merge_clips_norms_far_above_the_lower_median() -> None:
 
 
 def test_robust_merge_caps_inflated_weights() -> None:
-    # weights 100, 100 and 10**8 (claimed tokens): capped at 4 * 100, so 400 / 600 of the mean
+    # weights 100, 100 and 10**8 (claimed tokens): capped at 2 * 100 (default factor), so 200 / 400 of the mean
     members = [[t(1, 0)], [t(1, 0)], [t(0, 1)]]
     out = robust_merge(members, [100.0, 100.0, 1e8], [True])
-    assert out.weights == (100.0, 100.0, 400.0)
-    assert torch.allclose(out.merged[0], t(1 / 3, 2 / 3), atol=1e-6)
+    assert out.weights == (100.0, 100.0, 200.0)
+    assert torch.allclose(out.merged[0], t(0.5, 0.5), atol=1e-6)
+    assert robust_merge(members, [100.0, 100.0, 1e8], [True], factor=4.0).weights == (100.0, 100.0, 400.0)
 
 
 def test_robust_merge_two_members_and_edge_cases() -> None:
@@ -276,3 +277,51 @@ def test_swarm_cli_init_identity_admit_revoke(tmp_path: Path, capsys) -> None:
     assert "is not a public key" in capsys.readouterr().err
     assert cli_main(["swarm", "admit", peer, "--swarm-key", str(tmp_path / "none.key")]) == 2
     assert "swarm init" in capsys.readouterr().err
+
+
+# ---- plausible follows -------------------------------------------------------------------
+
+def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads() -> None:
+    import asyncio
+
+    from p2pdiloco.core.fragments import Fragment, TensorSlot
+    from p2pdiloco.core.outer import FragmentState
+    from p2pdiloco.errors import StateSyncError
+    from p2pdiloco.net.statesync import FOLLOW_FACTOR, StateSync, newest_heads
+
+    frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
+    zeros = (torch.zeros(4),)
+    states = [FragmentState.create(0, 0, (torch.ones(4),), zeros)]
+    sync = StateSync(None, "run", [frag], lambda: states)
+    sync._observe()
+    for v in range(1, 5):  # four own commits, each moving Θ by 0.5 (norm)
+        states[0] = FragmentState.create(0, v, (states[0].theta[0] + 0.25,), zeros)
+        sync._observe()
+    assert list(sync._steps[0]) == [0.5, 0.5, 0.5, 0.5]
+    mine = states[0].theta[0]
+    ok = FragmentState.create(0, 6, (mine + 0.25 * FOLLOW_FACTOR,), zeros)  # 2 versions, 5 steps' worth
+    sync._check_plausible(ok)
+    wrecked = FragmentState.create(0, 5, (mine * 1000,), zeros)
+    with pytest.raises(StateSyncError, match="moves the parameters by .* median recent step"):
+        sync._check_plausible(wrecked)
+    fresh = StateSync(None, "run", [frag], lambda: states)  # no step seen yet: only the |theta| bound
+    fresh._check_plausible(ok)
+    with pytest.raises(StateSyncError, match=r"x \|theta\|"):
+        fresh._check_plausible(FragmentState.create(0, 5, (mine * 6,), zeros))
+    with pytest.raises(StateSyncError, match="not finite"):
+        sync._check_plausible(FragmentState.create(0, 5, (mine * float("nan"),), zeros))
+
+    class Stub:
+        bans = {"12D3KooWBanned": "non_finite"}
+        peer_id = "me"
+
+        async def get(self, key):
+            return {honest: {"f": [[4, states[0].digest]]}, attacker: {"f": [[5, wrecked.digest]]}}
+
+    honest, attacker = Identity.generate().peer_id, Identity.generate().peer_id
+    sync.swarm = Stub()
+    records = asyncio.run(sync.records())
+    assert records[attacker]["f"] == [None]  # the refused head is hidden: the honest one wins
+    assert newest_heads(records, 1)[0].version == 4
+    Stub.bans = {attacker: "non_finite"}
+    assert set(asyncio.run(sync.records())) == {honest}  # a banned peer's records are ignored

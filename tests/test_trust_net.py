@@ -158,7 +158,8 @@ async def test_faulty_and_malicious_members_are_rejected_and_honest_members_agre
 @pytest.mark.asyncio
 async def test_clip_policy_keeps_a_scaled_contribution_bounded():
     async with swarms(3) as sw:
-        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, run_id="run", outliers="clip") for s in sw}
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, run_id="run", outliers="clip", outlier_factor=4.0)
+                    for s in sw}
         for r in reducers.values():
             await r.start()
         ids = sorted(reducers)
@@ -228,7 +229,7 @@ async def test_private_swarm_refuses_non_members_and_members_carry_on():
     expired = Membership(owner.public_key, owner.admit(ids[3].public_key, valid_for=60, now=now - 3600))
     async with swarms(4, [*members, None, expired], ids) as (a, b, outsider, lapsed):
         name = f"private swarm {fingerprint(owner.public_key)}"
-        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, run_id="run") for s in (a, b)}
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, run_id="run", outlier_factor=4.0) for s in (a, b)}
         sync_a = StateSync(a, "run", [FRAGMENT], lambda: [])
         for service in (*reducers.values(), Matchmaker(a, "run", 1), sync_a):
             await service.start()

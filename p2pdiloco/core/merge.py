@@ -24,7 +24,7 @@ __all__ = ["contribution_weight", "merge_tensor", "merge_pseudo_gradients", "is_
            "robust_merge", "RobustMerge", "OUTLIER_POLICIES", "DEFAULT_OUTLIER_FACTOR"]
 
 OUTLIER_POLICIES = ("clip", "drop", "off")
-DEFAULT_OUTLIER_FACTOR = 4.0
+DEFAULT_OUTLIER_FACTOR = 2.0
 
 DIRECTION_EPS = 1e-6  # below this norm of the (normalised) direction sum, use the weighted mean
 
@@ -162,9 +162,10 @@ def robust_merge(
 
     The lower median (``statistics.median_low``) is an element of the set, so with two
     members the smaller norm bounds the larger; like every median rule it needs a majority
-    of honest members to hold. ``factor`` > 1 leaves honest spread alone (a learner that
-    missed a round brings about twice the norm and weight) and only touches contributions
-    *far* above the round's median.
+    of honest members to hold. With the default ``factor`` 2 one scaled-up contribution
+    among M can raise a radial-directional merge's magnitude by at most a factor (M + 1)/M
+    (1.5 for M = 2); honest spread (a learner that missed a round brings about twice the
+    norm and weight) is left alone or only trimmed.
 
     Sources: clipping every update to the median of the update norms is FLAME's bound
     (Nguyen et al., "FLAME: Taming Backdoors in Federated Learning", USENIX Security 2022,

@@ -71,7 +71,8 @@ log = logging.getLogger(__name__)
 
 # Reasons a reducer rejects a slice. All but "missing" and "outlier" also ban the sender.
 BANNING_REASONS = ("wrong_key", "bad_signature", "bad_counters", "malformed", "non_finite")
-KEEP_DECIDED_SECONDS = 30.0  # a decided round is kept this long after its deadline, for phase 2
+KEEP_DECIDED_SECONDS = 30.0
+POISONS = ("", "scale", "flip", "nan", "mix")  # a decided round is kept this long after its deadline, for phase 2
 
 
 class ContributionExcluded(RoundFailed):
@@ -153,15 +154,24 @@ class AllReducer:
         outliers: robust-merge policy for norms far above the round's median: ``clip``,
             ``drop`` or ``off`` (non-finite contributions are always dropped).
         outlier_factor: "far above" means more than this many times the lower median.
+        poison: benchmarks and tests only: this member sends poisoned pseudo-gradients, signed
+            like honest ones: ``scale`` (x1000), ``flip`` (x-1), ``nan``, or ``mix`` (the
+            three in turn, one per round); "" (default) for an honest member.
     """
 
     def __init__(self, swarm: Swarm, fragments: Sequence[Fragment], precision: str, timeout: float, *,
-                 run_id: str = "", outliers: str = "clip", outlier_factor: float = DEFAULT_OUTLIER_FACTOR):
+                 run_id: str = "", outliers: str = "clip", outlier_factor: float = DEFAULT_OUTLIER_FACTOR,
+                 poison: str = ""):
         wire.wire_dtype(precision)
         if outliers not in OUTLIER_POLICIES:
             raise ValueError(f"unknown outlier policy {outliers!r}; choose one of {OUTLIER_POLICIES}")
+        if poison not in POISONS:
+            raise ValueError(f"unknown poison {poison!r}; choose one of {POISONS}")
         self.swarm, self.fragments, self.precision, self.timeout = swarm, tuple(fragments), precision, timeout
         self.run_id, self.outliers, self.outlier_factor = run_id, outliers, outlier_factor
+        self.poison, self._poisoned = poison, 0
+        if poison:
+            log.warning("this node sends POISONED pseudo-gradients (trust.poison=%s): benchmarks and tests only", poison)
         self._rounds: dict[str, _Round] = {}
         self.stats = AllReduceStats()
         self.last_contributors: tuple[str, ...] = ()  # peers merged in our last completed round
@@ -220,6 +230,8 @@ class AllReducer:
             RoundFailed: some reducer did not answer with a verified statement, or the
                 reducers' contributor sets have no member in common.
         """
+        if self.poison:
+            contrib = self._poison(contrib)
         frag, me, members = group.key.fragment, self.swarm.peer_id, group.members
         parts = self._parts(frag, len(members))
         reducers = [r for r in range(len(members)) if parts[r]]
@@ -316,6 +328,16 @@ class AllReducer:
             self.swarm.ban(group.members[r], f"merged slice with a bad signature in round {group.round_id}")
             raise RoundFailed(f"reducer {group.members[r][-8:]}'s merged slice failed signature verification")
         return tuple(c)
+
+    def _poison(self, contrib: Contribution) -> Contribution:
+        kind = self.poison if self.poison != "mix" else ("scale", "flip", "nan")[self._poisoned % 3]
+        self._poisoned += 1
+        if kind == "nan":
+            delta = tuple(d.clone().view(-1).index_fill_(0, torch.tensor([0]), float("nan")).view(d.shape)
+                          if d.numel() else d for d in contrib.delta)
+        else:
+            delta = tuple(d * (1000.0 if kind == "scale" else -1.0) for d in contrib.delta)
+        return Contribution(delta, contrib.tokens, contrib.steps)
 
     def _outgoing(self, reducer: int, head: Header, payload: bytes) -> tuple[Header, bytes]:
         """The request about to be sent to ``reducer`` (index); tests override this to act

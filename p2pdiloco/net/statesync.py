@@ -18,16 +18,35 @@ signed its claim. A download is accepted only from a holder and only if the dige
 received bytes equals the (version, digest) of those signed records. On start, a node asks a
 few record owners whether they accept it (``trust.hello``): a node refused by a private swarm
 stops with the members' reason instead of training alone.
+
+Plausible follows. A signature proves who published a state, not that it came from an honest
+merge: a member alone in its group (K = 1) merges only its own contribution, so a poisoning
+member could publish a wrecked state at a higher version and every node would follow it. A
+downloaded state is therefore refused (``StateSyncError``; counted in ``refused_states``) when
+it is not finite, or when it moves Θ away from this node's committed state by more than
+``FOLLOW_RELATIVE`` × (versions ahead) × ‖Θ‖ of that state, or, once this node has seen a step
+of that fragment, by more than ``FOLLOW_FACTOR`` × (versions ahead) × the median of the last
+``FOLLOW_HISTORY`` per-version steps it saw (its own commits and accepted follows). Both bounds
+are far above honest steps (momentum grows a step at most about 1.5 times per version); a
+wrongly refused state is followed anyway once a later version is within the bounds.
+Refused (version, digest) pairs, and every record of a banned peer, are left out of
+:meth:`StateSync.records`, so the heads rule looks past them. Source of the rule: the same
+median-norm bound as the robust merge (``core.merge.robust_merge``), applied to outer steps.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FragmentState, fragment_digest
@@ -39,6 +58,9 @@ from p2pdiloco.trust.identity import is_peer_id
 log = logging.getLogger(__name__)
 
 HEAD_TTL = 60.0  # seconds a heartbeat record lives without refresh
+FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the median recent step per version
+FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
+FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,10 @@ class StateSync:
         self.swarm, self.run_id, self.fragments, self.current = swarm, run_id, tuple(fragments), current
         self.downloads = 0
         self.failed_downloads = 0
+        self.refused_states = 0  # downloads refused as implausible (see the module docstring)
+        self._seen: dict[int, FragmentState] = {}  # last committed state observed, per fragment
+        self._steps: dict[int, deque[float]] = {i: deque(maxlen=FOLLOW_HISTORY) for i in range(len(self.fragments))}
+        self._refused: set[tuple[int, int, str]] = set()  # (fragment, version, digest) not to follow
 
     @property
     def heads_key(self) -> str:
@@ -124,15 +150,64 @@ class StateSync:
 
     async def records(self) -> dict[str, Any]:
         """Every live node's record, {peer ID: record}: only records under a peer ID, which
-        the DHT accepted only when signed by that peer (and, in a private swarm, a member)."""
-        return {p: r for p, r in (await self.swarm.get(self.heads_key)).items() if is_peer_id(p)}
+        the DHT accepted only when signed by that peer (and, in a private swarm, a member),
+        none of a banned peer, and with every refused (version, digest) replaced by None."""
+        self._observe()
+        out = {}
+        for peer, rec in (await self.swarm.get(self.heads_key)).items():
+            if not is_peer_id(peer) or peer in self.swarm.bans:
+                continue
+            frags = rec.get("f") if isinstance(rec, dict) else None
+            if self._refused and isinstance(frags, list):
+                rec = dict(rec, f=[None if isinstance(item, list) and len(item) == 2
+                                   and (p, item[0], item[1]) in self._refused else item
+                                   for p, item in enumerate(frags)])
+            out[peer] = rec
+        return out
+
+    def _observe(self) -> None:
+        """Record the per-version step of every fragment whose committed state moved on."""
+        for p, state in enumerate(self.current()):
+            prev = self._seen.get(p)
+            if prev is not None and state.version > prev.version and p in self._steps:
+                step = _distance(prev, state) / (state.version - prev.version)
+                if math.isfinite(step):
+                    self._steps[p].append(step)
+            self._seen[p] = state
+
+    def _check_plausible(self, state: FragmentState) -> None:
+        """Raise StateSyncError when ``state`` is not a plausible successor of ours."""
+        self._observe()
+        p = state.index
+        if not all(bool(torch.isfinite(t).all()) for t in (*state.theta, *state.momentum)):
+            reason = "it is not finite"
+        else:
+            mine, steps = self.current()[p], self._steps.get(p, ())
+            k, jump = max(1, state.version - mine.version), _distance(mine, state)
+            size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
+            bounds = [(FOLLOW_RELATIVE * k * size, f"{FOLLOW_RELATIVE:g} x {k} version(s) x |theta| {size:.3g}")]
+            if steps and statistics.median(steps) > 0:
+                median = statistics.median(steps)
+                bounds.append((FOLLOW_FACTOR * k * median,
+                               f"{FOLLOW_FACTOR:g} x {k} version(s) x the median recent step {median:.3g}"))
+            over = [text for bound, text in bounds if jump > bound]
+            if not over:
+                return
+            reason = f"it moves the parameters by {jump:.3g}, over {over[-1]}"
+        self._refused.add((p, state.version, state.digest))
+        self.refused_states += 1
+        log.warning("not following fragment %d v%d (%s): %s", p, state.version, state.short(), reason)
+        raise StateSyncError(f"fragment {p} v{state.version} refused: {reason}")
 
     async def download(self, fragment: int, head: Head, *, timeout: float) -> FragmentState:
         """Fetch ``fragment`` at ``head`` from one of its holders, trying them in random order.
 
         Raises:
-            StateSyncError: no holder returned a state whose digest matches ``head``.
+            StateSyncError: no holder returned a state whose digest matches ``head``, or the
+                state is not a plausible successor of ours (see the module docstring).
         """
+        if (fragment, head.version, head.digest) in self._refused:
+            raise StateSyncError(f"fragment {fragment} v{head.version} was refused before")
         donors = [p for p in head.holders if p != self.swarm.peer_id]
         random.shuffle(donors)  # newcomers spread over donors instead of all hitting one
         last = "no other holder"
@@ -145,6 +220,7 @@ class StateSync:
                 log.info("state download of fragment %d from %s failed: %s", fragment, donor[-8:], e)
                 continue
             if (state.version, state.digest) == (head.version, head.digest):
+                self._check_plausible(state)  # same bytes from every holder: no other donor to try
                 self.downloads += 1
                 return state
             last = f"{donor[-8:]} now holds v{state.version}, not v{head.version}"
@@ -175,3 +251,8 @@ class StateSync:
             raise ProtocolError("malformed state request") from None
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
         return {"v": state.version, "d": state.digest}, body
+
+
+def _distance(a: FragmentState, b: FragmentState) -> float:
+    """L2 distance between two states' Θ (over all tensors of the fragment)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(x - y)) ** 2 for x, y in zip(a.theta, b.theta)))
