@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from node.demo import DEMO_SETTINGS, Children, _terminate  # noqa: E402
+from node.demo import DEMO_SETTINGS, Children, _terminate, _wait_for_file  # noqa: E402
 from p2pdiloco.trust.identity import Identity  # noqa: E402
 
 NODES = 4
@@ -47,12 +47,7 @@ def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[s
     try:
         boot = children.start([py, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
                                "--maddrs-file", str(work / "bootstrap.txt")], work / "bootstrap.log")
-        end = time.monotonic() + 60
-        while not ((work / "bootstrap.txt").exists() and (work / "bootstrap.txt").read_text().strip()):
-            if boot.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"bootstrap did not start: {(work / 'bootstrap.log').read_text()[-2000:]}")
-            time.sleep(0.2)
-        maddr = (work / "bootstrap.txt").read_text().split()[0]
+        maddr = _wait_for_file(work / "bootstrap.txt", boot, 60)
         procs = []
         for i in range(NODES):
             d = work / f"node{i}"
