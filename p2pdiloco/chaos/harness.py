@@ -157,8 +157,8 @@ class Run:
             s = tr.poll(self.offset)
             if s is None or cur is None:
                 continue
-            self.timeline.write(json.dumps({"t": round(s.t - self.t0, 2) if self.t0 else None, "node": tr.name,
-                                            "life": len(tr.lives) - 1, **dataclasses.asdict(s)}) + "\n")
+            self.timeline.write(json.dumps({**dataclasses.asdict(s), "t": round(s.t - self.t0, 2) if self.t0 else None,
+                                            "node": tr.name, "life": len(tr.lives) - 1}) + "\n")
             if s.state == "training" and cur.proc.pid not in self.throttle.shares and tr.frozen_since is None:
                 self.apply_throttle(tr)
             if cur.restart and cur.rejoined_at is None and is_rejoined(self.tracks, tr, s, self.cfg.rejoin_slack):
