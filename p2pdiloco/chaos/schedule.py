@@ -188,8 +188,9 @@ def random_schedule(nodes: int, duration: float, seed: int, kill_every: float, r
         else:
             faults.append(Freeze(node, round(at, 1), round(at + freeze_s, 1)))
             busy_until[node] = at + freeze_s
-    desc = f"random seed {seed}: kill about every {kill_every:g} s, restart after {restart_delay:g} s" + \
-        (f", freeze about every {freeze_every:g} s for {freeze_s:g} s" if freeze_every else "")
+    parts = [f"kill about every {kill_every:g} s, restart after {restart_delay:g} s" if kill_every else "no kills",
+             f"freeze about every {freeze_every:g} s for {freeze_s:g} s" if freeze_every else ""]
+    desc = f"random seed {seed}: " + ", ".join(x for x in parts if x)
     return Schedule(nodes, (*faults, *extra), desc)
 
 
