@@ -109,7 +109,8 @@ def plot(rows: list[dict], ddp: dict, path: Path) -> None:
             for r in pts:
                 if sysname != "DDP":
                     ax.annotate(f"H={r['H']}", (r["bytes_per_token"], r["loss"]), fontsize=7,
-                                xytext=(4, -9), textcoords="offset points", color=color)
+                                xytext=(4, -9 if sysname == "sync DiLoCo" else -18), textcoords="offset points",
+                                color=color)
     for prec, color in colors.items():
         pts = sorted((r for r in rows if r["system"] == "p2pdiloco" and r["precision"] == prec),
                      key=lambda r: r["bytes_per_token"])
@@ -117,7 +118,8 @@ def plot(rows: list[dict], ddp: dict, path: Path) -> None:
             ax.plot([r["bytes_per_token"] for r in pts], [r["loss"] for r in pts], marker="o", color=color,
                     label=f"p2pdiloco {prec}", ls="-" if len(pts) > 1 else "none")
             for r in pts:
-                ax.annotate(f"H={r['H']}", (r["bytes_per_token"], r["loss"]), fontsize=7, xytext=(4, 3),
+                label = f"H={r['H']}" if prec == "int4" else prec
+                ax.annotate(label, (r["bytes_per_token"], r["loss"]), fontsize=7, xytext=(4, 3),
                             textcoords="offset points", color=color)
     ax.set_xscale("log")
     lo = min(r["loss"] for r in rows)

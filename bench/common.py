@@ -195,7 +195,7 @@ def _cpu_cgroup_root() -> tuple[Path, str] | None:
 
 class CpuCap:
     """A CPU-quota cgroup (CFS bandwidth: ``cores`` CPU-seconds per second for the whole
-    group: the node, its threads and its p2pd). ``prefix`` starts a command inside it."""
+    group: the node, its threads and its p2pd). ``add`` moves a running process into it."""
 
     counter = 0
 
@@ -216,10 +216,13 @@ class CpuCap:
             (self.path / "cpu.max").write_text(f"{quota} {period}")
         self.cores = cores
 
-    @property
-    def prefix(self) -> list[str]:
-        procs = self.path / "cgroup.procs"
-        return ["sh", "-c", f'echo $$ > {shlex.quote(str(procs))} && exec "$@"', "sh"]
+    def add(self, pid: int | None) -> None:
+        """Move a running process (all its threads; children it starts later follow) into the cap."""
+        if pid:
+            try:
+                (self.path / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                pass  # it has exited
 
     def close(self) -> None:
         try:
@@ -389,7 +392,7 @@ class Doc:
 
     def write(self, m: dict[str, Any], seconds: float, data: dict[str, Any]) -> Path:
         DOCS.mkdir(parents=True, exist_ok=True)
-        m = {**m, "load_end": os.getloadavg()}
+        m = {**m, "load_end": m.get("load_end") or os.getloadavg()}
         body = [f"# {self.title}", "", *self.intro, "",
                 f"Command: `{self.command}` (from the repository root, in the project's virtual environment; "
                 f"took {seconds / 60:.1f} minutes).", "",

@@ -315,6 +315,17 @@ def write(a: argparse.Namespace, res: dict, m: dict, seconds: float, work: Path)
         p, t = res["p2pdiloco"]["goodput"], res["torchft"]["goodput"]
         doc.text(f"Goal: goodput against torchft under the same faults. Result: p2pdiloco {100 * p:.1f}%, torchft "
                  f"{100 * t:.1f}% ({p / t:.2f}x)." if t > 0 else f"Result: p2pdiloco {100 * p:.1f}%, torchft 0%.")
+        doc.text(
+            "Reading: both systems lose the progress a node had not yet merged when it is killed, and a restarted "
+            "node first has to start (imports, data), join and catch up. torchft's DiLoCo syncs the whole model "
+            f"every H = {a.H} steps and the replicas of one quorum step together: a killed replica's last up to H "
+            "steps are lost, a restarted one contributes only at its first sync, H steps after it trains again, "
+            "and a sync whose all-reduce fails is discarded on every member (its parameters are restored). "
+            "p2pdiloco merges one of its 4 fragments about every H/4 steps, so a kill loses less unmerged work; "
+            "a failed round keeps the progress for the next one; nobody waits for a dead node beyond the grace "
+            "window and liveness timeout; a restarted node downloads the newest states from its peers. The "
+            "window is short for this machine's pace (about 20 s per torchft sync here), so the figures are "
+            "coarse; both systems saw the same kills at the same times.")
         plot(res, c.DOCS / "goodput.png")
         doc.text("![goodput](goodput.png)")
     doc.write(m, seconds, {**res, "workdir": str(work)})

@@ -165,10 +165,36 @@ def write(a: argparse.Namespace, results: dict, m: dict, seconds: float, work: P
     doc.text(f"Goal: the swarm costs a node under {100 * GOAL:.0f}% of its standalone tokens/s. Result, per "
              f"CPU-second: {100 * over_cpu:.1f}% {c.verdict(over_cpu < GOAL)}; per wall-clock second: "
              f"{100 * over_wall:.1f}% (noisier: it also moves with the other jobs on the machine).")
+    doc.text("![overhead](overhead.png)")
     doc.write(m, seconds, {"results": results, "overhead_cpu": over_cpu, "overhead_wall": over_wall,
                            "workdir": str(work)})
+    plot(results, c.DOCS / "overhead.png")
     print(f"overhead: wrote {c.DOCS / 'overhead.md'} ({seconds / 60:.1f} min): CPU {100 * over_cpu:.1f}%, "
           f"wall {100 * over_wall:.1f}%", flush=True)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    phases = [k for k in ("alone", "swarm", "alone again") if k in results]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    for ax, key, title in ((axes[0], "tokens_per_cpu_s", "tokens per CPU-second (primary)"),
+                           (axes[1], "tokens_per_s", "tokens per wall-clock second")):
+        vals = [statistics.fmean(r[key] for r in results[k]) for k in phases]
+        bars = ax.bar(phases, vals, color=["tab:gray" if k != "swarm" else "tab:green" for k in phases])
+        ref = statistics.fmean(v for k, v in zip(phases, vals) if k != "swarm")
+        ax.axhline(ref * 0.97, color="tab:red", ls="--", lw=1, label="goal: within 3% of alone")
+        for b, v in zip(bars, vals):
+            ax.text(b.get_x() + b.get_width() / 2, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("One node's training throughput: in a 3-node swarm vs alone (mean per process)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

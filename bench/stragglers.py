@@ -5,9 +5,10 @@ synchronous DiLoCo.
     python bench/stragglers.py           # about 5 minutes on a 2-core machine
     python bench/stragglers.py --quick   # a smoke run (short windows)
 
-The slowdown is real CPU starvation: every process of a system runs in its own CPU-quota
-cgroup (CFS bandwidth control, ``cpu.cfs_quota_us``), ``--cap`` cores for the normal nodes
-and ``--cap / --slow`` for the slow one; a p2pdiloco node's cgroup also holds its p2pd. The
+The slowdown is real CPU starvation: once it trains, every process of a system is moved into
+its own CPU-quota cgroup (CFS bandwidth control, ``cpu.cfs_quota_us``), ``--cap`` cores for
+the normal nodes and ``--cap / --slow`` for the slow one; a p2pdiloco node's cgroup also holds
+its p2pd. The
 slow node trains the same model on the same batch size; it only gets a quarter of the CPU.
 
 Phases, back to back, all under the same caps: (1) the four learners alone (no network:
@@ -39,15 +40,19 @@ def caps_for(n: int, cap: float, slow: float) -> list[float]:
 
 
 def phase(label: str, n: int, caps: list[float], start, warm: float, window: float, work: Path) -> list[dict]:
-    """Start n processes (``start(procs, i, ns_prefix, prefix) -> (popen, status_path)``, prefix:
-    join the CPU cap, then enter the namespace), measure their rates, end them all."""
+    """Start n processes (``start(procs, i, ns_prefix) -> (popen, status_path)``) in one
+    namespace; once every one trains, move each (a node with its p2pd) into its CPU cap, so that
+    start-up (imports, data) is not slowed down; measure their rates; end them all."""
     print(f"stragglers: {label} ...", flush=True)
     cgroups = [c.CpuCap(cap, f"{label[:8]}{i}") for i, cap in enumerate(caps)]
     try:
         with c.NetNS(label[:8]) as ns, c.processes() as procs:
-            # the cgroup first: `ip netns exec` remounts /sys, so the cgroup is out of reach inside
-            started = [start(procs, i, ns.prefix, [*cgroups[i].prefix, *ns.prefix]) for i in range(n)]
+            started = [start(procs, i, ns.prefix) for i in range(n)]
             c.wait_training([s for _, s in started], [p for p, _ in started], 240)
+            for g, (proc, status) in zip(cgroups, started):
+                st = c.status_of(status) or {}
+                for pid in (proc.pid, st.get("p2pd_pid")):
+                    g.add(pid)
             rates = c.window_rates([s for _, s in started], warm, window)
     finally:
         for g in cgroups:
@@ -82,7 +87,7 @@ def main() -> None:
     life = 3600  # processes are ended after their window; this only bounds a forgotten one
 
     def standalone(folder: Path):
-        def start(procs: c.Procs, i: int, ns_prefix: list[str], prefix: list[str]):
+        def start(procs: c.Procs, i: int, prefix: list[str]):
             st = folder / f"rank{i}.status"
             pr = procs.start([*prefix, *c.worker_argv("standalone", i, n, base, folder / f"rank{i}.json",
                                                       duration=life, status=st)], folder / f"rank{i}.log")
@@ -90,7 +95,7 @@ def main() -> None:
         return start
 
     def sync(mode: str, folder: Path):
-        def start(procs: c.Procs, i: int, ns_prefix: list[str], prefix: list[str]):
+        def start(procs: c.Procs, i: int, prefix: list[str]):
             st = folder / f"rank{i}.status"
             pr = procs.start([*prefix, *c.worker_argv(mode, i, n, base, folder / f"rank{i}.json", duration=life,
                                                       status=st, H=a.H if mode == "diloco" else None)],
@@ -103,11 +108,11 @@ def main() -> None:
     swarm_dir = work / "p2pdiloco"
     booted: dict = {}
 
-    def swarm(procs: c.Procs, i: int, ns_prefix: list[str], prefix: list[str]):
+    def swarm(procs: c.Procs, i: int, prefix: list[str]):
         # the bootstrap peer (uncapped, in the namespace) starts with node 0
         if "maddr" not in booted:
             swarm_dir.mkdir(parents=True, exist_ok=True)
-            boot = procs.start([*ns_prefix, c.PY, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
+            boot = procs.start([*prefix, c.PY, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
                                 "--maddrs-file", str(swarm_dir / "bootstrap.txt")], swarm_dir / "bootstrap.log")
             booted["maddr"] = c.wait_file(swarm_dir / "bootstrap.txt", boot, 90)
         d = swarm_dir / f"node{i}"
@@ -138,8 +143,8 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
     cmd = "python bench/stragglers.py" + (" --quick" if a.quick else "")
     doc = c.Doc("stragglers", "Benchmark 2: a 4x-slowed node", cmd)
     doc.intro = [
-        f"{a.nodes} processes per system on the benchmark model (2 layers, 64 wide, batch 16 x 64 bytes). Every "
-        f"process runs in its own CPU-quota cgroup (CFS bandwidth control): {a.cap:g} cores for nodes 0 to "
+        f"{a.nodes} processes per system on the benchmark model (2 layers, 64 wide, batch 16 x 64 bytes). Once it "
+        f"trains, every process runs in its own CPU-quota cgroup (CFS bandwidth control): {a.cap:g} cores for nodes 0 to "
         f"{a.nodes - 2}, {a.cap / a.slow:g} cores (1/{a.slow:g}) for node {a.nodes - 1}, the straggler. A p2pdiloco "
         "node's cgroup holds its Python process and its p2pd, so the swarm's own work counts against its quota. "
         "The slow node trains the same model on the same batch size; it just gets a quarter of the CPU time.",
@@ -150,8 +155,8 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
         "Merged tokens per second: tokens that went into a committed merge (p2pdiloco: each node's "
         "`tokens_merged`, counted per fragment), summed over the nodes, over the measured window. For DDP and "
         "synchronous DiLoCo every trained token is merged (DiLoCo's at the next all-reduce), so their rate is the "
-        "tokens trained per second (synchronous DiLoCo: the number of ranks times the slowest rank's rate, "
-        "since every rank trains exactly H steps per all-reduce and the fast ones wait; their own counters move "
+        "tokens trained per second (synchronous DiLoCo: the number of ranks times the straggler's rate, "
+        "since every rank trains exactly H steps per all-reduce and the fast ones wait for it; their own counters move "
         "in bursts of H steps, too coarse for the window). Rates are least-squares slopes of the counters "
         "read about every second over the window. Reference: the sum of the four learners' throughputs when each trains alone "
         "(no network) under the same caps, measured before and after the systems (mean of the two).",
@@ -173,7 +178,7 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
         if label == "sync DiLoCo":
             # every rank trains exactly H steps per all-reduce, so all run at the slowest rank's
             # pace; the others' counters move in bursts of H steps, too coarse for the window
-            merged = trained = a.nodes * min(r["tokens_per_s"] for r in rates)
+            merged = trained = a.nodes * rates[-1]["tokens_per_s"]  # the straggler never waits
         share = merged / total_ref
         summary[label] = {"merged_per_s": merged, "tokens_per_s": trained, "share": share,
                           "per_node": [r["tokens_per_s"] for r in rates]}
@@ -196,7 +201,14 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
                      f"trained {100 * p2p['tokens_per_s'] / total_ref:.1f}% of the standalone sum (the rest is the "
                      "swarm's own CPU inside each node's quota, benchmark 3, plus load drift), and "
                      f"{100 * p2p['merged_per_s'] / max(1e-9, p2p['tokens_per_s']):.1f}% of what they trained was "
-                     "merged in the window; no node waits for the straggler.")
+                     "merged in the window (merges in the window also carry tokens trained before it); no node "
+                     "waits for the straggler.")
+        slow = results["p2pdiloco"][-1]
+        if slow["merged_per_s"] <= 0 and slow["tokens_per_s"] > 0:
+            lines.append(f"The straggler merged nothing in the window: at {slow['tokens_per_s']:,.0f} tokens/s its "
+                         f"first fragment is due after about {a.H * c.TOKENS_PER_STEP / slow['tokens_per_s']:.0f} s "
+                         f"(H = {a.H} steps), after the window; until then it follows the others' merges and keeps "
+                         "its own progress on top (rebase), to contribute it later.")
     for k in ("DDP", "sync DiLoCo"):
         if k in summary:
             lines.append(f"{k} merges {100 * summary[k]['share']:.1f}% (every rank waits for the straggler at each "
