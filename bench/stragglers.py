@@ -245,4 +245,8 @@ def plot(summary: dict, total_ref: float, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl+C or SIGTERM: every process, namespace and cgroup is gone by now
+        print(f"{Path(__file__).stem}: interrupted", file=sys.stderr)
+        sys.exit(130)
