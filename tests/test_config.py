@@ -117,7 +117,7 @@ def test_unknown_keys_in_every_source(tmp_path: Path) -> None:
                line.endswith(f"(in {path})") for line in lines)
     assert any(line.startswith("swarm.hostt: unknown setting; known: announce, host, initial_peers, port, run_id")
                and line.endswith("(from environment variable P2PDILOCO_SWARM_HOSTT)") for line in lines)
-    assert "outerr.lr: unknown section 'outerr' (from the command line; known: model, inner, outer, swarm, data)" \
+    assert f"outerr.lr: unknown section 'outerr' (from the command line; known: {', '.join(SECTIONS)})" \
         in lines
     assert any(line.startswith("inner.lrr: unknown setting") and line.endswith("(from the command line)")
                for line in lines)
