@@ -348,8 +348,14 @@ class Node:
             except NetworkError:
                 continue
             for p, key in open_now.items():
-                mine = self.committed[p] if 0 <= p < len(self.committed) else None
-                if mine is not None and p not in self._in_flight and (key.version, key.digest) == (mine.version, mine.digest):
+                if not 0 <= p < len(self.committed) or p in self._in_flight:
+                    continue
+                if key.version > self.committed[p].version:
+                    # peers gather at a newer version: follow it now, or this learner would
+                    # trail one version behind every round and only ever download
+                    await self._catch_up(only=p)
+                mine = self.committed[p]
+                if p not in self._in_flight and (key.version, key.digest) == (mine.version, mine.digest):
                     self.training.request(p)
 
     async def _catch_up_loop(self) -> None:
