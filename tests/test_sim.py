@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
@@ -174,17 +175,24 @@ def test_chaos_prediction_is_sane() -> None:
         ChaosSchedule(nodes=0, kill_interval_s=1, restart_delay_s=1, duration_s=1, tokens_per_s=1, round_s=1)
 
 
-def test_chaos_harness_agrees_with_simulator() -> None:
+@pytest.mark.chaos
+@pytest.mark.timeout(900)
+def test_chaos_harness_agrees_with_simulator(request: pytest.FixtureRequest) -> None:
     chaos = pytest.importorskip("p2pdiloco.chaos", reason="the chaos harness (issue 3) is not built yet; this test "
                                 "compares its measured goodput with predict_chaos_goodput once it is")
     run = getattr(chaos, "run_schedule", None)
     if run is None:
         pytest.fail("p2pdiloco.chaos must provide run_schedule(ChaosSchedule) -> result with .goodput "
                     "(docs/simulator.md, 'Validation hook')")
+    if not os.environ.get("P2PDILOCO_CHAOS") and "chaos" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("runs 4 real nodes for about 6 minutes; opt in with -m chaos or P2PDILOCO_CHAOS=1 "
+                    "(docs/chaos.md, 'Harness against simulator')")
     sched = ChaosSchedule(nodes=4, kill_interval_s=30.0, restart_delay_s=10.0, duration_s=300.0,
                           tokens_per_s=200.0, round_s=5.0)
     measured = run(sched)
-    assert abs(measured.goodput - predict_chaos_goodput(sched)) <= 0.05
+    predicted = predict_chaos_goodput(sched)
+    assert abs(measured.goodput - predicted) <= 0.05, \
+        f"measured {measured.goodput:.3f}, predicted {predicted:.3f} (rejoin {measured.rejoin_s} s)"
 
 
 # --- command line -----------------------------------------------------------------------------
