@@ -272,6 +272,22 @@ async def test_matchmaking_ignores_banned_peers():
         assert oa == ob == "group" and ga.members == (a.peer_id,) and gb.members == (b.peer_id,)
         with pytest.raises(ProtocolError, match="excluded from this run"):
             await mm_a._on_join(b.peer_id, {"f": 0, "v": 3, "d": KEY.digest}, b"")
+        # gathering announcements are owner-only records; a banned peer's are ignored
+        a.bans.clear()
+        b.bans.clear()
+        task = asyncio.create_task(mm_a.form_group(KEY, grace=3.0, quorum_timeout=3.0, expected=2))
+        seen, end = {}, time.monotonic() + 3
+        while not seen and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+            seen = await mm_b.open_gatherings()
+        assert seen == {0: KEY}
+        assert not await b.store(mm_b.gathering_key, a.peer_id, {"g": [[0, 9, "f" * 64]]}, 30)
+        assert await mm_b.open_gatherings() == {0: KEY}
+        b.ban(a.peer_id, "test")
+        assert await mm_b.open_gatherings() == {}
+        await task
+        b.bans.clear()
+        assert await mm_b.open_gatherings() == {}  # withdrawn when its group closed
 
 
 # ---- identity ----------------------------------------------------------------------------

@@ -12,9 +12,9 @@ A learner that arrives after a group already closed at its version does not form
 competing group (that would split the swarm's history); it reports ``late`` and the caller
 catches up with the group's result instead.
 
-Trust: declarations are DHT records under the declaring peer's own ID, so only that peer can
-write or overwrite them (``transport.SignedRecords``); entries under any other subkey are
-ignored. Peers on the swarm's ban list (``Swarm.bans``: a contribution of theirs failed
+Trust: declarations and gathering announcements are DHT records under the declaring peer's
+own ID, so only that peer can write or overwrite them (``transport.SignedRecords``); entries
+under any other subkey are ignored. Peers on the swarm's ban list (``Swarm.bans``: a contribution of theirs failed
 verification) are neither followed as leaders nor admitted by ``mm.join``.
 """
 
@@ -24,6 +24,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -87,18 +88,39 @@ class Matchmaker:
 
     @property
     def gathering_key(self) -> str:
-        """DHT key where learners announce, per fragment, the (version, digest) they gather at."""
+        """DHT key where every learner announces, under its own peer ID, the fragments it is
+        gathering a group for: ``{"g": [[fragment, version, digest], ...], "t": time}``."""
         return f"{self.run_id}/gathering"
 
     async def open_gatherings(self) -> dict[int, GroupKey]:
-        """Fragments some learner is gathering a group for right now (fragment -> key)."""
-        out: dict[int, GroupKey] = {}
-        for sub, val in (await self.swarm.get(self.gathering_key)).items():
-            try:
-                out[int(sub)] = GroupKey(int(sub), int(val["v"]), str(val["d"]))
-            except (KeyError, TypeError, ValueError):
+        """Fragments other learners are gathering a group for right now (fragment -> key).
+
+        Each learner's announcement is its own owner-only record, so nobody can hide or replace
+        another's; banned peers' announcements are ignored. Where learners gather at different
+        keys for one fragment, the key announced by the most learners is returned (ties: the
+        higher version, then the smaller digest).
+        """
+        votes: dict[int, Counter[tuple[int, str]]] = {}
+        for peer, val in (await self.swarm.get(self.gathering_key)).items():
+            if not is_peer_id(peer) or peer in self.swarm.bans or peer == self.swarm.peer_id:
                 continue
+            items = val.get("g") if isinstance(val, dict) else None
+            for item in items if isinstance(items, list) else ():
+                try:
+                    p, v, d = int(item[0]), int(item[1]), str(item[2])
+                except (IndexError, TypeError, ValueError):
+                    continue
+                votes.setdefault(p, Counter())[(v, d)] += 1
+        out = {}
+        for p, counter in votes.items():
+            (v, d), _ = max(counter.items(), key=lambda kv: (kv[1], kv[0][0], tuple(-ord(c) for c in kv[0][1])))
+            out[p] = GroupKey(p, v, d)
         return out
+
+    async def _announce(self, ttl: float) -> None:
+        """Store the fragments this learner is gathering for (owner-only record)."""
+        keys = [[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values() if not g.closed]
+        await self.swarm.store(self.gathering_key, self.swarm.peer_id, {"g": keys, "t": time.time()}, ttl)
 
     async def form_group(
         self, key: GroupKey, *, grace: float, quorum_timeout: float, expected: int = 0
@@ -117,10 +139,9 @@ class Matchmaker:
         deadline = t0 + quorum_timeout
         dht_key, ttl = key.dht_key(self.run_id), quorum_timeout + grace + 30
         await self.swarm.store(dht_key, me, {"open": True, "t": time.time()}, ttl)
-        await self.swarm.store(self.gathering_key, str(key.fragment),
-                               {"v": key.version, "d": key.digest, "t": time.time()}, quorum_timeout + grace)
         gathering = _Gathering(key)
         self._gatherings[key.fragment] = gathering
+        await self._announce(quorum_timeout + grace)
         excluded: set[str] = set()
         quorum_at: float | None = None
         try:
@@ -164,6 +185,7 @@ class Matchmaker:
                 del self._gatherings[key.fragment]
             try:
                 await self.swarm.store(dht_key, me, {"open": False, "t": time.time()}, ttl)
+                await self._announce(quorum_timeout + grace)
             except NetworkError as e:
                 log.debug("could not mark %s closed: %s", dht_key, e)
 
