@@ -72,13 +72,17 @@ def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[s
             raise RuntimeError(f"honest nodes {missing} wrote no report; see {work}")
         rejected: Counter[str] = Counter()
         for i in honest:
-            for m in re.finditer(r"rejected the contribution of \w+: (\w+)", (work / f"node{i}" / "node.log").read_text()):
+            log = (work / f"node{i}" / "node.log").read_text()
+            for m in re.finditer(r"rejected the contribution of \w+: (\w+)", log):
                 rejected[m.group(1)] += 1
+            for m in re.finditer(r"norm-clipped (\d+) tensor.*left out (\d+) misaligned", log):
+                rejected["clipped tensors"] += int(m.group(1))
+                rejected["misaligned tensors"] += int(m.group(2))
         return {"end_loss": statistics.mean(reports[i]["end_loss"] for i in honest),
                 "start_loss": statistics.mean(reports[i]["start_loss"] for i in honest),
                 "digests": sorted({reports[i]["global_digest"] for i in honest}),
                 "rounds": statistics.mean(reports[i]["rounds_committed"] for i in honest),
-                "rejected": dict(rejected)}
+                "rejected": {k: v for k, v in rejected.items() if v}}
     finally:
         children.close()
 
@@ -112,7 +116,7 @@ def main() -> int:
     clean = results["clean"]["end_loss"]
     print(f"\n{NODES} nodes, demo settings{''.join(f', {k}={v}' for k, v in extra.items())}, {args.steps} inner steps "
           f"per node; node {ATTACKER} poisons every round")
-    print("| run | final held-out loss (honest nodes) | vs clean | rejections by the honest reducers |")
+    print("| run | final held-out loss (honest nodes) | vs clean | rejected, clipped, left out by the honest reducers |")
     print("|---|---|---|---|")
     for name, res in results.items():
         print(f"| {name} | {res['end_loss']:.4f} | {100 * (res['end_loss'] / clean - 1):+.2f} % | "

@@ -325,3 +325,24 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
     assert newest_heads(records, 1)[0].version == 4
     Stub.bans = {attacker: "non_finite"}
     assert set(asyncio.run(sync.records())) == {honest}  # a banned peer's records are ignored
+
+
+def test_robust_merge_leaves_out_a_direction_against_the_group() -> None:
+    # three members along one direction with some spread, one flipped: the coordinate-wise median
+    # of the unit vectors points along the honest ones; the flipped tensor has cosine about -1 with
+    # it, below -max(0.1, 3/sqrt(400)) = -0.15
+    g = torch.Generator().manual_seed(1)
+    honest = [torch.ones(400) + 0.5 * torch.randn(400, generator=g) for _ in range(3)]
+    members = [[h] for h in honest] + [[-honest[0]]]
+    w = [1.0] * 4
+    out = robust_merge(members, w, [True])
+    assert out.misaligned == ((3, 0),) and out.kept == (0, 1, 2, 3)
+    assert torch.equal(out.merged[0], merge_pseudo_gradients([[h] for h in honest], [1.0] * 3, [True])[0])
+    dropped = robust_merge(members, w, [True], policy="drop")
+    assert dropped.dropped == {3: "misaligned"}
+    assert robust_merge(members, w, [True], policy="off").misaligned == ()
+    # two against two: no majority, nothing is left out
+    assert robust_merge([[honest[0]], [honest[1]], [-honest[0]], [-honest[1]]], w, [True]).misaligned == ()
+    # nearly orthogonal members (the paper's regime) are not flagged: the margin is 3/sqrt(numel)
+    ortho = [[torch.randn(1000, generator=g)] for _ in range(5)]
+    assert robust_merge(ortho, [1.0] * 5, [False]).misaligned == ()

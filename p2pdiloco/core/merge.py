@@ -25,6 +25,7 @@ __all__ = ["contribution_weight", "merge_tensor", "merge_pseudo_gradients", "is_
 
 OUTLIER_POLICIES = ("clip", "drop", "off")
 DEFAULT_OUTLIER_FACTOR = 2.0
+DIRECTION_MARGIN = 0.1  # cosine below -max(this, 3/sqrt(numel)) against the median direction: misaligned
 
 DIRECTION_EPS = 1e-6  # below this norm of the (normalised) direction sum, use the weighted mean
 
@@ -129,6 +130,8 @@ class RobustMerge:
         kept: indices (input order) of the members whose contributions were merged.
         dropped: member index -> reason (``non_finite``, ``bad_weight``, ``outlier``).
         clipped: (member index, slot index) of every norm-clipped tensor.
+        misaligned: (member index, slot index) of every tensor left out of its slot's merge
+            because it points against the members' median direction (``clip`` policy).
         weights: the weight each member was merged with (0.0 for dropped members); differs
             from the input where a weight was clipped.
     """
@@ -137,6 +140,7 @@ class RobustMerge:
     kept: tuple[int, ...]
     dropped: dict[int, str] = field(default_factory=dict)
     clipped: tuple[tuple[int, int], ...] = ()
+    misaligned: tuple[tuple[int, int], ...] = ()
     weights: tuple[float, ...] = ()
 
 
@@ -158,7 +162,14 @@ def robust_merge(
        of ‖Δ_m,i‖`` (skipped when that median is 0). A tensor with ‖Δ_m,i‖ > T_i is
        scaled to norm T_i (``clip``), or its member is dropped from the merge (``drop``,
        reason ``outlier``). Medians are taken once, over the members left after step 1.
-    5. Merge the kept members slot by slot with :func:`merge_tensor`.
+    5. Directions, per slot i, when at least 3 members with positive weight and a nonzero Δ
+       are left: R_i = coordinate-wise median of their unit vectors Δ_m,i/‖Δ_m,i‖; a member
+       whose cosine with R_i is below −max(0.1, 3/√numel_i) points against the group. If
+       such members are a strict minority, each is left out of slot i's merge (``clip``:
+       weight 0 for that slot) or dropped from the merge (``drop``, reason ``misaligned``).
+       The margin keeps nearly orthogonal honest pseudo-gradients (the paper's regime, where
+       a random unit vector's cosine is about 1/√numel) from being flagged.
+    6. Merge the kept members slot by slot with :func:`merge_tensor`.
 
     The lower median (``statistics.median_low``) is an element of the set, so with two
     members the smaller norm bounds the larger; like every median rule it needs a majority
@@ -173,6 +184,12 @@ def robust_merge(
     updates: Sun et al., "Can You Really Backdoor Federated Learning?", arXiv 1911.07963.
     Here the bound is ``factor`` × the lower median instead of the median itself, so the
     merge of honest learners stays the plain token-weighted merge of arXiv 2604.21428.
+    Zero weight for updates whose cosine with a reference direction is negative is FLTrust's
+    ReLU-clipped trust score (Cao et al., "FLTrust: Byzantine-robust Federated Learning via
+    Trust Bootstrapping", NDSS 2021, arXiv 2012.13995); here the reference is the
+    coordinate-wise median of the members' directions (Yin et al., "Byzantine-Robust
+    Distributed Learning: Towards Optimal Statistical Rates", ICML 2018, arXiv 1803.01498)
+    instead of a gradient on trusted data, which a swarm does not have.
 
     Deterministic: Python float64 for medians and thresholds, fp32 tensor arithmetic in
     member order, so one reducer's result is reproducible from its inputs.
@@ -200,6 +217,7 @@ def robust_merge(
     alive = [m for m in range(len(per_member)) if m not in dropped]
     deltas = {m: [t.detach().to(torch.float32) for t in per_member[m]] for m in alive}
     clipped: list[tuple[int, int]] = []
+    misaligned: list[tuple[int, int]] = []
     if policy != "off" and len(alive) > 1:
         positive = [ws[m] for m in alive if ws[m] > 0]
         if positive:
@@ -224,10 +242,40 @@ def robust_merge(
         for m in sorted(outliers):
             dropped[m] = "outlier"
         clipped = [(m, i) for m, i in clipped if m not in outliers]
+        against = _misaligned([m for m in live if m not in outliers], deltas, n_slots)
+        if policy == "drop":
+            for m in sorted({m for m, _ in against}):
+                dropped[m] = "misaligned"
+            against = []
+        misaligned = against
     kept = tuple(m for m in alive if m not in dropped)
     if not kept:
         raise ValueError(f"no contribution left to merge: {dropped}")
-    kept_ws = [ws[m] for m in kept]
-    merged = [merge_tensor([deltas[m][i] for m in kept], kept_ws, embedding_mask[i]) for i in range(n_slots)]
+    muted = set(misaligned)
+    merged = [merge_tensor([deltas[m][i] for m in kept], [0.0 if (m, i) in muted else ws[m] for m in kept],
+                           embedding_mask[i]) for i in range(n_slots)]
     used = tuple(ws[m] if m in kept else 0.0 for m in range(len(per_member)))
-    return RobustMerge(merged, kept, dropped, tuple(clipped), used)
+    return RobustMerge(merged, kept, dropped, tuple(clipped), tuple(misaligned), used)
+
+
+def _misaligned(members: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: int) -> list[tuple[int, int]]:
+    """(member, slot) pairs whose Δ points against the coordinate-wise median direction
+    (step 5 of :func:`robust_merge`); only a strict minority of a slot's members is flagged."""
+    out: list[tuple[int, int]] = []
+    for i in range(n_slots):
+        units = {}
+        for m in members:
+            norm = float(torch.linalg.vector_norm(deltas[m][i]))
+            if norm > 0:
+                units[m] = deltas[m][i].reshape(-1) / norm
+        if len(units) < 3:
+            continue
+        ref = torch.stack(list(units.values())).median(dim=0).values
+        ref_norm = float(torch.linalg.vector_norm(ref))
+        if ref_norm <= 0:
+            continue
+        margin = max(DIRECTION_MARGIN, 3.0 / math.sqrt(ref.numel()))
+        bad = [m for m, u in units.items() if float(torch.dot(u, ref)) / ref_norm < -margin]
+        if bad and 2 * len(bad) < len(units):
+            out.extend((m, i) for m in bad)
+    return sorted(out)

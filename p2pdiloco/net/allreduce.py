@@ -15,7 +15,8 @@ sender's authenticated peer ID before it decodes anything. A slice that fails (`
 rejected: the round goes on without it, the sender is banned for the rest of the run
 (``Swarm.bans``), and the rejection is logged and counted in ``AllReducer.stats.rejected``.
 The reducer merges what it accepted with :func:`p2pdiloco.core.merge.robust_merge`
-(outliers clipped or dropped, reason ``outlier``) and answers every member with the same
+(norm outliers clipped or dropped, reason ``outlier``; tensors pointing against the group's
+median direction left out, or their member dropped, reason ``misaligned``) and answers every member with the same
 statement: the contributor set it used (member indices), the merged bytes, and its
 signature over ``signing.message("ar.merged", [..., reducer index, phase, contributors,
 sha256(merged bytes)])``. Members verify that signature before using the bytes.
@@ -128,6 +129,8 @@ class AllReduceStats:
         rejected: slices this node rejected as a reducer, by reason (see the module
             docstring), plus ``bad_result`` for a reducer answer that failed verification.
         clipped: tensors norm-clipped by the robust merge.
+        misaligned: tensors left out of a merge for pointing against the group's median
+            direction (``clip`` policy; with ``drop`` the member is rejected as ``misaligned``).
         sign_seconds, verify_seconds: CPU time spent hashing and signing our slices and
             statements, and hashing and verifying others' (the cost of signed updates).
     """
@@ -138,6 +141,7 @@ class AllReduceStats:
     reconciled: int = 0
     rejected: Counter = field(default_factory=Counter)
     clipped: int = 0
+    misaligned: int = 0
     sign_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -446,6 +450,12 @@ class AllReducer:
         mask = [self.fragments[rnd.fragment].slots[i].is_embedding for i in rnd.slots]
         out = robust_merge([ts for ts, _, _ in order], weights, mask, policy=policy, factor=self.outlier_factor)
         self.stats.clipped += len(out.clipped)
+        self.stats.misaligned += len(out.misaligned)
+        if out.clipped or out.misaligned:
+            who = lambda pairs: sorted({rnd.members[contributors[m]][-8:] for m, _ in pairs})  # noqa: E731
+            log.info("round %s f%d: norm-clipped %d tensor(s) of %s, left out %d misaligned tensor(s) of %s",
+                     rnd.round_id, rnd.fragment, len(out.clipped), who(out.clipped), len(out.misaligned),
+                     who(out.misaligned))
         return out
 
     def _statement(self, rnd: _Round, phase: int, contributors: Sequence[int], merged) -> tuple[Header, bytes]:

@@ -419,6 +419,8 @@ class Swarm:
             remote = ctx.remote_id.to_base58()
             try:
                 header, payload = await _read_frames(requests)
+                async for _ in requests:  # wait for the caller's end of stream: answering (and closing)
+                    pass  # before it arrives can reset the stream and lose the answer (seen on refusals)
                 self.stats.bytes_in += len(payload)
                 try:
                     self.membership.check(remote, header.pop("_cert", None))
