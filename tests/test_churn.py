@@ -80,7 +80,8 @@ def test_killed_node_restarts_with_same_identity_and_port_and_catches_up(harness
     maddr = harness.bootstrap()
     port = _free_port()
     p0, d0 = harness.node(maddr, "n0", _shards(0, 2), "--duration", "50", "--set", "settle=30")
-    extra = ["--port", str(port), "--set", "checkpoint_every=1", "--set", "settle=20"]
+    # settle outlasts n0's training: n1 keeps following until n0 is done and both agree
+    extra = ["--port", str(port), "--set", "checkpoint_every=1", "--set", "settle=90"]
     p1, d1 = harness.node(maddr, "n1", _shards(1, 2), "--duration", "12", *extra)
     # both run; wait until n1 has trained and checkpointed
     end = time.monotonic() + 90
@@ -151,7 +152,7 @@ def test_lone_node_progresses_then_merges_with_a_newcomer(harness):
         harness.track_daemons()
         time.sleep(0.2)
     time.sleep(3)
-    p1, d1 = harness.node(maddr, "n1", _shards(1, 2), "--duration", "10", "--set", "settle=20")
+    p1, d1 = harness.node(maddr, "n1", _shards(1, 2), "--duration", "10", "--set", "settle=90")
     for p, d in ((p1, d1), (p0, d0)):
         assert harness.wait(p, 150, d / "node.log") == 0, _log(d)[-2000:]
     r0, r1 = read_report(d0), read_report(d1)
