@@ -39,9 +39,10 @@ def apply_event(run: Run, ev: Event) -> None:
         run.failures["kill"] += 1
         run.say(f"t={now - run.t0:5.0f} s  killed {tr.name} (SIGKILL to its process group)")
     elif ev.action == "restart":
-        budget = run.t1 - now - startup_guess(run)
-        if tr.up() or budget < 5:
+        if tr.up():
             return
+        # train until about the end of the window; at least 10 s, even if start-up runs late
+        budget = max(10.0, run.t1 - now - startup_guess(run))
         run.spawn(tr, restart=True, budget=budget)
         run.say(f"t={now - run.t0:5.0f} s  restarted {tr.name} on its data dir")
     elif ev.action == "freeze":

@@ -1,11 +1,13 @@
 """The chaos harness: a bootstrap peer and N real node processes under a fault schedule.
 
 Phases of one run: start (bootstrap, then every node with ``python -m node run``, each with
-its own data dir, fixed port, status and report file), wait until every node trains, a
-fault-free warm-up, the measured window of ``duration``
-seconds in which the schedule is applied, then SIGTERM to every live node: each finishes
-its rounds, settles with the swarm and writes its report. Every process is ended on every
-exit path (own process groups; :class:`~p2pdiloco.chaos.procs.Processes`).
+its own data dir, fixed port, status and report file, and a training budget of warm-up plus
+duration), wait until every node trains, a fault-free warm-up, the measured window of
+``duration`` seconds in which the schedule is applied (restarted nodes get the budget left),
+then every node ends by its budget: it finishes its rounds, settles with the swarm and
+writes its report (SIGTERM only to a node still running ``stop_timeout`` later; a node
+stopped by a signal leaves without settling). Every process is ended on every exit path (own
+process groups; :class:`~p2pdiloco.chaos.procs.Processes`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 PR_SET_PDEATHSIG = 1
+OPT_IN_VARS = ("P2PDILOCO_CHAOS",)  # harness-only environment, not passed to the nodes
 
 
 def _die_with_parent() -> None:
@@ -75,9 +76,11 @@ class Processes:
 
     def start(self, argv: list[str], log: Path, name: str) -> Proc:
         log.parent.mkdir(parents=True, exist_ok=True)
+        # P2PDILOCO_CHAOS opts tests in; a node would read it as a config setting and refuse it
+        env = {k: v for k, v in os.environ.items() if k not in OPT_IN_VARS}
         with open(log, "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"},
                                      preexec_fn=_die_with_parent)
         proc = Proc(popen, name, log)
         self.procs.append(proc)
