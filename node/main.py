@@ -150,6 +150,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "merging": in_flight, "uptime_s": round(time.time() - PROCESS_START, 1),
         "step": tr.step if tr else 0, "tokens": tr.tokens if tr else 0,
         "tokens_per_s": round(tr.tokens_per_s, 1) if tr else 0.0,
+        "blocked_s": round(node.training.blocked_s, 2) if node.training else 0.0,
         "loss": _num(tr.loss) if tr else None, "heldout_loss": _num(tr.heldout_loss) if tr else None,
         "rounds_committed": st.rounds_committed, "rounds_failed": st.rounds_failed,
         "rounds_late": st.rounds_late, "rounds_alone": st.rounds_alone, "catchups": st.catchups,

@@ -106,6 +106,8 @@ class Node:
         self._interrupted = False
         kind, _, n = self.cfg.fault.partition("@")
         self._fault = (kind, int(n) if n else 0)
+        if kind == "kill-in-state-transfer":
+            self.swarm.inject_kill_midway("state.get", self._fault[1])
         self._allreduces = 0
         self._resumed = False
         self.done = False
@@ -308,6 +310,7 @@ class Node:
             steps = [s for s in steps if type(s) is int and s >= 0]
             if steps:
                 self.setup.learner.step = max(steps)
+                log.info("joined at the swarm's inner step %d (inner lr %.6g)", max(steps), self.setup.learner.current_lr())
         if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
             self.stats.state = "training"
 
@@ -317,7 +320,9 @@ class Node:
         Local progress is rebased on top (θ_p ← Θ_new − (Θ_old − θ_p), counters kept), except
         when our own contribution is already inside the new state: we were a member of the
         round that made it but could not tell it completed (invariant I2). Then we overwrite,
-        as the members that completed did, instead of contributing the same progress twice."""
+        as the members that completed did, instead of contributing the same progress twice.
+        On joining after a resume from a local checkpoint, progress is rebased only when the
+        swarm is still at the checkpoint's version of p; otherwise it is overwritten."""
         try:
             state = await self.sync.download(p, head, timeout=30)
         except StateSyncError as e:
@@ -334,7 +339,15 @@ class Node:
         log.info("followed fragment %d: v%d -> v%d (%s)%s", p, old.version, state.version, state.short(),
                  " with our contribution inside" if ours else "")
         if self.training is None:
-            self.setup.learner.install(state, rebase=self._resumed)
+            # resumed from a local checkpoint: its progress on p is relative to the checkpoint's
+            # anchor. If the swarm moved past that version, the previous incarnation may have
+            # contributed that progress after the checkpoint; dropping it loses a little work,
+            # rebasing it could merge the same progress twice (invariant I2), so drop it.
+            rebase = self._resumed and state.version <= old.version
+            if self._resumed and not rebase and self.setup.learner.counters(p)[1]:
+                log.info("fragment %d: checkpoint progress (%d steps at v%d) dropped, the swarm moved to v%d",
+                         p, self.setup.learner.counters(p)[1], old.version, state.version)
+            self.setup.learner.install(state, rebase=rebase)
         else:
             self.training.deliver((p, state, not ours))
         return state

@@ -153,13 +153,7 @@ class TrainingLoop:
             if now - window_t >= 2.0:
                 st.tokens_per_s, window_t, window_tokens = window_tokens / (now - window_t), now, 0
             for p in self._due():
-                if p in self.pending:
-                    continue  # its previous round is still in flight: keep accumulating
-                tokens, steps = self.learner.counters(p)
-                contrib = Contribution(tuple(self.learner.pseudo_gradient(p)), tokens, steps)
-                self.pending.add(p)
-                self._sent[p] = contrib
-                self.dispatch(p, contrib, self.learner.global_states[p])
+                self._send(p)
             if self.synchronous and self.pending:
                 t0 = time.monotonic()
                 self.finish(timeout=float("inf"), stop=self.stop)  # lock-step: wait for the merge
@@ -170,6 +164,23 @@ class TrainingLoop:
                 self.checkpoint()
                 last_checkpoint = time.monotonic()
         self._drain()
+        if not self.stop.is_set():
+            # budget spent: send every fragment's unsent progress once more, so the end of a
+            # run does not leave up to H steps per fragment unmerged (peers whose budget ends
+            # at the same time meet in these rounds); finish() then waits for them
+            for p in range(self.schedule.P):
+                if self.learner.counters(p)[1] > 0:
+                    self._send(p)
+
+    def _send(self, p: int) -> None:
+        """Hand fragment p's pseudo-gradient to the event loop, unless its round is in flight."""
+        if p in self.pending:
+            return  # its previous round is still in flight: keep accumulating
+        tokens, steps = self.learner.counters(p)
+        contrib = Contribution(tuple(self.learner.pseudo_gradient(p)), tokens, steps)
+        self.pending.add(p)
+        self._sent[p] = contrib
+        self.dispatch(p, contrib, self.learner.global_states[p])
 
     def finish(self, timeout: float, stop: threading.Event | None = None) -> None:
         """Install what arrives for ``timeout`` seconds or until no round is pending (or

@@ -215,7 +215,8 @@ class NodeConfig:
     # Fault injection for tests and chaos runs, "KIND@ROUND" with ROUND the n-th all-reduce this
     # node takes part in with at least one other member: "kill-in-allreduce@3" SIGKILLs the node
     # while its 3rd such all-reduce runs;
-    # "fail-last-stage@3" completes the 3rd all-reduce but then treats it as failed.
+    # "fail-last-stage@3" completes the 3rd all-reduce but then treats it as failed;
+    # "kill-in-state-transfer@1" SIGKILLs the node midway through the 1st state it serves.
     fault: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
@@ -235,7 +236,7 @@ class NodeConfig:
             ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0 (0: off)"),
             ("settle", self.settle >= 0, "must be >= 0"),
             ("fault", not self.fault or _is_fault(self.fault),
-             "must look like kill-in-allreduce@N or fail-last-stage@N (N >= 1)"),
+             "must look like kill-in-allreduce@N, fail-last-stage@N or kill-in-state-transfer@N (N >= 1)"),
             ("data_dir", _usable_dir(self.data_dir), f"{self.data_dir!r} exists and is not a folder"),
             ("trace_dir", _usable_dir(self.trace_dir), f"{self.trace_dir!r} exists and is not a folder"),
             ("metrics_port", 0 <= self.metrics_port <= 65535, "must be in 1..65535, or 0 for no metrics endpoint"),
@@ -246,7 +247,7 @@ class NodeConfig:
 
 def _is_fault(text: str) -> bool:
     kind, _, n = text.partition("@")
-    return kind in ("kill-in-allreduce", "fail-last-stage") and n.isdigit() and int(n) >= 1
+    return kind in ("kill-in-allreduce", "fail-last-stage", "kill-in-state-transfer") and n.isdigit() and int(n) >= 1
 
 
 SECTIONS = ("model", "inner", "outer", "swarm", "data", "trust")

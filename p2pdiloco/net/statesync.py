@@ -30,7 +30,14 @@ of that fragment, by more than ``FOLLOW_FACTOR`` × (versions ahead) × the medi
 are far above honest steps (momentum grows a step at most about 1.5 times per version); a
 wrongly refused state is followed anyway once a later version is within the bounds.
 Refused (version, digest) pairs, and every record of a banned peer, are left out of
-:meth:`StateSync.records`, so the heads rule looks past them. Source of the rule: the same
+:meth:`StateSync.records`, so the heads rule looks past them.
+
+Unreachable heads. A state that no holder could deliver (its only holders died: their records
+outlive them by up to ``HEAD_TTL``) is left out of :meth:`StateSync.records` for
+``UNREACHABLE_S`` seconds, so the swarm goes on from the newest state a live peer holds
+instead of retrying a dead donor before every round; a state it cannot fetch is a state it
+cannot merge at (invariant I3). If the holder comes back, its state counts again afterwards
+and the heads rule (I7) settles any split. Source of the rule: the same
 median-norm bound as the robust merge (``core.merge.robust_merge``), applied to outer steps.
 """
 
@@ -38,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
-import random
+import hashlib
 import statistics
 import time
 from collections import deque
@@ -60,6 +67,7 @@ log = logging.getLogger(__name__)
 HEAD_TTL = 60.0  # seconds a heartbeat record lives without refresh
 FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the median recent step per version
 FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
+UNREACHABLE_S = 15.0  # seconds a head no holder could deliver is ignored
 FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
 
 
@@ -127,6 +135,7 @@ class StateSync:
         self._seen: dict[int, FragmentState] = {}  # last committed state observed, per fragment
         self._steps: dict[int, deque[float]] = {i: deque(maxlen=FOLLOW_HISTORY) for i in range(len(self.fragments))}
         self._refused: set[tuple[int, int, str]] = set()  # (fragment, version, digest) not to follow
+        self._unreachable: dict[tuple[int, int, str], float] = {}  # same key -> ignored until (monotonic s)
 
     @property
     def heads_key(self) -> str:
@@ -153,14 +162,17 @@ class StateSync:
         the DHT accepted only when signed by that peer (and, in a private swarm, a member),
         none of a banned peer, and with every refused (version, digest) replaced by None."""
         self._observe()
+        now = time.monotonic()
+        self._unreachable = {k: t for k, t in self._unreachable.items() if t > now}
+        skip = self._refused | self._unreachable.keys()
         out = {}
         for peer, rec in (await self.swarm.get(self.heads_key)).items():
             if not is_peer_id(peer) or peer in self.swarm.bans:
                 continue
             frags = rec.get("f") if isinstance(rec, dict) else None
-            if self._refused and isinstance(frags, list):
+            if skip and isinstance(frags, list):
                 rec = dict(rec, f=[None if isinstance(item, list) and len(item) == 2
-                                   and (p, item[0], item[1]) in self._refused else item
+                                   and (p, item[0], item[1]) in skip else item
                                    for p, item in enumerate(frags)])
             out[peer] = rec
         return out
@@ -200,7 +212,9 @@ class StateSync:
         raise StateSyncError(f"fragment {p} v{state.version} refused: {reason}")
 
     async def download(self, fragment: int, head: Head, *, timeout: float) -> FragmentState:
-        """Fetch ``fragment`` at ``head`` from one of its holders, trying them in random order.
+        """Fetch ``fragment`` at ``head`` from one of its holders, trying them in turn, starting
+        at a holder picked by this node's peer ID and the fragment index (round-robin), so
+        newcomers spread over donors and one newcomer spreads its fragments over them.
 
         Raises:
             StateSyncError: no holder returned a state whose digest matches ``head``, or the
@@ -208,8 +222,10 @@ class StateSync:
         """
         if (fragment, head.version, head.digest) in self._refused:
             raise StateSyncError(f"fragment {fragment} v{head.version} was refused before")
-        donors = [p for p in head.holders if p != self.swarm.peer_id]
-        random.shuffle(donors)  # newcomers spread over donors instead of all hitting one
+        donors = sorted(p for p in head.holders if p != self.swarm.peer_id)
+        if donors:
+            start = (int.from_bytes(hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "big") + fragment) % len(donors)
+            donors = donors[start:] + donors[:start]
         last = "no other holder"
         for donor in donors:
             try:
@@ -224,6 +240,8 @@ class StateSync:
                 self.downloads += 1
                 return state
             last = f"{donor[-8:]} now holds v{state.version}, not v{head.version}"
+        if donors:  # every holder failed: look past this state for a while (module docstring)
+            self._unreachable[(fragment, head.version, head.digest)] = time.monotonic() + UNREACHABLE_S
         raise StateSyncError(f"fragment {fragment} v{head.version}: {last}")
 
     async def _fetch(self, donor: str, fragment: int, timeout: float) -> FragmentState:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -242,6 +244,12 @@ class Swarm:
         self.admitted = False  # a member of the swarm accepted us (check_admission)
         self.stats = TrafficStats()
         self.started_at = time.time()
+        self._kill_midway: dict[str, int] = {}  # injected fault: RPC name -> answers left before
+
+    def inject_kill_midway(self, rpc: str, nth: int) -> None:
+        """Fault injection (tests, chaos runs): SIGKILL this process while it streams its
+        ``nth`` answer to ``rpc``, after about half of the answer's frames went out."""
+        self._kill_midway[rpc] = nth
 
     def ban(self, peer: str, reason: str) -> None:
         """Exclude ``peer`` for the rest of the run (logged once)."""
@@ -439,10 +447,26 @@ class Swarm:
                 log.exception("handler %s failed for %s", name, remote[-8:])
                 reply, body = {"error": f"internal error: {_short(e)}"}, b""
             self.stats.bytes_out += len(body)
-            for frame in _frames(reply, body):
+            frames = _frames(reply, body)
+            kill_at = self._kill_at(name, len(frames))
+            for i, frame in enumerate(frames):
+                if i == kill_at:
+                    await asyncio.sleep(0.5)  # let the frames sent so far reach the caller
+                    log.warning("injected fault: killed while answering %s (%d of %d frames sent)", name, i, len(frames))
+                    logging.shutdown()
+                    os.kill(os.getpid(), signal.SIGKILL)
                 yield frame
 
         await self._p2p.add_protobuf_handler(name, serve, BytesValue, stream_input=True, stream_output=True)
+
+    def _kill_at(self, name: str, n_frames: int) -> int:
+        """Frame index at which the injected kill-midway fault hits this answer, or -1."""
+        if name not in self._kill_midway:
+            return -1
+        self._kill_midway[name] -= 1
+        if self._kill_midway[name] > 0:
+            return -1
+        return 1 + (n_frames - 1) // 2  # the header and about half of the payload's frames went out
 
     async def call(
         self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float
