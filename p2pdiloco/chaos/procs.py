@@ -22,7 +22,6 @@ from pathlib import Path
 import psutil
 
 PR_SET_PDEATHSIG = 1
-OPT_IN_VARS = ("P2PDILOCO_CHAOS",)  # harness-only environment, not passed to the nodes
 
 
 def _die_with_parent() -> None:
@@ -76,8 +75,7 @@ class Processes:
 
     def start(self, argv: list[str], log: Path, name: str) -> Proc:
         log.parent.mkdir(parents=True, exist_ok=True)
-        # P2PDILOCO_CHAOS opts tests in; a node would read it as a config setting and refuse it
-        env = {k: v for k, v in os.environ.items() if k not in OPT_IN_VARS}
+        env = dict(os.environ)
         with open(log, "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"},
