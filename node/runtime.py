@@ -107,7 +107,7 @@ class Node:
         kind, _, n = self.cfg.fault.partition("@")
         self._fault = (kind, int(n) if n else 0)
         if kind == "kill-in-state-transfer":
-            self.swarm.inject_kill_midway("state.get", self._fault[1])
+            self.swarm.inject_kill_midway("state.get", self._fault[1], lambda header: header.get("join") is True)
         self._allreduces = 0
         self._resumed = False
         self.done = False
@@ -324,7 +324,7 @@ class Node:
         On joining after a resume from a local checkpoint, progress is rebased only when the
         swarm is still at the checkpoint's version of p; otherwise it is overwritten."""
         try:
-            state = await self.sync.download(p, head, timeout=30)
+            state = await self.sync.download(p, head, timeout=30, joining=initial)
         except StateSyncError as e:
             log.info("catch-up of fragment %d failed: %s", p, e)
             return None

@@ -216,7 +216,8 @@ class NodeConfig:
     # node takes part in with at least one other member: "kill-in-allreduce@3" SIGKILLs the node
     # while its 3rd such all-reduce runs;
     # "fail-last-stage@3" completes the 3rd all-reduce but then treats it as failed;
-    # "kill-in-state-transfer@1" SIGKILLs the node midway through the 1st state it serves.
+    # "kill-in-state-transfer@1" SIGKILLs the node midway through the 1st state it serves to a
+    # joining node.
     fault: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)

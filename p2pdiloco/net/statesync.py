@@ -211,7 +211,7 @@ class StateSync:
         log.warning("not following fragment %d v%d (%s): %s", p, state.version, state.short(), reason)
         raise StateSyncError(f"fragment {p} v{state.version} refused: {reason}")
 
-    async def download(self, fragment: int, head: Head, *, timeout: float) -> FragmentState:
+    async def download(self, fragment: int, head: Head, *, timeout: float, joining: bool = False) -> FragmentState:
         """Fetch ``fragment`` at ``head`` from one of its holders, trying them in turn, starting
         at a holder picked by this node's peer ID and the fragment index (round-robin), so
         newcomers spread over donors and one newcomer spreads its fragments over them.
@@ -229,7 +229,7 @@ class StateSync:
         last = "no other holder"
         for donor in donors:
             try:
-                state = await self._fetch(donor, fragment, timeout)
+                state = await self._fetch(donor, fragment, timeout, joining)
             except (NetworkError, StateSyncError) as e:
                 self.failed_downloads += 1
                 last = str(e)
@@ -244,8 +244,9 @@ class StateSync:
             self._unreachable[(fragment, head.version, head.digest)] = time.monotonic() + UNREACHABLE_S
         raise StateSyncError(f"fragment {fragment} v{head.version}: {last}")
 
-    async def _fetch(self, donor: str, fragment: int, timeout: float) -> FragmentState:
-        reply, body = await self.swarm.call(donor, "state.get", {"f": fragment}, timeout=timeout)
+    async def _fetch(self, donor: str, fragment: int, timeout: float, joining: bool) -> FragmentState:
+        request = {"f": fragment, "join": True} if joining else {"f": fragment}  # "join": a node joining the swarm
+        reply, body = await self.swarm.call(donor, "state.get", request, timeout=timeout)
         try:
             version, digest = int(reply["v"]), str(reply["d"])
         except (KeyError, TypeError, ValueError):

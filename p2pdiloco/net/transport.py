@@ -244,12 +244,14 @@ class Swarm:
         self.admitted = False  # a member of the swarm accepted us (check_admission)
         self.stats = TrafficStats()
         self.started_at = time.time()
-        self._kill_midway: dict[str, int] = {}  # injected fault: RPC name -> answers left before
+        # injected fault: RPC name -> (matching answers left before the kill, which requests count)
+        self._kill_midway: dict[str, tuple[int, Callable[[Header], bool]]] = {}
 
-    def inject_kill_midway(self, rpc: str, nth: int) -> None:
+    def inject_kill_midway(self, rpc: str, nth: int, when: Callable[[Header], bool] = lambda _: True) -> None:
         """Fault injection (tests, chaos runs): SIGKILL this process while it streams its
-        ``nth`` answer to ``rpc``, after about half of the answer's frames went out."""
-        self._kill_midway[rpc] = nth
+        ``nth`` answer to an ``rpc`` request whose header satisfies ``when``, after about half
+        of the answer's frames went out."""
+        self._kill_midway[rpc] = (nth, when)
 
     def ban(self, peer: str, reason: str) -> None:
         """Exclude ``peer`` for the rest of the run (logged once)."""
@@ -425,8 +427,10 @@ class Swarm:
 
         async def serve(requests: AsyncIterator[BytesValue], ctx: P2PContext) -> AsyncIterator[BytesValue]:
             remote = ctx.remote_id.to_base58()
+            request: Header = {}
             try:
                 header, payload = await _read_frames(requests)
+                request = dict(header)
                 async for _ in requests:  # wait for the caller's end of stream: answering (and closing)
                     pass  # before it arrives can reset the stream and lose the answer (seen on refusals)
                 self.stats.bytes_in += len(payload)
@@ -448,7 +452,7 @@ class Swarm:
                 reply, body = {"error": f"internal error: {_short(e)}"}, b""
             self.stats.bytes_out += len(body)
             frames = _frames(reply, body)
-            kill_at = self._kill_at(name, len(frames))
+            kill_at = self._kill_at(name, request, len(frames))
             for i, frame in enumerate(frames):
                 if i == kill_at:
                     await asyncio.sleep(0.5)  # let the frames sent so far reach the caller
@@ -459,12 +463,13 @@ class Swarm:
 
         await self._p2p.add_protobuf_handler(name, serve, BytesValue, stream_input=True, stream_output=True)
 
-    def _kill_at(self, name: str, n_frames: int) -> int:
+    def _kill_at(self, name: str, request: Header, n_frames: int) -> int:
         """Frame index at which the injected kill-midway fault hits this answer, or -1."""
-        if name not in self._kill_midway:
+        left, when = self._kill_midway.get(name, (0, None))
+        if when is None or not when(request):
             return -1
-        self._kill_midway[name] -= 1
-        if self._kill_midway[name] > 0:
+        self._kill_midway[name] = (left - 1, when)
+        if left - 1 > 0:
             return -1
         return 1 + (n_frames - 1) // 2  # the header and about half of the payload's frames went out
 
