@@ -59,8 +59,13 @@ class Children:
         return proc
 
     def close(self, grace: float = 15.0) -> None:
+        """SIGTERM to each child process itself (not its group: its p2pd must stay up while
+        the node finishes its rounds and stops it), then SIGKILL to every group after ``grace``."""
         for proc in self.procs:
-            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         end = time.monotonic() + grace
         for proc in self.procs:
             try:

@@ -163,30 +163,42 @@ def test_lone_node_progresses_then_merges_with_a_newcomer(harness):
     assert r0["global_digest"] == r1["global_digest"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_newcomer_survives_a_donor_killed_midway_and_matches_the_swarm_exactly(harness):
-    """A newcomer downloads the state from two donors (one fragment each, round-robin); the
-    donor that serves first is SIGKILLed after about half its answer went out. The newcomer
-    discards the partial state, takes it from the other donor, continues at the swarm's inner
-    step (so the same learning rate), and its first merge lands on the same digest as its peer's."""
+    """A newcomer downloads the state from two donors (one fragment each, round-robin); n0
+    is SIGKILLed after about half of the first state it serves to a joining node went out.
+    The newcomer discards the partial state, takes it from the other donor, continues at the
+    swarm's inner step (so the same learning rate), and its first merge lands on the same
+    digest as its peer's. (If n0 was not a holder of the newest state when the newcomer
+    joined, which can happen for a moment after a round, one more newcomer joins.)"""
     big = {"model.n_embd": "256", "model.n_head": "4"}  # 0.8M parameters: a fragment's state is 4 frames
     maddr = harness.bootstrap()
-    p0, d0 = harness.node(maddr, "n0", {**_shards(0, 3), **big}, "--duration", "120",
+    p0, d0 = harness.node(maddr, "n0", {**_shards(0, 3), **big}, "--duration", "150",
                           "--set", "fault=kill-in-state-transfer@1")
-    p1, d1 = harness.node(maddr, "n1", {**_shards(1, 3), **big}, "--duration", "45", "--set", "settle=90")
+    p1, d1 = harness.node(maddr, "n1", {**_shards(1, 3), **big}, "--duration", "60", "--set", "settle=120")
     end = time.monotonic() + 90
     while _log(d1).count("2 members") < 4 and time.monotonic() < end:
         harness.track_daemons()
         time.sleep(0.2)
     assert _log(d1).count("2 members") >= 4, _log(d1)[-2000:]
-    p2, d2 = harness.node(maddr, "n2", {**_shards(2, 3), **big}, "--duration", "15", "--set", "settle=90")
-    assert harness.wait(p2, 180, d2 / "node.log") == 0, _log(d2)[-3000:]
-    assert harness.wait(p1, 180, d1 / "node.log") == 0, _log(d1)[-3000:]
+    newcomers = []
+    for k in range(2, 5):
+        newcomers.append(harness.node(maddr, f"n{k}", {**_shards(2, 3), **big}, "--duration", "15",
+                                      "--set", "settle=120"))
+        d = newcomers[-1][1]
+        end = time.monotonic() + 60
+        while "joined at the swarm's inner step" not in _log(d) and time.monotonic() < end:
+            harness.track_daemons()
+            time.sleep(0.2)
+        if p0.poll() is not None:
+            break
+    p2, d2 = newcomers[-1]
+    for p, d in [*newcomers, (p1, d1)]:
+        assert harness.wait(p, 200, d / "node.log") == 0, _log(d)[-3000:]
     assert p0.wait(10) == -signal.SIGKILL, _log(d0)[-2000:]  # the fault hit: n0 died serving a state
     assert "injected fault: killed while answering state.get" in _log(d0)
+    assert not (d0 / "report.json").exists()
     log2 = _log(d2)
-    r0, r1, r2 = read_report(d0) if (d0 / "report.json").exists() else None, read_report(d1), read_report(d2)
-    assert r0 is None
     n0_id = json.loads((d0 / "status.json").read_text())["peer_id"]
     # the partial answer was discarded: the download from n0 failed, the next donor served it
     failed = re.search(rf"state download of fragment (\d) from {n0_id[-8:]} failed", log2)
@@ -194,11 +206,10 @@ def test_newcomer_survives_a_donor_killed_midway_and_matches_the_swarm_exactly(h
     frag = failed.group(1)
     assert re.search(rf"followed fragment {frag}: v0 -> v\d+", log2[failed.end():]), log2[:4000]
     # joined at the swarm's schedule position: the inner step its donors published
-    joined = int(re.search(r"joined at the swarm's inner step (\d+)", log2).group(1))
-    assert joined > 0
+    assert int(re.search(r"joined at the swarm's inner step (\d+)", log2).group(1)) > 0
     # its first merge with n1 gives both the same state
-    m = re.search(r"round f(\d) v(\d+): 2 members, [\d.]+ s, digest (\w+)", log2)
+    m = re.search(r"round f(\d) v(\d+): [2-9] members, [\d.]+ s, digest (\w+)", log2)
     assert m, log2[-3000:]
-    assert f"round f{m.group(1)} v{m.group(2)}: 2 members" in _log(d1)
-    assert re.search(rf"round f{m.group(1)} v{m.group(2)}: 2 members, [\d.]+ s, digest {m.group(3)}", _log(d1))
-    assert r1["global_digest"] == r2["global_digest"]
+    assert re.search(rf"round f{m.group(1)} v{m.group(2)}: [2-9] members, [\d.]+ s, digest {m.group(3)}", _log(d1))
+    digests = {read_report(d)["global_digest"] for _, d in [*newcomers, (p1, d1)]}
+    assert len(digests) == 1, digests
