@@ -75,10 +75,9 @@ class Processes:
 
     def start(self, argv: list[str], log: Path, name: str) -> Proc:
         log.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
         with open(log, "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"},
+                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                      preexec_fn=_die_with_parent)
         proc = Proc(popen, name, log)
         self.procs.append(proc)

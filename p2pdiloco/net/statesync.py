@@ -30,22 +30,22 @@ of that fragment, by more than ``FOLLOW_FACTOR`` × (versions ahead) × the medi
 are far above honest steps (momentum grows a step at most about 1.5 times per version); a
 wrongly refused state is followed anyway once a later version is within the bounds.
 Refused (version, digest) pairs, and every record of a banned peer, are left out of
-:meth:`StateSync.records`, so the heads rule looks past them.
+:meth:`StateSync.records`, so the heads rule looks past them. Source of the rule: the same
+median-norm bound as the robust merge (``core.merge.robust_merge``), applied to outer steps.
 
 Unreachable heads. A state that no holder could deliver (its only holders died: their records
 outlive them by up to ``HEAD_TTL``) is left out of :meth:`StateSync.records` for
 ``UNREACHABLE_S`` seconds, so the swarm goes on from the newest state a live peer holds
 instead of retrying a dead donor before every round; a state it cannot fetch is a state it
 cannot merge at (invariant I3). If the holder comes back, its state counts again afterwards
-and the heads rule (I7) settles any split. Source of the rule: the same
-median-norm bound as the robust merge (``core.merge.robust_merge``), applied to outer steps.
+and the heads rule (I7) settles any split.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-import hashlib
 import statistics
 import time
 from collections import deque
@@ -215,6 +215,8 @@ class StateSync:
         """Fetch ``fragment`` at ``head`` from one of its holders, trying them in turn, starting
         at a holder picked by this node's peer ID and the fragment index (round-robin), so
         newcomers spread over donors and one newcomer spreads its fragments over them.
+        ``joining``: this node is joining the swarm; the request says so (``"join"``), which the
+        ``kill-in-state-transfer`` fault injection keys on.
 
         Raises:
             StateSyncError: no holder returned a state whose digest matches ``head``, or the
