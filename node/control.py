@@ -186,8 +186,8 @@ def query(path: str, timeout: float = QUERY_TIMEOUT, command: str = "status") ->
                     break
                 chunks.append(chunk)
     except FileNotFoundError:
-        raise ControlUnreachable(f"no node is running there: {path} does not exist (is --data-dir the one the "
-                                 "node was started with?)") from None
+        raise ControlUnreachable(f"no node is running there: {path} does not exist (is it the data dir or "
+                                 "socket the node was started with?)") from None
     except ConnectionRefusedError:
         raise ControlUnreachable(f"the node is not running: nothing listens on its {where} "
                                  "(it exited or was killed; check its log)") from None

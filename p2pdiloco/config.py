@@ -44,11 +44,12 @@ def _validate(*checks: tuple[str, bool, str]) -> None:
 @dataclass(frozen=True)
 class OuterConfig:
     """Outer loop (brief section 1; DiLoCo arXiv 2311.08105 defaults lr 0.7, momentum 0.9;
-    Decoupled DiLoCo arXiv 2604.21428 defaults P = 24, H = 24, tau = 2)."""
+    Decoupled DiLoCo arXiv 2604.21428 uses P = 24, H = 24, tau = 2 on large models; P = 4
+    here, since fragments hold whole tensors and the default model has 20)."""
 
     lr: float = 0.7
     momentum: float = 0.9
-    fragments: int = 24  # P
+    fragments: int = 4  # P, at most the model's number of parameter tensors
     sync_every: int = 24  # H, inner steps between two syncs of one fragment
     overlap: int = 2  # tau, inner steps a merge may take before it is applied
     min_quorum: int = 1  # K
@@ -243,6 +244,9 @@ class NodeConfig:
             ("metrics_port", 0 <= self.metrics_port <= 65535, "must be in 1..65535, or 0 for no metrics endpoint"),
             ("metrics_host", _is_ipv4(self.metrics_host),
              f"{self.metrics_host!r} is not an IPv4 address (default 127.0.0.1: this machine only)"),
+            ("outer.fragments", self.outer.fragments <= self.model.num_tensors,
+             f"{self.outer.fragments} exceeds the model's {self.model.num_tensors} parameter tensors "
+             f"(fragments hold whole tensors); use at most {self.model.num_tensors}"),
         )
 
 
@@ -420,11 +424,17 @@ def load_config(
     hints = typing.get_type_hints(NodeConfig)
     parts = {s: _build(hints[s], layered[s], s, sources, problems) for s in SECTIONS}
     node = _build(NodeConfig, layered[""], "", sources, problems)
-    if problems:
-        if len(problems) == 1:
-            raise ConfigError(f"invalid configuration: {problems[0]}")
-        raise ConfigError(f"invalid configuration, {len(problems)} problems:\n  " + "\n  ".join(problems))
-    return dataclasses.replace(node, **parts)
+    if not problems:
+        try:  # checks across sections run on the whole config
+            return dataclasses.replace(node, **parts)
+        except Invalid as e:
+            for name, message in e.problems:
+                section, _, fld = name.rpartition(".")
+                source = sources.get((section, fld))
+                problems.append(f"{name}: {message}" + (f" ({source})" if source else ""))
+    if len(problems) == 1:
+        raise ConfigError(f"invalid configuration: {problems[0]}")
+    raise ConfigError(f"invalid configuration, {len(problems)} problems:\n  " + "\n  ".join(problems))
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:

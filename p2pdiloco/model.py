@@ -37,6 +37,13 @@ class ModelConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
+    @property
+    def num_tensors(self) -> int:
+        """Parameter tensors of :class:`GPT` with this config (the head is tied to ``wte``):
+        wte, wpe, ln_f weight and bias, and per block ln_1 (2), c_attn, attn c_proj, ln_2 (2),
+        c_fc, mlp c_proj. Fragments hold whole tensors, so this bounds their number."""
+        return 4 + 8 * self.n_layer
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:

@@ -312,3 +312,19 @@ def test_number_coercion() -> None:
         _coerce("1.5", int, "w")
     with pytest.raises(ValueError, match=r"^w: expected a number, got True$"):
         _coerce(True, float, "w")
+
+
+def test_fragments_are_checked_against_the_model_before_anything_starts(tmp_path: Path) -> None:
+    """Fragments hold whole tensors: P above the model's tensor count is one line, with its
+    source, at load time; the defaults are consistent."""
+    cfg = load_config(env={})
+    assert cfg.outer.fragments <= cfg.model.num_tensors
+    with pytest.raises(ConfigError) as e:
+        load_config(env={}, overrides={"outer.fragments": "30"})
+    assert str(e.value) == ("invalid configuration: outer.fragments: 30 exceeds the model's 20 parameter tensors "
+                            "(fragments hold whole tensors); use at most 20 (from the command line)")
+    path = tmp_path / "node.toml"
+    path.write_text("[model]\nn_layer = 1\n[outer]\nfragments = 13\n")
+    with pytest.raises(ConfigError, match=rf"use at most 12 \(in {path}\)$"):
+        load_config(path, env={})
+    assert load_config(path, env={}, overrides={"outer.fragments": "12"}).outer.fragments == 12

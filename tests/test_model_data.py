@@ -188,3 +188,9 @@ def test_evaluate_matches_manual_cross_entropy():
 
 def test_gpt_direct_construction():
     assert isinstance(GPT(SMALL), torch.nn.Module)
+
+
+@pytest.mark.parametrize("n_layer", [1, 2, 3])
+def test_num_tensors_counts_the_models_parameters(n_layer) -> None:
+    cfg = ModelConfig(n_layer=n_layer, n_embd=32, n_head=2, block_size=16)
+    assert cfg.num_tensors == len(list(build_model(cfg, 0).parameters()))

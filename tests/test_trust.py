@@ -178,6 +178,10 @@ def test_files_and_public_key_forms(tmp_path: Path) -> None:
     cert.save(tmp_path / "m.cert")
     assert Certificate.load(tmp_path / "m.cert") == cert
     assert pub_path.read_text().strip() == owner.public_key.hex()
+    with pytest.raises(CertificateError, match="is the swarm's public key; signing needs the private key"):
+        SwarmKey.load(pub_path)  # a user who passes swarm.pub where swarm.key is needed
+    with pytest.raises(CertificateError, match="cannot be read"):
+        SwarmKey.load(tmp_path)  # a folder
 
 
 def test_node_trust_from_config(tmp_path: Path) -> None:

@@ -153,12 +153,17 @@ class SwarmKey:
     @classmethod
     def load(cls, path: Path) -> SwarmKey:
         """Raises CertificateError when the file is missing, unreadable or not an Ed25519 key."""
+        data = b""
         try:
-            key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+            data = Path(path).read_bytes()
+            key = serialization.load_pem_private_key(data, password=None)
         except FileNotFoundError:
             raise CertificateError(f"swarm key {path} does not exist (create one with `p2pdiloco swarm init`)",
                                    "missing") from None
         except (OSError, ValueError, TypeError) as e:
+            if b"PRIVATE KEY" not in data and len(data.strip()) == 64:  # the hex of a public key
+                raise CertificateError(f"swarm key {path} is the swarm's public key; signing needs the private "
+                                       "key (swarm.key, written by `p2pdiloco swarm init`)", "malformed") from None
             raise CertificateError(f"swarm key {path} cannot be read: {e}", "malformed") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise CertificateError(f"swarm key {path} is not an Ed25519 key", "malformed")
