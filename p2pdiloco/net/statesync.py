@@ -33,9 +33,9 @@ Refused (version, digest) pairs, and every record of a banned peer, are left out
 :meth:`StateSync.records`, so the heads rule looks past them. Source of the rule: the same
 median-norm bound as the robust merge (``core.merge.robust_merge``), applied to outer steps.
 
-Unreachable heads. A state that no holder could deliver (its only holders died: their records
-outlive them by up to ``HEAD_TTL``) is left out of :meth:`StateSync.records` for
-``UNREACHABLE_S`` seconds, so the swarm goes on from the newest state a live peer holds
+Unreachable heads. A state that no holder could deliver ``UNREACHABLE_AFTER`` times in a row
+(its only holders died: their records outlive them by up to ``HEAD_TTL``) is left out of
+:meth:`StateSync.records` for ``UNREACHABLE_S`` seconds, so the swarm goes on from the newest state a live peer holds
 instead of retrying a dead donor before every round; a state it cannot fetch is a state it
 cannot merge at (invariant I3). If the holder comes back, its state counts again afterwards
 and the heads rule (I7) settles any split.
@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 HEAD_TTL = 60.0  # seconds a heartbeat record lives without refresh
 FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the median recent step per version
 FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
+UNREACHABLE_AFTER = 3  # downloads of a head that failed at every holder, in a row, before it is ignored
 UNREACHABLE_S = 15.0  # seconds a head no holder could deliver is ignored
 FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
 
@@ -136,6 +137,7 @@ class StateSync:
         self._steps: dict[int, deque[float]] = {i: deque(maxlen=FOLLOW_HISTORY) for i in range(len(self.fragments))}
         self._refused: set[tuple[int, int, str]] = set()  # (fragment, version, digest) not to follow
         self._unreachable: dict[tuple[int, int, str], float] = {}  # same key -> ignored until (monotonic s)
+        self._failed: dict[tuple[int, int, str], int] = {}  # same key -> downloads failed in a row
 
     @property
     def heads_key(self) -> str:
@@ -240,10 +242,15 @@ class StateSync:
             if (state.version, state.digest) == (head.version, head.digest):
                 self._check_plausible(state)  # same bytes from every holder: no other donor to try
                 self.downloads += 1
+                self._failed.pop((fragment, head.version, head.digest), None)
                 return state
             last = f"{donor[-8:]} now holds v{state.version}, not v{head.version}"
-        if donors:  # every holder failed: look past this state for a while (module docstring)
-            self._unreachable[(fragment, head.version, head.digest)] = time.monotonic() + UNREACHABLE_S
+        key = (fragment, head.version, head.digest)
+        self._failed = {k: n for k, n in self._failed.items() if k[0] != fragment or k[1] >= head.version}
+        self._failed[key] = self._failed.get(key, 0) + 1
+        if donors and self._failed[key] >= UNREACHABLE_AFTER:  # look past this state for a while
+            del self._failed[key]
+            self._unreachable[key] = time.monotonic() + UNREACHABLE_S
         raise StateSyncError(f"fragment {fragment} v{head.version}: {last}")
 
     async def _fetch(self, donor: str, fragment: int, timeout: float, joining: bool) -> FragmentState:
