@@ -22,7 +22,6 @@ import json
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from node.demo import DEMO_SETTINGS, Children, _terminate, _wait_for_file  # noqa: E402
+from node.demo import DEMO_SETTINGS, Children, _terminate  # noqa: E402
 from p2pdiloco.trust.identity import Identity  # noqa: E402
 
 NODES = 4
@@ -45,9 +44,7 @@ def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[s
     children = Children()
     py = sys.executable
     try:
-        boot = children.start([py, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
-                               "--maddrs-file", str(work / "bootstrap.txt")], work / "bootstrap.log")
-        maddr = _wait_for_file(work / "bootstrap.txt", boot, 60)
+        maddr = children.start_bootstrap(work)
         procs = []
         for i in range(NODES):
             d = work / f"node{i}"

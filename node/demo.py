@@ -58,6 +58,13 @@ class Children:
         self.procs.append(proc)
         return proc
 
+    def start_bootstrap(self, work: Path, timeout: float = 60) -> str:
+        """Start a bootstrap peer on 127.0.0.1 (logs in ``work``); returns its multiaddr.
+        Raises RuntimeError when it exits or writes no address within ``timeout`` seconds."""
+        boot = self.start([sys.executable, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
+                           "--maddrs-file", str(work / "bootstrap.txt")], work / "bootstrap.log")
+        return _wait_for_file(work / "bootstrap.txt", boot, timeout)
+
     def close(self, grace: float = 15.0) -> None:
         """SIGTERM to each child process itself (not its group: its p2pd must stay up while
         the node finishes its rounds and stops it), then SIGKILL to every group after ``grace``."""
@@ -125,9 +132,7 @@ def run_demo(args: argparse.Namespace) -> int:
     children = Children()
     py = sys.executable
     try:
-        boot = children.start([py, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
-                               "--maddrs-file", str(work / "bootstrap.txt")], work / "bootstrap.log")
-        maddr = _wait_for_file(work / "bootstrap.txt", boot, 60)
+        maddr = children.start_bootstrap(work)
         settings = dict(DEMO_SETTINGS)
         settings.update(dict(s.split("=", 1) for s in args.set if "=" in s))
         settings.update({"data.num_shards": str(args.nodes)})
