@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import psutil
 from p2pdiloco.config import NodeConfig
 from p2pdiloco.data import bits_per_byte, evaluate
 from p2pdiloco.errors import P2PDilocoError
+from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.statesync import is_behind, newest_heads
 from p2pdiloco.net.transport import Swarm
 
@@ -114,9 +116,10 @@ class SwarmView:
                   "holders": 0, "status": "unknown"} for st in committed]
         if self.records is None:
             return None, frags
-        records = {k: r for k, r in self.records.items() if isinstance(r, dict)}
-        records[me] = {**records.get(me, {}), "f": [[st.version, st.digest] for st in committed]}
-        heads = newest_heads(records, len(committed))
+        records = dict(self.records)
+        mine = tuple((st.version, st.digest) for st in committed)
+        records[me] = replace(records[me], fragments=mine) if me in records else HeadsRecord(mine)
+        heads = newest_heads(records, len(committed), me=me, mine=[st.version for st in committed])
         for f, st, head in zip(frags, committed, heads):
             if head is None:
                 f["status"] = "no record"
@@ -127,7 +130,7 @@ class SwarmView:
         now = time.time()
         return {
             "peers": len(records),
-            "learners": sum(1 for r in records.values() if not r.get("done")),
+            "learners": sum(1 for r in records.values() if not r.done),
             "newest": [h.version if h else None for h in heads],
             "behind": [f["fragment"] for f in frags if f["status"] == "behind"],
             "read_age_s": _num(now - self.read_at, 1) if self.read_at else None,
@@ -160,6 +163,10 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "bytes_out": swarm.stats.bytes_out, "bytes_in": swarm.stats.bytes_in,
         "rpc_calls": swarm.stats.calls_out, "rpc_failed": swarm.stats.calls_failed,
         "rejected": rejected, "rejected_total": sum(rejected.values()),
+        "bans": dict(swarm.bans), "ignored": node.sync.ignoring(), "passed_over": node.matchmaker.passing_over(),
+        "blocked": swarm.blocking(),
+        "dropped": dict(swarm.dropped), "dropped_total": sum(swarm.drop_reasons.values()),
+        "dropped_reasons": dict(swarm.drop_reasons), "internal_errors": st.internal_errors,
         "allreduce": {k: v for k, v in vars(node.allreducer.stats).items() if type(v) is int},
         "fragments": [[s.version, s.short()] for s in node.committed],
         "fragment_status": fragments, "swarm": swarm_figures,

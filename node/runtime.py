@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import signal
 import time
@@ -30,7 +31,9 @@ from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution
 from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
-from p2pdiloco.net.statesync import StateSync, is_behind, newest_heads
+from p2pdiloco.net.records import HeadsRecord
+from p2pdiloco.net.revocation import RevocationWatch
+from p2pdiloco.net.statesync import StateSync, is_behind, newest_heads, runaway_heads
 from p2pdiloco.net.transport import Swarm
 
 from node.checkpoint import load_checkpoint, save_checkpoint
@@ -43,6 +46,7 @@ WIRE_VERSION = 1  # bump on any change of the RPC formats
 CATCHUP_SECONDS = 2.0
 PUBLISH_SECONDS = 5.0
 GATHER_POLL_SECONDS = 0.5
+NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
 
 
 def protocol_tag(cfg) -> str:
@@ -73,6 +77,7 @@ class NodeStats:
     rounds_alone: int = 0
     catchups: int = 0
     tokens_merged: int = 0  # tokens of this node's contributions that went into a merge
+    internal_errors: int = 0  # background steps that raised (logged with a traceback, never fatal)
     recent: list[RoundRecord] = field(default_factory=list)
 
 
@@ -89,18 +94,21 @@ class Node:
         # fragments, wire precision and outer optimizer. They only ever meet under this tag,
         # so a mismatched peer is never matched, instead of crashing deep in a transfer.
         tag = protocol_tag(self.cfg)
-        self.matchmaker = Matchmaker(swarm, f"{self.cfg.swarm.run_id}/{tag}", out.min_quorum)
+        self.matchmaker = Matchmaker(swarm, f"{self.cfg.swarm.run_id}/{tag}", out.min_quorum, len(setup.fragments))
         trust = self.cfg.trust  # signed contributions (run and tag in every signature), robust merge
         self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout,
                                      run_id=f"{self.cfg.swarm.run_id}/{tag}", outliers=trust.outliers,
                                      outlier_factor=trust.outlier_factor, poison=trust.poison)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed)
+        # the swarm's membership object itself: lists adopted here are what the transport checks
+        self.revocations = RevocationWatch(swarm, swarm.membership)
         self.training: TrainingLoop | None = None
         self._in_flight: set[int] = set()
         self._rounds: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._publish_now = asyncio.Event()
         self._live_learners = 0  # learners still training, from the swarm's records
+        self._no_shows: dict[str, int] = {}  # peer -> our groups in a row it was expected in but missed
         self._round_ids: list[str] = [""] * len(self.committed)  # round that made each committed state
         self._failed_round: dict[int, str] = {}  # fragment -> round we could not finish
         self._interrupted = False
@@ -137,7 +145,7 @@ class Node:
         async with asyncio.TaskGroup() as tg:
             self._rounds = tg
             background = [tg.create_task(self._publisher()), tg.create_task(self._catch_up_loop()),
-                          tg.create_task(self._gathering_watch())]
+                          tg.create_task(self._gathering_watch()), tg.create_task(self._revocation_watch())]
             try:
                 await asyncio.to_thread(self.training.run)
                 self.stats.state = "leaving"
@@ -176,9 +184,9 @@ class Node:
             await self._publish()
             records = await self._records()
             await self._catch_up()
-            done = all(isinstance(r, dict) and r.get("done") for r in records.values())
-            mine = [[st.version, st.digest] for st in self.committed]
-            agreed = all(isinstance(r, dict) and r.get("f") == mine for r in records.values())
+            done = all(r.done for r in records.values())
+            mine = tuple((st.version, st.digest) for st in self.committed)
+            agreed = all(r.fragments == mine for r in records.values())
             if done and agreed and not self._in_flight:
                 break  # everyone stopped and holds the same state: nobody needs us to serve
             await asyncio.sleep(1.0)
@@ -203,14 +211,17 @@ class Node:
         out = self.cfg.outer
         result: FragmentState | None = None
         try:
-            anchor = await self._rebase_if_behind(p, anchor)
+            anchor, records = await self._rebase_if_behind(p, anchor)
+            expected = self._expected(p, anchor, records)
             key = GroupKey(p, anchor.version, anchor.digest)
             # synchronous baseline: the "grace" is the whole quorum timeout, so the leader
             # closes only once every live learner joined (or the timeout passed)
             grace = out.quorum_timeout if out.synchronous else self.grace.seconds()
             outcome, group = await self.matchmaker.form_group(
-                key, grace=grace, quorum_timeout=out.quorum_timeout, expected=self._live_learners)
+                key, grace=grace, quorum_timeout=out.quorum_timeout, expected=1 + len(expected),
+                max_grace=out.quorum_timeout if out.synchronous else out.grace_max)
             if outcome == "group":
+                self._count_no_shows(expected, group)
                 self.grace.t_quorum.update(group.formed_in)
                 t1 = time.monotonic()
                 self._allreduces += len(group.members) > 1  # faults count group rounds only
@@ -222,6 +233,7 @@ class Node:
                     raise RoundFailed(f"injected fault {self.cfg.fault}: merge received, treated as lost")
                 self.grace.t_sync.update(time.monotonic() - t1)
                 new = nesterov_outer_step(anchor, merged, out.lr, out.momentum)
+                self.matchmaker.group_succeeded(group)
                 if self.committed[p] is anchor:  # no catch-up replaced it meanwhile
                     self.committed[p] = result = new
                     self._round_ids[p] = group.round_id
@@ -241,6 +253,7 @@ class Node:
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, outcome))
         except RoundFailed as e:
             self.stats.rounds_failed += 1
+            self.matchmaker.group_failed(group)
             self._failed_round[p] = group.round_id  # others may have committed it: see _follow
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, str(e)))
             log.warning("round f%d v%d discarded: %s", p, anchor.version + 1, e)
@@ -256,16 +269,37 @@ class Node:
         if result is None:
             await self._catch_up(only=p)  # a group may have merged without us: follow it
 
-    async def _rebase_if_behind(self, p: int, anchor: FragmentState) -> FragmentState:
+    def _expected(self, p: int, anchor: FragmentState, records: dict[str, HeadsRecord]) -> set[str]:
+        """The other learners expected in a round of fragment p at ``anchor``: not done, at
+        its version or one behind (about to catch up), and not absent from our last
+        ``NO_SHOWS_MAX`` groups while expected. A peer that publishes a record but never joins
+        (a free rider, or an attacker inflating the count) would otherwise make every leader
+        wait its whole grace window."""
+        me, v = self.swarm.peer_id, anchor.version
+        return {peer for peer, r in records.items()
+                if peer != me and not r.done and r.fragments[p] is not None and v - 1 <= r.fragments[p][0] <= v
+                and self._no_shows.get(peer, 0) < NO_SHOWS_MAX}
+
+    def _count_no_shows(self, expected: set[str], group) -> None:
+        for peer in expected - set(group.members):
+            self._no_shows[peer] = self._no_shows.get(peer, 0) + 1
+        for peer in group.members:
+            self._no_shows.pop(peer, None)
+        if len(self._no_shows) > 4096:  # bounded: keep the most frequent absentees
+            self._no_shows = dict(sorted(self._no_shows.items(), key=lambda kv: -kv[1])[:1024])
+
+    async def _rebase_if_behind(self, p: int, anchor: FragmentState) -> tuple[FragmentState, dict[str, HeadsRecord]]:
         """Before matchmaking: if the swarm holds a newer (or winning) state of fragment p,
         follow it first and merge the same Δ against it. Δ is this learner's progress since
         its anchor, and following rebases that progress (θ_p = Θ_new − Δ), so the contribution
         stays valid (invariant I3: contributions only at the swarm's version)."""
         records = await self._records()
-        head = newest_heads(records, len(self.committed))[p]
-        if not is_behind(anchor, head):
-            return anchor
-        return await self._follow(p, head, records) or anchor
+        states = list(self.committed)
+        states[p] = anchor
+        head = self._targets(records, states)[p]
+        if head is None:
+            return anchor, records
+        return await self._follow(p, head, records) or anchor, records
 
     def _trace(self, group, contrib: Contribution, merged, anchor: FragmentState, new: FragmentState) -> None:
         """Save one committed round (inputs and result) for offline checks; atomic write."""
@@ -284,37 +318,59 @@ class Node:
         self.stats.recent = [*self.stats.recent[-19:], rec]
 
     # ---- catch-up and records ------------------------------------------------------------
-    async def _records(self) -> dict[str, Any]:
+    async def _records(self) -> dict[str, HeadsRecord]:
         try:
             records = await self.sync.records()
         except NetworkError as e:
             log.debug("records unavailable: %s", e)
             return {}
-        self._live_learners = sum(1 for r in records.values() if isinstance(r, dict) and not r.get("done"))
+        self._live_learners = sum(1 for r in records.values() if not r.done)
         return records
+
+    def _targets(self, records: dict[str, HeadsRecord], states: list[FragmentState] | None = None) -> list:
+        """Per fragment, the head this node should move to, or None where it holds what it
+        should. The heads rule (``statesync.newest_heads``: corroborated claims only, this
+        node's own versions counted) picks a newer state or a split brain's winner; for a
+        fragment it has seen no step of yet (joining), only a state at least two peers hold; a
+        node ahead alone falls back to the newest state two other peers hold
+        (``statesync.runaway_heads``)."""
+        states = self.committed if states is None else states
+        n, me = len(states), self.swarm.peer_id
+        mine = [st.version for st in states]
+        heads = newest_heads(records, n, me=me, mine=mine)
+        joining = [p for p in range(n) if not self.sync.has_seen_steps(p)]
+        if joining:
+            strict = newest_heads(records, n, me=me, mine=mine, min_holders=2)
+            heads = [strict[p] if p in joining else h for p, h in enumerate(heads)]
+        fallback = runaway_heads(records, states, me)
+        return [fall if fall is not None and (fall.version, fall.digest) != (st.version, st.digest)
+                else head if is_behind(st, head) else None
+                for st, head, fall in zip(states, heads, fallback)]
 
     async def _catch_up(self, *, initial: bool = False, only: int | None = None) -> None:
         """Follow every fragment the swarm holds newer (or, at equal version, the winning
         digest of a split brain, invariant I7). On joining, also take the swarm's inner step,
         so that the learning-rate schedule continues where the swarm is."""
         records = await self._records()
-        heads = newest_heads(records, len(self.committed))
+        targets = self._targets(records)
         followed = []
-        for p, head in enumerate(heads):
-            if (only is None or p == only) and p not in self._in_flight and is_behind(self.committed[p], head):
+        for p, head in enumerate(targets):
+            if (only is None or p == only) and p not in self._in_flight and head is not None:
                 self.stats.state = "joining" if initial else "catching up"
                 if await self._follow(p, head, records, initial=initial):
                     followed.append(head)
         if initial and followed and not self._resumed:
-            steps = [r.get("step") for h in followed for peer, r in records.items() if peer in h.holders]
-            steps = [s for s in steps if type(s) is int and s >= 0]
+            # the smallest step among the holders: one holder cannot push a joiner's schedule ahead
+            steps = [min(records[peer].step for peer in h.holders if peer in records) for h in followed
+                     if any(peer in records for peer in h.holders)]
             if steps:
                 self.setup.learner.step = max(steps)
                 log.info("joined at the swarm's inner step %d (inner lr %.6g)", max(steps), self.setup.learner.current_lr())
         if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
             self.stats.state = "training"
 
-    async def _follow(self, p: int, head, records: dict[str, Any], *, initial: bool = False) -> FragmentState | None:
+    async def _follow(self, p: int, head, records: dict[str, HeadsRecord], *,
+                      initial: bool = False) -> FragmentState | None:
         """Download fragment p at ``head``, verify it and install it.
 
         Local progress is rebased on top (θ_p ← Θ_new − (Θ_old − θ_p), counters kept), except
@@ -324,12 +380,11 @@ class Node:
         On joining after a resume from a local checkpoint, progress is rebased only when the
         swarm is still at the checkpoint's version of p; otherwise it is overwritten."""
         try:
-            state = await self.sync.download(p, head, timeout=30, joining=initial)
+            state = await self.sync.download(p, head, joining=initial)
         except StateSyncError as e:
             log.info("catch-up of fragment %d failed: %s", p, e)
             return None
-        made_by = next((r["r"][p] for peer, r in records.items() if peer in head.holders and isinstance(r, dict)
-                        and isinstance(r.get("r"), list) and len(r["r"]) > p), "")
+        made_by = next((r.rounds[p] for peer, r in records.items() if peer in head.holders), "")
         failed = self._failed_round.pop(p, None)
         ours = bool(made_by) and failed == made_by
         log.debug("fragment %d at v%d made by round %s; our failed round %s", p, head.version, made_by, failed)
@@ -352,29 +407,51 @@ class Node:
             self.training.deliver((p, state, not ours))
         return state
 
+    async def _forever(self, name: str, step, period: float) -> None:
+        """Run ``step()`` every ``period`` seconds for the node's life. An exception in one
+        step is logged and counted (``NodeStats.internal_errors``), never fatal: whatever a peer
+        sends, no background task of the node's task group dies of it."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await step()
+            except NetworkError as e:
+                log.debug("%s: %s", name, e)
+            except Exception:
+                self.stats.internal_errors += 1
+                log.exception("%s failed; going on", name)
+
     async def _gathering_watch(self) -> None:
         """Join groups others are gathering at our version before our own schedule says so."""
-        while True:
-            await asyncio.sleep(GATHER_POLL_SECONDS)
-            try:
-                open_now = await self.matchmaker.open_gatherings()
-            except NetworkError:
+        await self._forever("gathering watch", self._gathering_step, GATHER_POLL_SECONDS)
+
+    async def _gathering_step(self) -> None:
+        open_now = await self.matchmaker.open_gatherings()
+        for p, key in open_now.items():
+            if not 0 <= p < len(self.committed) or p in self._in_flight:
                 continue
-            for p, key in open_now.items():
-                if not 0 <= p < len(self.committed) or p in self._in_flight:
-                    continue
-                if key.version > self.committed[p].version:
-                    # peers gather at a newer version: follow it now, or this learner would
-                    # trail one version behind every round and only ever download
-                    await self._catch_up(only=p)
-                mine = self.committed[p]
-                if p not in self._in_flight and (key.version, key.digest) == (mine.version, mine.digest):
-                    self.training.request(p)
+            if key.version > self.committed[p].version:
+                # peers gather at a newer version: follow it now, or this learner would
+                # trail one version behind every round and only ever download
+                await self._catch_up(only=p)
+            mine = self.committed[p]
+            if p not in self._in_flight and (key.version, key.digest) == (mine.version, mine.digest):
+                self.training.request(p)
+
+    async def _revocation_watch(self) -> None:
+        """Adopt newer revocation lists of a private swarm from the DHT (``net.revocation``);
+        leave when this node's own membership was revoked."""
+        async def step() -> None:
+            await self.revocations.poll_once()
+            if self.revocations.revoked_self and not self._interrupted:
+                log.error("this node's membership was revoked by the swarm owner: leaving")
+                self.stop()
+
+        if self.swarm.membership.private:
+            await self._forever("revocation watch", step, self.revocations.poll_s)
 
     async def _catch_up_loop(self) -> None:
-        while True:
-            await asyncio.sleep(CATCHUP_SECONDS)
-            await self._catch_up()
+        await self._forever("catch-up", self._catch_up, CATCHUP_SECONDS)
 
     def record(self) -> dict[str, Any]:
         """This node's heartbeat figures, published in its record and shown by status."""
@@ -384,9 +461,9 @@ class Node:
             "state": self.stats.state,
             "done": self.done,
             "step": st.step if st else 0,
-            "tps": round(st.tokens_per_s, 1) if st else 0.0,
-            "loss": round(st.loss, 4) if st and st.loss == st.loss else None,
-            "r": list(self._round_ids),  # the round that made each fragment's state
+            "tps": round(st.tokens_per_s, 1) if st and math.isfinite(st.tokens_per_s) else 0.0,
+            "loss": round(st.loss, 4) if st and math.isfinite(st.loss) else None,
+            "rounds": tuple(self._round_ids),  # the round that made each fragment's state
         }
 
     async def _publish(self) -> None:

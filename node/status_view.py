@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -173,28 +174,26 @@ def render_live(s: dict[str, Any]) -> RenderableType:
 
 # ---- swarm status ---------------------------------------------------------------------------
 def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = None) -> dict[str, Any]:
-    """Every peer's record and the swarm's newest fragment versions, as one JSON-able dict."""
+    """Every peer's record and the swarm's newest fragment versions, as one JSON-able dict.
+    Records are parsed at the one boundary (``p2pdiloco.net.records.parse_heads``); those that
+    do not parse, or list another fragment count than most, are counted as ``malformed``."""
+    from p2pdiloco.net.records import parse_many, parse_heads  # noqa: PLC0415
     from p2pdiloco.net.statesync import newest_heads  # noqa: PLC0415
-
-    from p2pdiloco.trust.identity import is_peer_id  # noqa: PLC0415
 
     now = time.time() if now is None else now
     # only records under a peer ID count: the DHT accepts those only when signed by that peer
-    good = {p: r for p, r in records.items() if is_peer_id(p) and isinstance(r, dict) and isinstance(r.get("f"), list)}
-    sizes = {len(r["f"]) for r in good.values()}
-    n = max(sizes, key=lambda k: sum(len(r["f"]) == k for r in good.values())) if sizes else 0
+    good, _ = parse_many(records, parse_heads, None)
+    sizes = Counter(len(r.fragments) for r in good.values())
+    n = max(sizes, key=lambda k: (sizes[k], k)) if sizes else 0
+    good = {p: r for p, r in good.items() if len(r.fragments) == n}
     heads = newest_heads(good, n)
     peers = []
-    for peer, r in sorted(good.items(), key=lambda kv: str(kv[1].get("name", ""))):
-        frags = [f for f in r["f"] if isinstance(f, list) and len(f) == 2]
-        behind = [p for p, (f, h) in enumerate(zip(frags, heads)) if h and (f[0], f[1]) != (h.version, h.digest)]
-        t = r.get("t")
+    for peer, r in sorted(good.items(), key=lambda kv: kv[1].name):
+        behind = [p for p, (f, h) in enumerate(zip(r.fragments, heads)) if h and f != (h.version, h.digest)]
         peers.append({
-            "peer_id": peer, "name": r.get("name"), "state": r.get("state"), "done": bool(r.get("done")),
-            "step": r.get("step"), "tokens_per_s": r.get("tps"), "loss": r.get("loss"),
-            "versions": [f[0] for f in frags], "behind": behind,
-            "last_seen_s": round(now - t, 1) if isinstance(t, (int, float)) else None,
-            **{k: v for k, v in r.items() if k not in ("f", "t", "name", "state", "done", "step", "tps", "loss")},
+            "peer_id": peer, "name": r.name, "state": r.state, "done": r.done, "step": r.step,
+            "tokens_per_s": r.tps, "loss": r.loss, "versions": [f[0] if f else None for f in r.fragments],
+            "behind": behind, "last_seen_s": round(now - r.t, 1),
         })
     return {"run_id": run_id, "peers": peers, "newest": [h.version if h else None for h in heads],
             "malformed": len(records) - len(good)}

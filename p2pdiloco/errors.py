@@ -27,6 +27,11 @@ class PeerUnreachable(NetworkError):
     """A specific peer did not answer before its deadline."""
 
 
+class PeerTimeout(PeerUnreachable):
+    """A specific peer did not answer in full before its deadline (as opposed to a broken or
+    refused connection): the peer is there but slow, stopped, or stalling on purpose."""
+
+
 class ProtocolError(NetworkError):
     """A peer sent a message that does not follow the wire protocol; the message is dropped."""
 

@@ -6,12 +6,15 @@ group, and fails the test if any p2pd daemon the test started is still alive.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psutil
@@ -110,3 +113,37 @@ def harness(tmp_path: Path):
         time.sleep(0.5)
         alive = [p.pid for p in h.daemons if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not alive, f"p2pd daemons outlived the test: {alive}"
+
+
+@pytest.fixture
+def no_daemon_left():
+    """Every p2pd a test starts in this process (swarms, identity probes, publishers) is gone
+    when it ends (waits up to 5 s for them to exit)."""
+    yield
+    end = time.monotonic() + 5
+    left: list[psutil.Process] = []
+    while time.monotonic() < end:
+        left = [c for c in psutil.Process().children(recursive=True)
+                if c.name() == "p2pd" and c.status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"p2pd daemons outlived the test: {[c.pid for c in left]}")
+
+
+@contextlib.asynccontextmanager
+async def swarms(n: int, memberships: list | None = None, identities: list | None = None) -> AsyncIterator[list]:
+    """``n`` in-process transports (one p2pd each) on 127.0.0.1, each joining the first; the
+    i-th with ``memberships[i]`` and ``identities[i]`` (None: public swarm, new key). Every
+    one is shut down on exit, its p2pd with it."""
+    from p2pdiloco.net.transport import Swarm  # noqa: PLC0415  (imports hivemind)
+
+    started: list[Swarm] = []
+    try:
+        for i in range(n):
+            peers = await started[0].visible_maddrs() if started else []
+            started.append(await Swarm.start(initial_peers=peers, membership=(memberships or [None] * n)[i],
+                                             identity=(identities or [None] * n)[i]))
+        yield started
+    finally:
+        await asyncio.gather(*(s.shutdown() for s in started), return_exceptions=True)

@@ -319,13 +319,16 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
         bans = {"12D3KooWBanned": "non_finite"}
         peer_id = "me"
 
+        def drop(self, peer, reason):
+            raise AssertionError(f"dropped a well-formed record of {peer}: {reason}")
+
         async def get(self, key):
             return {honest: {"f": [[4, states[0].digest]]}, attacker: {"f": [[5, wrecked.digest]]}}
 
     honest, attacker = Identity.generate().peer_id, Identity.generate().peer_id
     sync.swarm = Stub()
     records = asyncio.run(sync.records())
-    assert records[attacker]["f"] == [None]  # the refused head is hidden: the honest one wins
+    assert records[attacker].fragments == (None,)  # the refused head is hidden: the honest one wins
     assert newest_heads(records, 1)[0].version == 4
     Stub.bans = {attacker: "non_finite"}
     assert set(asyncio.run(sync.records())) == {honest}  # a banned peer's records are ignored

@@ -8,20 +8,19 @@ shut down in ``finally`` (its p2pd with it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgpack
-import psutil
 import pytest
+from conftest import swarms
 import torch
 
 from p2pdiloco.core.fragments import Fragment, TensorSlot
 from p2pdiloco.core.merge import contribution_weight, robust_merge
+from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
@@ -32,40 +31,15 @@ from p2pdiloco.trust.certificates import Membership, SwarmKey, fingerprint
 from p2pdiloco.trust.errors import AccessDenied, IdentityError
 from p2pdiloco.trust.identity import Identity
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_daemon_left")]
 
 
-@pytest.fixture(autouse=True)
-def no_daemon_left():
-    """Every p2pd a test starts (swarms and identity probes) is gone when it ends."""
-    yield
-    end = time.monotonic() + 5
-    while time.monotonic() < end:
-        left = [c for c in psutil.Process().children(recursive=True)
-                if c.name() == "p2pd" and c.status() != psutil.STATUS_ZOMBIE]
-        if not left:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"p2pd daemons outlived the test: {[c.pid for c in left]}")
 
 SHAPES = [(24, 16), (16,), (16, 16), (40,), (8, 8), (12, 4), (30,), (6, 6), (20,)]
 FRAGMENT = Fragment(0, tuple(TensorSlot(f"t{i}", s, int(torch.Size(s).numel()), i == 0) for i, s in enumerate(SHAPES)))
 KEY = GroupKey(0, 3, "ab" * 32)
 
 
-@contextlib.asynccontextmanager
-async def swarms(n: int, memberships: list[Membership | None] | None = None,
-                 identities: list[Identity | None] | None = None) -> AsyncIterator[list[Swarm]]:
-    started: list[Swarm] = []
-    try:
-        for i in range(n):
-            peers = await started[0].visible_maddrs() if started else []
-            started.append(await Swarm.start(
-                initial_peers=peers, membership=(memberships or [None] * n)[i],
-                identity=(identities or [None] * n)[i]))
-        yield started
-    finally:
-        await asyncio.gather(*(s.shutdown() for s in started), return_exceptions=True)
 
 
 def delta(seed: int, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
@@ -230,7 +204,9 @@ async def test_private_swarm_refuses_non_members_and_members_carry_on():
     async with swarms(4, [*members, None, expired], ids) as (a, b, outsider, lapsed):
         name = f"private swarm {fingerprint(owner.public_key)}"
         reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, run_id="run", outlier_factor=4.0) for s in (a, b)}
-        sync_a = StateSync(a, "run", [FRAGMENT], lambda: [])
+        zeros = tuple(torch.zeros(s) for s in SHAPES)
+        start = [FragmentState.create(0, 0, zeros, zeros)]
+        sync_a = StateSync(a, "run", [FRAGMENT], lambda: start)
         for service in (*reducers.values(), Matchmaker(a, "run", 1), sync_a):
             await service.start()
         assert await b.hello(a.peer_id) == name

@@ -205,9 +205,11 @@ def test_malformed_records_are_ignored() -> None:
         "f-not-list": {"f": "9"},
         "wrong-count": {"f": [[9, D3]]},
         "bad-items": {"f": [[9], ["9", D3]]},
-        "half-bad": {"f": [[9, 3], [4, D3]]},  # first item ignored, second counted
+        "half-bad": {"f": [[9, 3], [4, D3]]},  # one bad entry: the whole record is dropped
+        "huge-version": {"f": [[2**63, D3], [2**63, D3]]},
+        "inf-version": {"f": [[float("inf"), D3], [4, D3]]},
     }
-    assert newest_heads(records, 2) == [Head(1, D1, ("good",)), Head(4, D3, ("half-bad",))]
+    assert newest_heads(records, 2) == [Head(1, D1, ("good",)), Head(2, D2, ("good",))]
 
 
 def test_no_records() -> None:

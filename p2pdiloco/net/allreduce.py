@@ -62,6 +62,7 @@ from p2pdiloco.core.merge import (
     robust_merge,
 )
 from p2pdiloco.errors import NetworkError, ProtocolError, RoundFailed
+from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
 from p2pdiloco.net.matchmaking import Group
 from p2pdiloco.net.transport import Header, Swarm
@@ -72,8 +73,11 @@ log = logging.getLogger(__name__)
 
 # Reasons a reducer rejects a slice. All but "missing" and "outlier" also ban the sender.
 BANNING_REASONS = ("wrong_key", "bad_signature", "bad_counters", "malformed", "non_finite")
-KEEP_DECIDED_SECONDS = 30.0
-POISONS = ("", "scale", "flip", "nan", "mix")  # a decided round is kept this long after its deadline, for phase 2
+KEEP_DECIDED_SECONDS = 30.0  # a decided round is kept this long after its deadline, for phase 2
+POISONS = ("", "scale", "flip", "nan", "mix")
+MAX_PENDING = 256  # undecided rounds one reducer holds at most
+MAX_PENDING_PER_PEER = 2  # ... of which one member may have opened at most this many per fragment
+MAX_KEPT = 1024  # rounds (decided or not) held at most; the oldest decided are forgotten first
 
 
 class ContributionExcluded(RoundFailed):
@@ -108,6 +112,7 @@ class _Round:
     members: tuple[str, ...]
     index: int  # this reducer's position in members
     slots: tuple[int, ...]  # fragment slots this reducer merges
+    creator: str = ""  # the member whose slice created this round here
     created: float = field(default_factory=time.monotonic)
     parts: dict[str, tuple[list[torch.Tensor], int, int]] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
@@ -181,12 +186,18 @@ class AllReducer:
         self.last_contributors: tuple[str, ...] = ()  # peers merged in our last completed round
 
     async def start(self) -> None:
-        await self.swarm.add_handler("ar.reduce", self._on_reduce)
-        await self.swarm.add_handler("ar.final", self._on_final)
+        biggest = max(wire.wire_nbytes([s.shape for s in f.slots], self.precision) for f in self.fragments)
+        await self.swarm.add_handler("ar.reduce", self._on_reduce, max_payload=biggest)
+        await self.swarm.add_handler("ar.final", self._on_final, max_payload=0)
 
     def _shapes(self, fragment: int, slots: Sequence[int]) -> list[tuple[int, ...]]:
         frag = self.fragments[fragment]
         return [frag.slots[i].shape for i in slots]
+
+    def _slice_bytes(self, group: Group, r: int) -> int:
+        """Bytes of reducer r's merged slice in ``group`` on the wire."""
+        parts = self._parts(group.key.fragment, len(group.members))
+        return wire.wire_nbytes(self._shapes(group.key.fragment, parts[r]), self.precision)
 
     def _parts(self, fragment: int, n: int) -> tuple[tuple[int, ...], ...]:
         return assign_parts([s.numel for s in self.fragments[fragment].slots], n)
@@ -254,7 +265,8 @@ class AllReducer:
                 if "error" in reply:
                     raise RoundFailed(f"own reducer part: {reply['error']}")
             else:
-                reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload, timeout=self.timeout + 5)
+                reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload, timeout=self.timeout + 5,
+                                                    max_reply=len(payload))
             contributors = self._check_answer(group, r, 1, reply, body)
             return r, contributors, reply["sig"], body
 
@@ -298,7 +310,8 @@ class AllReducer:
             if group.members[r] == me:
                 reply, body = await self._finalize(me, head)
             else:
-                reply, body = await self.swarm.call(group.members[r], "ar.final", head, timeout=self.timeout + 5)
+                reply, body = await self.swarm.call(group.members[r], "ar.final", head, timeout=self.timeout + 5,
+                                                    max_reply=self._slice_bytes(group, r))
             contributors = self._check_answer(group, r, 2, reply, body)
             if contributors != common:
                 raise RoundFailed(f"reducer {group.members[r][-8:]} merged over {list(contributors)}, not {list(common)}")
@@ -321,17 +334,18 @@ class AllReducer:
     def _check_answer(self, group: Group, r: int, phase: int, reply: Header, body: bytes) -> tuple[int, ...]:
         """The contributor set of reducer r's signed statement; RoundFailed if it does not verify."""
         if "error" in reply:
-            raise RoundFailed(f"reducer {group.members[r][-8:]}: {reply['error']}")
-        c, sig = reply.get("c"), reply.get("sig")
-        n = len(group.members)
-        if not (isinstance(c, list) and c and all(type(i) is int and 0 <= i < n for i in c) and c == sorted(set(c))):
-            raise RoundFailed(f"reducer {group.members[r][-8:]} sent a malformed contributor set")
-        fields = self._merged_fields(group, r, phase, c, self._digest(body, signing_side=False))
-        if not self._verify(group.members[r], "ar.merged", fields, sig):
+            raise RoundFailed(f"reducer {group.members[r][-8:]}: {str(reply['error'])[:200]}")
+        try:
+            statement = rec.parse_statement(reply, len(group.members))
+        except ProtocolError as e:
+            self.swarm.drop(group.members[r], "reducer_statement")
+            raise RoundFailed(f"reducer {group.members[r][-8:]} sent a malformed statement: {e}") from None
+        fields = self._merged_fields(group, r, phase, statement.contributors, self._digest(body, signing_side=False))
+        if not self._verify(group.members[r], "ar.merged", fields, statement.signature):
             self.stats.rejected["bad_result"] += 1
             self.swarm.ban(group.members[r], f"merged slice with a bad signature in round {group.round_id}")
             raise RoundFailed(f"reducer {group.members[r][-8:]}'s merged slice failed signature verification")
-        return tuple(c)
+        return statement.contributors
 
     def _poison(self, contrib: Contribution) -> Contribution:
         kind = self.poison if self.poison != "mix" else ("scale", "flip", "nan")[self._poisoned % 3]
@@ -352,45 +366,60 @@ class AllReducer:
     async def _on_reduce(self, peer: str, head: Header, payload: bytes) -> tuple[Header, bytes]:
         return await self._receive(peer, head, payload)
 
-    def _round_for(self, peer: str, head: Header) -> _Round:
+    def _round_for(self, peer: str, req: rec.ReduceRequest) -> _Round:
         """The round a request belongs to, created on its first slice. ProtocolError when the
-        request names no round this reducer and the sender are both members of."""
-        try:
-            round_id, frag = str(head["round"]), int(head["f"])
-            version, digest = int(head["v"]), str(head["d"])
-            members = tuple(str(m) for m in head["members"])
-            index = int(head["r"])
-            if not 0 <= frag < len(self.fragments):
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolError("malformed reduce request") from None
-        me = self.swarm.peer_id
-        if tuple(sorted(set(members))) != members or me not in members or peer not in members \
-                or members.index(me) != index:
+        request names no round this reducer and the sender are both members of, or when the
+        sender already has ``MAX_PENDING_PER_PEER`` undecided rounds here (or this reducer
+        ``MAX_PENDING`` in all)."""
+        me, members = self.swarm.peer_id, req.members
+        if me not in members or peer not in members or members.index(me) != req.reducer:
             raise ProtocolError("not a member of that round")
-        rnd = self._rounds.get(round_id)
+        rnd = self._rounds.get(req.round)
         if rnd is None:
-            slots = self._parts(frag, len(members))[index]
+            pending = [r for r in self._rounds.values() if not r.decided.is_set()]
+            if len(pending) >= MAX_PENDING or \
+                    sum(r.creator == peer for r in pending) >= MAX_PENDING_PER_PEER * len(self.fragments):
+                raise ProtocolError("too many open rounds")
+            slots = self._parts(req.fragment, len(members))[req.reducer]
             if not slots:
                 raise ProtocolError("this member reduces no tensor in that round")
-            rnd = self._rounds[round_id] = _Round(round_id, frag, version, digest, members, index, slots)
+            if len(self._rounds) >= MAX_KEPT:  # bounded: forget the oldest decided rounds
+                for old in sorted((r for r in self._rounds.values() if r.decided.is_set()),
+                                  key=lambda r: r.created)[:len(self._rounds) - MAX_KEPT + 1]:
+                    self._forget(old)
+            rnd = self._rounds[req.round] = _Round(req.round, req.fragment, req.version, req.digest, members,
+                                                   req.reducer, slots, creator=peer)
             loop = asyncio.get_running_loop()
             loop.call_later(self.timeout, self._deadline, rnd)
             loop.call_later(self.timeout + KEEP_DECIDED_SECONDS, self._forget, rnd)
-        elif (rnd.members, rnd.fragment, rnd.version, rnd.digest) != (members, frag, version, digest):
+        elif (rnd.members, rnd.fragment, rnd.version, rnd.digest) != (members, req.fragment, req.version, req.digest):
             raise ProtocolError("request differs from the round's members, fragment, version or digest")
         return rnd
 
     async def _receive(self, peer: str, head: Header, payload: bytes) -> tuple[Header, bytes]:
         """Check one member's slice, add it to its round (or reject it), wait for the round's
-        decision and return the reducer's signed statement."""
-        rnd = self._round_for(peer, head)
+        decision and return the reducer's signed statement.
+
+        Raises:
+            ProtocolError: the request does not parse (:func:`records.parse_reduce_request`;
+                dropped and counted), names no round of ours, or is a duplicate.
+        """
+        try:
+            req = rec.parse_reduce_request(head, len(self.fragments))
+        except ProtocolError:
+            self.swarm.drop(peer, "reduce_request")
+            raise
+        try:
+            rnd = self._round_for(peer, req)
+        except ProtocolError as e:
+            self.swarm.drop(peer, "reduce_round")
+            raise ProtocolError(str(e)) from None
         if not rnd.decided.is_set():
             if peer in rnd.parts or peer in rnd.rejected:
                 raise ProtocolError("duplicate slice")
-            reason, tensors = self._check_slice(peer, rnd, head, payload)
+            reason, tensors = self._check_slice(peer, rnd, req, payload)
             if reason is None:
-                rnd.parts[peer] = (tensors, int(head["tokens"]), int(head["steps"]))
+                rnd.parts[peer] = (tensors, req.tokens, req.steps)
             else:
                 self._reject(rnd, peer, reason)
             if len(rnd.parts) + len(rnd.rejected) == len(rnd.members):
@@ -398,24 +427,21 @@ class AllReducer:
         await rnd.decided.wait()
         return rnd.answer
 
-    def _check_slice(self, peer: str, rnd: _Round, head: Header, payload: bytes) -> tuple[str | None, list]:
+    def _check_slice(self, peer: str, rnd: _Round, req: rec.ReduceRequest, payload: bytes) -> tuple[str | None, list]:
         """(None, tensors) for a slice that verifies, else (reason, [])."""
         if peer in self.swarm.bans:
             return "banned", []
         try:
-            if head.get("k") != public_key_of(peer):
+            if req.key != public_key_of(peer):
                 return "wrong_key", []
         except ValueError:  # not an Ed25519 peer ID: it cannot sign
             return "wrong_key", []
-        tokens, steps = head.get("tokens"), head.get("steps")
-        if type(tokens) is not int or type(steps) is not int:
-            return "malformed", []
         fields = signing.contribution_fields(self.run_id, rnd.fragment, rnd.version, rnd.digest, rnd.round_id,
-                                             rnd.members, rnd.index, tokens, steps,
+                                             rnd.members, rnd.index, req.tokens, req.steps,
                                              self._digest(payload, signing_side=False))
-        if not self._verify(peer, "ar.contrib", fields, head.get("sig")):
+        if not self._verify(peer, "ar.contrib", fields, req.signature):
             return "bad_signature", []
-        if tokens < 0 or steps < 0:
+        if req.tokens < 0 or req.steps < 0:
             return "bad_counters", []
         try:
             tensors = wire.decode(payload, self._shapes(rnd.fragment, rnd.slots), self.precision)
@@ -485,19 +511,21 @@ class AllReducer:
 
     async def _finalize(self, peer: str, head: Header) -> tuple[Header, bytes]:
         """Phase 2: verify every reducer's phase-1 statement, merge over their common set."""
-        rnd = self._rounds.get(str(head.get("round")))
-        if rnd is None or peer not in rnd.members or head.get("r") != rnd.index:
+        try:
+            req = rec.parse_final_request(head)
+        except ProtocolError:
+            self.swarm.drop(peer, "final_request")
+            raise
+        rnd = self._rounds.get(req.round)
+        if rnd is None or peer not in rnd.members or req.reducer != rnd.index:
             raise ProtocolError("unknown or expired round")
         await rnd.decided.wait()
         reducers = [r for r, slots in enumerate(self._parts(rnd.fragment, len(rnd.members))) if slots]
-        try:
-            statements = {int(r): (tuple(c), h, sig) for r, c, h, sig in head["st"]}
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolError("malformed phase-2 request") from None
-        if sorted(statements) != reducers:
+        statements = {r: (c, h, sig) for r, c, h, sig in req.statements}
+        if sorted(statements) != reducers or len(req.statements) != len(reducers):
             raise ProtocolError("phase-2 request does not hold one statement per reducer")
         for r, (c, h, sig) in statements.items():
-            if not (isinstance(h, bytes) and all(type(i) is int for i in c)):
+            if not all(i < len(rnd.members) for i in c):
                 raise ProtocolError("malformed statement")
             if not self._verify(rnd.members[r], "ar.merged", self._merged_fields(rnd, r, 1, c, h), sig):
                 raise ProtocolError(f"statement of reducer {rnd.members[r][-8:]} does not verify")

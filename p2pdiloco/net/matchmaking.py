@@ -2,8 +2,9 @@
 
 Only learners at the same fragment version *and* the same global-state digest can be
 grouped (invariant I3 of the design brief): the DHT key they declare under contains both.
-Among the learners declared open under a key, the one with the smallest peer ID leads: the
-others send it a long-poll ``mm.join`` request; the leader closes the group once the
+Among the learners declared open under a key, the one whose peer ID hashes lowest with the
+key (``leader_rank``: sha256 of the DHT key and the peer ID) leads: the others send it a
+long-poll ``mm.join`` request; the leader closes the group once the
 minimum quorum K is reached and the grace window has passed (or everyone declared has
 joined), then answers every joiner with the same member list and round ID
 (Decoupled DiLoCo, arXiv 2604.21428, sec. 3: minimum quorum and grace window).
@@ -12,15 +13,34 @@ A learner that arrives after a group already closed at its version does not form
 competing group (that would split the swarm's history); it reports ``late`` and the caller
 catches up with the group's result instead.
 
-Trust: declarations and gathering announcements are DHT records under the declaring peer's
-own ID, so only that peer can write or overwrite them (``transport.SignedRecords``); entries
-under any other subkey are ignored. Peers on the swarm's ban list (``Swarm.bans``: a contribution of theirs failed
-verification) are neither followed as leaders nor admitted by ``mm.join``.
+Trust (docs/trust.md): declarations and gathering announcements are DHT records under the
+declaring peer's own ID, so only that peer can write or overwrite them
+(``transport.SignedRecords``); entries under any other subkey, and values that do not parse
+(:mod:`p2pdiloco.net.records`), are ignored and counted. No single peer can capture groups:
+
+* the leader of a key is the open peer with the lowest sha256(DHT key, peer ID): the key
+  holds the fragment's version and state digest, which change every round, so no identity
+  leads more often than chance, and grinding one that would needs a fresh identity per round;
+* a joiner accepts a group only if the leader and the joiner are in its member list and
+  every other member has a signed declaration under the key; a leader that sends anything
+  else is banned (provable: honest leaders send only declared members and themselves);
+* a leader that keeps a joiner waiting past the grace window (when the joiner and the
+  leader already make a quorum) is passed over for that round, and that counts as a failed
+  group; a leader whose groups failed ``LEADER_FAILURES`` times in a row (rounds reported
+  by the node through :meth:`Matchmaker.group_failed`, and such waits) is passed over as a
+  leader for ``PASS_OVER_S`` seconds, doubling with every further failure (at most
+  ``PASS_OVER_MAX_S``); a committed group clears its leader. This is not a ban: a stopped
+  (SIGSTOP) or overloaded honest leader fails the same way and must be able to come back;
+* ``mm.join`` holds at most ``MAX_GROUP`` joiners per gathering.
+
+Peers on the swarm's ban list (``Swarm.bans``) are neither followed as leaders nor admitted
+by ``mm.join``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 import time
@@ -28,13 +48,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-from p2pdiloco.errors import NetworkError, ProtocolError
+from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
+from p2pdiloco.net import records as rec
 from p2pdiloco.net.transport import Header, Swarm
-from p2pdiloco.trust.identity import is_peer_id
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
+JOIN_SLACK_S = 3.0  # seconds past the grace window a joiner waits for a leader that has its quorum
+JOIN_HOLD_S = 120.0  # seconds a leader holds a joiner's long poll at most
+LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
+PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
+PASS_OVER_MAX_S = 900.0
 Outcome = Literal["group", "late", "no_quorum"]
 
 
@@ -58,6 +83,12 @@ class Group:
     key: GroupKey
     members: tuple[str, ...]
     formed_in: float  # seconds from declaring to the group closing, on this member
+    leader: str = ""  # the peer that closed it
+
+
+def leader_rank(dht_key: str, peer: str) -> bytes:
+    """The order in which open peers lead at ``dht_key``: sha256(key, 0x00, peer ID); lowest leads."""
+    return hashlib.sha256(f"{dht_key}\x00{peer}".encode()).digest()
 
 
 @dataclass
@@ -75,16 +106,19 @@ class Matchmaker:
         swarm: the transport.
         run_id: the run's name, part of every DHT key.
         min_quorum: K, the smallest group that may merge (K = 1: a lone learner merges alone).
+        num_fragments: P, the run's fragment count (bounds what a peer may name).
     """
 
-    def __init__(self, swarm: Swarm, run_id: str, min_quorum: int):
+    def __init__(self, swarm: Swarm, run_id: str, min_quorum: int, num_fragments: int = rec.MAX_FRAGMENTS):
         if min_quorum < 1:
             raise ValueError(f"min_quorum must be >= 1, got {min_quorum}")
-        self.swarm, self.run_id, self.min_quorum = swarm, run_id, min_quorum
+        self.swarm, self.run_id, self.min_quorum, self.num_fragments = swarm, run_id, min_quorum, num_fragments
         self._gatherings: dict[int, _Gathering] = {}
+        self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
+        self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
 
     async def start(self) -> None:
-        await self.swarm.add_handler("mm.join", self._on_join)
+        await self.swarm.add_handler("mm.join", self._on_join, max_payload=0)
 
     @property
     def gathering_key(self) -> str:
@@ -96,20 +130,23 @@ class Matchmaker:
         """Fragments other learners are gathering a group for right now (fragment -> key).
 
         Each learner's announcement is its own owner-only record, so nobody can hide or replace
-        another's; banned peers' announcements are ignored. Where learners gather at different
-        keys for one fragment, the key announced by the most learners is returned (ties: the
-        higher version, then the smaller digest).
+        another's; banned peers' announcements are ignored, malformed ones dropped and counted.
+        Where learners gather at different keys for one fragment, the key announced by the
+        most learners is returned (ties: the higher version, then the smaller digest).
+
+        Raises:
+            NetworkError: the DHT could not be read.
         """
+        values = {p: v for p, v in (await self.swarm.get(self.gathering_key)).items() if p not in self.swarm.bans}
+        good, bad = rec.parse_many(values, rec.parse_gathering, self.num_fragments)
+        for peer in bad:  # under the run's protocol tag: an honest peer never signs one of these
+            self.swarm.drop(peer, "gathering_record")
+            self.swarm.ban(peer, "signed a malformed gathering announcement")
         votes: dict[int, Counter[tuple[int, str]]] = {}
-        for peer, val in (await self.swarm.get(self.gathering_key)).items():
-            if not is_peer_id(peer) or peer in self.swarm.bans or peer == self.swarm.peer_id:
+        for peer, gathering in good.items():
+            if peer in self.swarm.bans or peer == self.swarm.peer_id:
                 continue
-            items = val.get("g") if isinstance(val, dict) else None
-            for item in items if isinstance(items, list) else ():
-                try:
-                    p, v, d = int(item[0]), int(item[1]), str(item[2])
-                except (IndexError, TypeError, ValueError):
-                    continue
+            for p, v, d in gathering.keys:
                 votes.setdefault(p, Counter())[(v, d)] += 1
         out = {}
         for p, counter in votes.items():
@@ -122,15 +159,55 @@ class Matchmaker:
         keys = [[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values() if not g.closed]
         await self.swarm.store(self.gathering_key, self.swarm.peer_id, {"g": keys, "t": time.time()}, ttl)
 
+    async def _declarations(self, dht_key: str) -> dict[str, bool]:
+        """{peer: open} of the parsed, non-banned declarations under ``dht_key``."""
+        values = {p: v for p, v in (await self.swarm.get(dht_key)).items() if p not in self.swarm.bans}
+        good, bad = rec.parse_many(values, rec.parse_declaration)
+        for peer in bad:
+            self.swarm.drop(peer, "declaration")
+            self.swarm.ban(peer, "signed a malformed matchmaking declaration")
+        return good
+
+    def group_failed(self, group: Group) -> None:
+        """The node reports that ``group``'s round failed (module docstring: leaders whose
+        groups fail repeatedly are passed over)."""
+        self._leader_failed(group.leader, f"round {group.round_id} failed")
+
+    def _leader_failed(self, leader: str, why: str) -> None:
+        if not leader or leader == self.swarm.peer_id:
+            return
+        n = self.leader_failures[leader] = self.leader_failures[leader] + 1
+        if n >= LEADER_FAILURES:
+            seconds = min(PASS_OVER_MAX_S, PASS_OVER_S * 2 ** (n - LEADER_FAILURES))
+            self.passed_over[leader] = time.monotonic() + seconds
+            log.info("passing over %s as a leader for %.0f s: %d failed groups in a row (last: %s)",
+                     leader[-8:], seconds, n, why)
+        if len(self.leader_failures) > 4096:  # bounded: keep the worst offenders
+            self.leader_failures = Counter(dict(self.leader_failures.most_common(1024)))
+
+    def passing_over(self) -> dict[str, float]:
+        """Leaders passed over now, {peer ID: seconds left}."""
+        now = time.monotonic()
+        self.passed_over = {p: t for p, t in self.passed_over.items() if t > now}
+        return {p: round(t - now, 1) for p, t in self.passed_over.items()}
+
+    def group_succeeded(self, group: Group) -> None:
+        """The node reports that ``group``'s round committed: its leader's failures are cleared."""
+        self.leader_failures.pop(group.leader, None)
+        self.passed_over.pop(group.leader, None)
+
     async def form_group(
-        self, key: GroupKey, *, grace: float, quorum_timeout: float, expected: int = 0
+        self, key: GroupKey, *, grace: float, quorum_timeout: float, expected: int = 0,
+        max_grace: float | None = None,
     ) -> tuple[Outcome, Group | None]:
         """Declare readiness under ``key`` and return the group this learner ends up in.
 
         Waits at most ``quorum_timeout`` seconds for K members, then at most ``grace`` more
         seconds for others, closing early once ``expected`` members (the live learners this
         node knows of; 0 = unknown) have joined. Returns ("group", Group), ("late", None) when a group at this
-        version closed without us, or ("no_quorum", None).
+        version closed without us, or ("no_quorum", None). ``max_grace`` (seconds; default
+        ``grace``): the longest grace window any leader of the run may use; a leader that has
+        its quorum and keeps us waiting longer than that (plus ``JOIN_SLACK_S``) is passed over.
 
         Raises:
             NetworkError: the DHT could not be reached.
@@ -146,21 +223,23 @@ class Matchmaker:
         quorum_at: float | None = None
         try:
             while True:
-                entries = {p: v for p, v in (await self.swarm.get(dht_key)).items()
-                           if is_peer_id(p) and p not in self.swarm.bans}
-                open_peers = {p for p, v in entries.items() if isinstance(v, dict) and v.get("open")}
-                open_peers = (open_peers - excluded) | {me}
-                someone_closed = any(isinstance(v, dict) and not v.get("open") for v in entries.values())
-                leader = min(open_peers)
+                entries = await self._declarations(dht_key)
+                open_peers = {p for p, is_open in entries.items() if is_open}
+                open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
+                someone_closed = any(not is_open for is_open in entries.values())
+                leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
                 now = time.monotonic()
                 if leader != me:
                     self._abdicate(gathering)
-                    outcome = await self._join(leader, key, timeout=max(0.5, deadline + grace + 2 - now))
+                    wait = max(0.5, deadline + grace + 2 - now)
+                    if self.min_quorum <= 2:  # the leader and we make a quorum: it owes us a group soon
+                        wait = min(wait, max(grace, max_grace or 0.0) + JOIN_SLACK_S)
+                    outcome = await self._join(leader, key, dht_key, timeout=wait)
                     if isinstance(outcome, Group):
                         return "group", outcome
-                    if outcome == "gone":
+                    if outcome in ("gone", "held"):
                         excluded.add(leader)
-                    elif now > deadline:
+                    elif time.monotonic() > deadline:
                         return ("late" if someone_closed else "no_quorum"), None
                     continue
                 size = 1 + len(gathering.joiners)
@@ -192,7 +271,7 @@ class Matchmaker:
     def _close(self, gathering: _Gathering, t0: float) -> Group:
         gathering.closed = True
         members = tuple(sorted({self.swarm.peer_id, *gathering.joiners}))
-        group = Group(secrets.token_hex(8), gathering.key, members, time.monotonic() - t0)
+        group = Group(secrets.token_hex(8), gathering.key, members, time.monotonic() - t0, self.swarm.peer_id)
         for fut in gathering.joiners.values():
             if not fut.done():
                 fut.set_result(group)
@@ -200,13 +279,13 @@ class Matchmaker:
 
     @staticmethod
     def _abdicate(gathering: _Gathering) -> None:
-        """Send every waiting joiner elsewhere (a lower peer ID leads, or we stopped)."""
+        """Send every waiting joiner elsewhere (another peer leads, or we stopped)."""
         for fut in gathering.joiners.values():
             if not fut.done():
                 fut.set_result("redirect")
         gathering.joiners.clear()
 
-    async def _join(self, leader: str, key: GroupKey, timeout: float) -> Group | str:
+    async def _join(self, leader: str, key: GroupKey, dht_key: str, timeout: float) -> Group | str:
         request = {"f": key.fragment, "v": key.version, "d": key.digest}
         try:
             reply, _ = await self.swarm.call(leader, "mm.join", request, timeout=timeout)
@@ -215,27 +294,50 @@ class Matchmaker:
             return "gone"
         except NetworkError as e:
             log.debug("leader %s unreachable: %s", leader[-8:], e)
+            if isinstance(e, PeerTimeout):  # it held us past the grace window without a group
+                self._leader_failed(leader, "held a joiner past the grace window")
+                return "held"
             return "gone"
-        if "members" in reply:
-            members = tuple(str(m) for m in reply["members"])
-            if self.swarm.peer_id not in members or tuple(sorted(members)) != members:
-                log.warning("leader %s sent a malformed group; ignoring it", leader[-8:])
+        try:
+            answer = rec.parse_join_answer(reply)
+        except ProtocolError as e:  # it answered, authenticated, with what no honest leader sends
+            self.swarm.drop(leader, "join_answer")
+            self.swarm.ban(leader, f"answered a join with a malformed group: {e}")
+            return "gone"
+        if answer.status == "group":
+            members, me = answer.members, self.swarm.peer_id
+            if me not in members or leader not in members:
+                self.swarm.ban(leader, "led a group without itself or without the joiner")
                 return "gone"
-            return Group(str(reply["round"]), key, members, float(reply.get("t", 0.0)))
-        if reply.get("status") == "redirect":
-            await asyncio.sleep(POLL_SECONDS)  # let the DHT show the lower leader
+            ghosts = [m for m in members if m not in (me, leader)]
+            for attempt in range(2 if ghosts else 0):  # a declaration stored just now may still be on its way
+                declared = await self._declarations(dht_key)
+                ghosts = [m for m in ghosts if m not in declared]
+                if not ghosts or attempt:
+                    break
+                await asyncio.sleep(POLL_SECONDS)
+            if ghosts:
+                self.swarm.ban(leader, f"led a group with {len(ghosts)} member(s) that never declared at its key")
+                return "gone"
+            return Group(answer.round, key, members, answer.formed_in, leader)
+        if answer.status == "redirect":
+            await asyncio.sleep(POLL_SECONDS)  # let the DHT show the other leader
             return "redirect"
         return "gone"  # closed, or not gathering at this key
 
     async def _on_join(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
         try:
-            key = GroupKey(int(header["f"]), int(header["v"]), str(header["d"]))
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolError("malformed join request") from None
+            request = rec.parse_join_request(header, self.num_fragments)
+        except ProtocolError:
+            self.swarm.drop(peer, "join_request")
+            raise
+        key = GroupKey(request.fragment, request.version, request.digest)
         if peer in self.swarm.bans:
             raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
         gathering = self._gatherings.get(key.fragment)
         if gathering is None or gathering.closed or gathering.key != key:
+            return {"status": "closed"}, b""
+        if peer not in gathering.joiners and len(gathering.joiners) >= rec.MAX_GROUP - 1:
             return {"status": "closed"}, b""
         fut = asyncio.get_running_loop().create_future()
         old = gathering.joiners.pop(peer, None)
@@ -244,7 +346,7 @@ class Matchmaker:
         gathering.joiners[peer] = fut
         gathering.arrived.set()
         try:
-            async with asyncio.timeout(120):
+            async with asyncio.timeout(JOIN_HOLD_S):
                 result = await fut
         except TimeoutError:
             return {"status": "closed"}, b""

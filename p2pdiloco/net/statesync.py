@@ -2,54 +2,68 @@
 
 Records: every node publishes one DHT record under ``{run}/heads`` (subkey: its peer ID)
 with, per fragment, the version and digest of the global state it holds, plus heartbeat
-figures (inner step, tokens/s, loss). Readers pick, per fragment, the newest version; at a
-version held with two digests (two groups merged the same version: split brain, invariant
-I7) the digest held by more peers wins, ties to the smaller digest, so every node resolves
-it the same way and the losers re-sync.
+figures (inner step, tokens/s, loss): a :class:`~p2pdiloco.net.records.HeadsRecord`, parsed
+at the one boundary in :mod:`p2pdiloco.net.records` (malformed records are dropped and
+counted per peer). Readers pick, per fragment, the newest version; at a version held with
+two digests (two groups merged the same version: split brain, invariant I7) the digest held
+by more peers wins, ties to the smaller digest, so every node resolves it the same way and
+the losers re-sync.
 
 Transfer: ``state.get`` returns a fragment's Θ and outer momentum (fp32) with its version
 and digest; the receiver recomputes the digest over the bytes it got and installs nothing
 unless it matches the record it chose (a partial or stale download is discarded).
 
-Trust: records are signed DHT records under their owner's peer ID (``transport.SignedRecords``):
-nobody can write or overwrite another node's record, and entries under a subkey that is not
-an Ed25519 peer ID are ignored, so every holder counted by :func:`newest_heads` is a peer that
-signed its claim. A download is accepted only from a holder and only if the digest over the
-received bytes equals the (version, digest) of those signed records. On start, a node asks a
-few record owners whether they accept it (``trust.hello``): a node refused by a private swarm
-stops with the members' reason instead of training alone.
+Trust (docs/trust.md). Records are signed DHT records under their owner's peer ID
+(``transport.SignedRecords``): nobody can write another node's record. But a signature
+proves who claims a state, not that the claim is honest, so a claim has to be earned:
 
-Plausible follows. A signature proves who published a state, not that it came from an honest
-merge: a member alone in its group (K = 1) merges only its own contribution, so a poisoning
-member could publish a wrecked state at a higher version and every node would follow it. A
-downloaded state is therefore refused (``StateSyncError``; counted in ``refused_states``) when
-it is not finite, or when it moves Θ away from this node's committed state by more than
-``FOLLOW_RELATIVE`` × (versions ahead) × ‖Θ‖ of that state, or, once this node has seen a step
-of that fragment, by more than ``FOLLOW_FACTOR`` × (versions ahead) × the median of the last
-``FOLLOW_HISTORY`` per-version steps it saw (its own commits and accepted follows). Both bounds
-are far above honest steps (momentum grows a step at most about 1.5 times per version); a
-wrongly refused state is followed anyway once a later version is within the bounds.
-Refused (version, digest) pairs, and every record of a banned peer, are left out of
-:meth:`StateSync.records`, so the heads rule looks past them. Source of the rule: the same
-median-norm bound as the robust merge (``core.merge.robust_merge``), applied to outer steps.
+* **Corroborated versions.** A version counts only up to ``LEAD`` versions above the larger
+  of this node's own version and the highest version that at least two *other* peers hold
+  (:func:`claim_ceiling`), once at least two other peers publish a claim for the fragment.
+  One peer claiming a billion versions ahead is looked past (and its whole record ignored
+  for ``IGNORE_S`` seconds); an honest node that committed a round others have not followed
+  yet is within the lead. With a single other peer nothing can be corroborated and its claim
+  counts. The converse case, this node ahead alone (lone rounds while the others were busy,
+  so they look past it), falls back to the newest state two other peers hold, at most
+  ``ROLLBACK_MAX`` versions lower (:func:`runaway_heads`), as a split brain's losing side does.
+* **Joining needs two holders.** A node that has not yet seen a step of a fragment (it is
+  joining) follows only a state held by at least two peers, when at least two other peers
+  publish claims, so one stranger cannot hand a newcomer its model.
+* **Bounded moves.** A downloaded state is refused (``StateSyncError``; counted in
+  ``refused_states``) when it is not finite, or moves Θ away from this node's committed
+  state by more than ``FOLLOW_RELATIVE`` × (versions ahead) × ‖Θ‖, or, once this node has
+  seen a step of that fragment, more than ``FOLLOW_FACTOR`` × (versions ahead) × the median
+  of the last ``FOLLOW_HISTORY`` per-version steps it saw. The versions ahead are capped by
+  the corroboration rule above, so no claimed gap widens the bound. Every peer whose signed
+  record claims a refused state is banned (it signed a state no honest merge produces).
+  Source: the same median-norm bound as the robust merge (``core.merge.robust_merge``;
+  Yin et al., arXiv 1803.01498), applied to outer steps.
+* **Deliver or be ignored.** A holder that does not deliver the state it claims (no answer
+  within the deadline: ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``) gets a strike; other
+  failed deliveries (truncated, refused, an older state than claimed; a newer one is an honest
+  holder that moved on) count a strike from the second in a row. A holder
+  with strikes has its records ignored for ``IGNORE_S`` × 2^(strikes − 1) seconds (at most
+  ``IGNORE_MAX_S``); a successful delivery clears its strikes. Rotating digests do not
+  reset anything: strikes belong to the peer. Answers that no honest peer sends (a header
+  out of range, a body of the wrong size, bytes that do not hash to the digest the answer
+  states) ban the sender.
+* Concurrent downloads of one (fragment, version, digest) share one transfer.
 
-Unreachable heads. A state that no holder could deliver ``UNREACHABLE_AFTER`` times in a row
-(its only holders died: their records outlive them by up to ``HEAD_TTL``) is left out of
-:meth:`StateSync.records` for ``UNREACHABLE_S`` seconds, so the swarm goes on from the newest state a live peer holds
-instead of retrying a dead donor before every round; a state it cannot fetch is a state it
-cannot merge at (invariant I3). If the holder comes back, its state counts again afterwards
-and the heads rule (I7) settles any split.
+A state it cannot fetch is a state it cannot merge at (invariant I3): ignoring a dead or
+lying holder lets the swarm go on from the newest state a live peer holds. If an ignored
+peer comes back, its claims count again afterwards and the heads rule (I7) settles any split.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,19 +71,24 @@ import torch
 
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FragmentState, fragment_digest
-from p2pdiloco.errors import NetworkError, ProtocolError, StateSyncError
+from p2pdiloco.errors import NetworkError, PeerTimeout, PeerUnreachable, ProtocolError, StateSyncError
+from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
+from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.transport import Header, Swarm
-from p2pdiloco.trust.identity import is_peer_id
 
 log = logging.getLogger(__name__)
 
 HEAD_TTL = 60.0  # seconds a heartbeat record lives without refresh
 FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the median recent step per version
 FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
-UNREACHABLE_AFTER = 3  # downloads of a head that failed at every holder, in a row, before it is ignored
-UNREACHABLE_S = 15.0  # seconds a head no holder could deliver is ignored
 FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
+LEAD = 1  # versions a claim may run ahead of the highest version two other peers hold
+ROLLBACK_MAX = 8  # versions a node ahead alone falls back at most (runaway_heads)
+STATE_TIMEOUT_S = 3.0  # seconds of a state download's deadline, plus its size over MIN_RATE
+MIN_RATE = 256 * 1024  # bytes/s: the slowest donor link a download waits for
+IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its first strike (doubling)
+IGNORE_MAX_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -81,29 +100,84 @@ class Head:
     holders: tuple[str, ...]
 
 
-def newest_heads(records: dict[str, Any], num_fragments: int) -> list[Head | None]:
+def _as_record(value: Any, num_fragments: int) -> HeadsRecord | None:
+    if isinstance(value, HeadsRecord):
+        return value if len(value.fragments) == num_fragments else None
+    try:
+        return rec.parse_heads(value, num_fragments)
+    except ProtocolError:
+        return None
+
+
+def claim_ceiling(versions: Mapping[str, int], me: str | None, mine: int | None) -> float:
+    """The highest version of one fragment this node counts as corroborated: ``LEAD`` above
+    the larger of its own version (``mine``, else ``me``'s claim in ``versions``) and the
+    second-highest version among the other peers' claims; unbounded with fewer than two
+    other claims (nothing to corroborate with). ``versions``: {peer: claimed version}."""
+    others = sorted((v for p, v in versions.items() if p != me), reverse=True)
+    if len(others) < 2:
+        return math.inf
+    own = mine if mine is not None else versions.get(me, -1) if me is not None else -1
+    return max(others[1], own) + LEAD
+
+
+def newest_heads(records: Mapping[str, HeadsRecord | dict], num_fragments: int, *, me: str | None = None,
+                 mine: Sequence[int] | None = None, min_holders: int = 1) -> list[Head | None]:
     """Per fragment, the winning (version, digest) among peers' records and its holders.
 
     Rule (invariant I7): highest version; at equal versions, most holders, then the smaller
-    digest. Malformed records are ignored.
+    digest. Records that do not parse (raw dicts are parsed here) are ignored.
+    Corroboration (module docstring): claims above :func:`claim_ceiling` (``me``: this
+    node's peer ID, ``mine``: its own versions) are ignored; with ``min_holders`` > 1 (a
+    joining node), states held by fewer peers are ignored too, where at least that many other
+    peers claim one.
     """
-    votes: list[dict[tuple[int, str], list[str]]] = [{} for _ in range(num_fragments)]
-    for peer, rec in records.items():
-        frags = rec.get("f") if isinstance(rec, dict) else None
-        if not isinstance(frags, list) or len(frags) != num_fragments:
-            continue
-        for p, item in enumerate(frags):
-            if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str) \
-                    and len(item[1]) == 64:
-                votes[p].setdefault((item[0], item[1]), []).append(peer)
+    parsed = {p: r for p, v in records.items() if (r := _as_record(v, num_fragments)) is not None}
     heads: list[Head | None] = []
-    for v in votes:
-        if not v:
-            heads.append(None)
-            continue
-        (version, digest), holders = max(v.items(), key=lambda kv: (kv[0][0], len(kv[1]), _neg(kv[0][1])))
-        heads.append(Head(version, digest, tuple(sorted(holders))))
+    for f in range(num_fragments):
+        claims = {p: r.fragments[f] for p, r in parsed.items() if r.fragments[f] is not None}
+        ceiling = claim_ceiling({p: c[0] for p, c in claims.items()}, me, mine[f] if mine is not None else None)
+        votes: dict[tuple[int, str], list[str]] = {}
+        for p, claim in claims.items():
+            if claim[0] <= ceiling:
+                votes.setdefault(claim, []).append(p)
+        others = sum(p != me for p in claims)
+        if min_holders > 1 and others >= min_holders:
+            votes = {k: h for k, h in votes.items() if len(h) >= min_holders} or votes
+        heads.append(_winner(votes))
     return heads
+
+
+def runaway_heads(records: Mapping[str, HeadsRecord], states: Sequence[FragmentState], me: str) -> list[Head | None]:
+    """Per fragment, the state this node should fall back to because it is ahead alone, else
+    None. A node whose version is more than ``LEAD`` above the second-highest version of the
+    other peers (two or more of them) made its last versions without anyone corroborating them
+    (lone rounds while the others were busy): the others look past its claims, and it would
+    merge alone forever. It then takes the newest state at least two other peers hold, at most
+    ``ROLLBACK_MAX`` versions below its own (a lower state is not a fallback but a stale or
+    hostile claim), as the losing side of a split brain does (invariant I7)."""
+    out: list[Head | None] = []
+    for f, mine in enumerate(states):
+        claims = {p: r.fragments[f] for p, r in records.items() if p != me and r.fragments[f] is not None}
+        versions = sorted((c[0] for c in claims.values()), reverse=True)
+        if len(versions) < 2 or mine.version <= versions[1] + LEAD:
+            out.append(None)
+            continue
+        votes: dict[tuple[int, str], list[str]] = {}
+        for p, claim in claims.items():
+            if mine.version - ROLLBACK_MAX <= claim[0] <= versions[1]:
+                votes.setdefault(claim, []).append(p)
+        out.append(_winner({k: h for k, h in votes.items() if len(h) >= 2}))
+    return out
+
+
+def _winner(votes: dict[tuple[int, str], list[str]]) -> Head | None:
+    """The heads rule's choice among (version, digest) -> holders: highest version, then most
+    holders, then the smaller digest (invariant I7); None without votes."""
+    if not votes:
+        return None
+    (version, digest), holders = max(votes.items(), key=lambda kv: (kv[0][0], len(kv[1]), _neg(kv[0][1])))
+    return Head(version, digest, tuple(sorted(holders)))
 
 
 def _neg(digest: str) -> tuple[int, ...]:
@@ -118,7 +192,8 @@ def is_behind(mine: FragmentState, head: Head | None) -> bool:
 
 
 class StateSync:
-    """Publishes this node's record and transfers fragment states. One per node.
+    """Publishes this node's record and transfers fragment states. One per node; the owner of
+    what this node believes about other peers' claims (refused states, strikes, ignores).
 
     Args:
         swarm: the transport.
@@ -136,8 +211,10 @@ class StateSync:
         self._seen: dict[int, FragmentState] = {}  # last committed state observed, per fragment
         self._steps: dict[int, deque[float]] = {i: deque(maxlen=FOLLOW_HISTORY) for i in range(len(self.fragments))}
         self._refused: set[tuple[int, int, str]] = set()  # (fragment, version, digest) not to follow
-        self._unreachable: dict[tuple[int, int, str], float] = {}  # same key -> ignored until (monotonic s)
-        self._failed: dict[tuple[int, int, str], int] = {}  # same key -> downloads failed in a row
+        self._strikes: dict[str, int] = {}  # holder -> failed deliveries not yet cleared by a success
+        self._soft: dict[str, int] = {}  # holder -> failures that strike only from the second in a row
+        self.ignored: dict[str, tuple[float, str]] = {}  # holder -> (ignored until, monotonic s; reason)
+        self._pending: dict[tuple[int, int, str], asyncio.Future] = {}
 
     @property
     def heads_key(self) -> str:
@@ -151,32 +228,77 @@ class StateSync:
             AccessDenied: the swarm's members refuse this node (private swarm, no valid
                 certificate); the message carries their reason.
         """
-        await self.swarm.add_handler("state.get", self._on_get)
+        await self.swarm.add_handler("state.get", self._on_get, max_payload=0)
         await self.swarm.check_admission(self.heads_key)
 
-    async def publish(self, extra: dict[str, Any]) -> None:
-        """Store this node's record: per-fragment [version, digest] plus ``extra`` figures."""
-        record = {"f": [[s.version, s.digest] for s in self.current()], "t": time.time(), **extra}
-        await self.swarm.store(self.heads_key, self.swarm.peer_id, record, HEAD_TTL)
+    def state_bytes(self, fragment: int) -> int:
+        """Bytes of fragment ``fragment``'s state on the wire (Θ and b, fp32)."""
+        shapes = [s.shape for s in self.fragments[fragment].slots]
+        return wire.wire_nbytes(shapes + shapes, "fp32")
 
-    async def records(self) -> dict[str, Any]:
-        """Every live node's record, {peer ID: record}: only records under a peer ID, which
-        the DHT accepted only when signed by that peer (and, in a private swarm, a member),
-        none of a banned peer, and with every refused (version, digest) replaced by None."""
-        self._observe()
+    async def publish(self, extra: dict[str, Any]) -> None:
+        """Store this node's record: per-fragment [version, digest] plus ``extra`` figures
+        (the other fields of :class:`HeadsRecord`)."""
+        record = HeadsRecord(tuple((s.version, s.digest) for s in self.current()), t=time.time(), **extra)
+        await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
+
+    def ignoring(self) -> dict[str, str]:
+        """Peers whose claims are ignored now, {peer ID: reason}."""
         now = time.monotonic()
-        self._unreachable = {k: t for k, t in self._unreachable.items() if t > now}
-        skip = self._refused | self._unreachable.keys()
+        self.ignored = {p: v for p, v in self.ignored.items() if v[0] > now}
+        return {p: why for p, (_, why) in self.ignored.items()}
+
+    async def records(self) -> dict[str, HeadsRecord]:
+        """Every live node's parsed record, {peer ID: record}: records under a peer ID, which
+        the DHT accepted only when signed by that peer (and, in a private swarm, a member);
+        none of a banned or ignored peer; every refused (version, digest) replaced by None.
+        Records that do not parse are dropped and counted (``Swarm.drop``).
+
+        Raises:
+            NetworkError: the DHT could not be read.
+        """
+        self._observe()
+        ignoring = self.ignoring()
+        values = {p: v for p, v in (await self.swarm.get(self.heads_key)).items()
+                  if p not in self.swarm.bans and p not in ignoring}
+        good, bad = rec.parse_many(values, rec.parse_heads, len(self.fragments))
+        for peer in bad:
+            self._malformed(peer, values[peer])
         out = {}
-        for peer, rec in (await self.swarm.get(self.heads_key)).items():
-            if not is_peer_id(peer) or peer in self.swarm.bans:
-                continue
-            frags = rec.get("f") if isinstance(rec, dict) else None
-            if skip and isinstance(frags, list):
-                rec = dict(rec, f=[None if isinstance(item, list) and len(item) == 2
-                                   and (p, item[0], item[1]) in skip else item
-                                   for p, item in enumerate(frags)])
-            out[peer] = rec
+        for peer, record in good.items():
+            for p, claim in enumerate(record.fragments):
+                if claim is not None and (p, *claim) in self._refused:
+                    record = record.without(p)
+            out[peer] = record
+        for peer, why in self._uncorroborated(out).items():
+            self.ignored[peer] = (time.monotonic() + IGNORE_S, why)
+            log.info("ignoring the records of %s for %.0f s: %s", peer[-8:], IGNORE_S, why)
+            del out[peer]
+        return out
+
+    def _malformed(self, peer: str, value: Any) -> None:
+        """A heads record that does not parse: signed by ``peer``, so it is banned, unless the
+        record is well formed but lists another fragment count (another model or P: a node
+        with other settings, ignored, not banned)."""
+        try:
+            rec.parse_heads(value, None)
+        except ProtocolError as e:
+            self.swarm.drop(peer, "heads_record")
+            self.swarm.ban(peer, f"signed a malformed heads record ({e})")
+        else:
+            self.swarm.drop(peer, "heads_other_fragments")
+
+    def _uncorroborated(self, records: dict[str, HeadsRecord]) -> dict[str, str]:
+        """Peers claiming a fragment version above :func:`claim_ceiling` (the rule of
+        :func:`newest_heads`), {peer: reason}: their whole records are ignored for a while, so
+        that status shows who is ignored and nothing else of theirs (done, step) counts."""
+        me, mine, out = self.swarm.peer_id, self.current(), {}
+        for p in range(len(self.fragments)):
+            claims = {q: r.fragments[p][0] for q, r in records.items() if r.fragments[p] is not None}
+            ceiling = claim_ceiling(claims, me, mine[p].version if p < len(mine) else None)
+            for q, v in claims.items():
+                if q != me and v > ceiling:
+                    out[q] = f"claims fragment {p} at v{v}, more than {LEAD} above what two other peers hold"
         return out
 
     def _observe(self) -> None:
@@ -188,6 +310,11 @@ class StateSync:
                 if math.isfinite(step):
                     self._steps[p].append(step)
             self._seen[p] = state
+
+    def has_seen_steps(self, fragment: int) -> bool:
+        """Whether this node has seen a step of ``fragment`` (else it is joining it)."""
+        self._observe()
+        return bool(self._steps.get(fragment))
 
     def _check_plausible(self, state: FragmentState) -> None:
         """Raise StateSyncError when ``state`` is not a plausible successor of ours."""
@@ -213,70 +340,135 @@ class StateSync:
         log.warning("not following fragment %d v%d (%s): %s", p, state.version, state.short(), reason)
         raise StateSyncError(f"fragment {p} v{state.version} refused: {reason}")
 
-    async def download(self, fragment: int, head: Head, *, timeout: float, joining: bool = False) -> FragmentState:
+    # ---- strikes ---------------------------------------------------------------------------
+    def _strike(self, peer: str, reason: str, *, hard: bool) -> None:
+        """A failed delivery by ``peer``: ``hard`` (no answer in time) strikes at once, others
+        from the second in a row. Struck peers are ignored for a doubling while."""
+        if not hard:
+            self._soft[peer] = self._soft.get(peer, 0) + 1
+            if self._soft[peer] < 2:
+                return
+        self._soft.pop(peer, None)
+        n = self._strikes[peer] = min(self._strikes.get(peer, 0) + 1, 16)
+        seconds = min(IGNORE_MAX_S, IGNORE_S * 2 ** (n - 1))
+        self.ignored[peer] = (time.monotonic() + seconds, reason)
+        log.info("ignoring the records of %s for %.0f s: %s", peer[-8:], seconds, reason)
+        if len(self._strikes) > 4096:  # bounded: forget the peers with the fewest strikes
+            for p in sorted(self._strikes, key=self._strikes.get)[:1024]:
+                del self._strikes[p]
+
+    def _delivered(self, peer: str) -> None:
+        self._strikes.pop(peer, None)
+        self._soft.pop(peer, None)
+
+    # ---- downloads -------------------------------------------------------------------------
+    async def download(self, fragment: int, head: Head, *, timeout: float | None = None,
+                       joining: bool = False) -> FragmentState:
         """Fetch ``fragment`` at ``head`` from one of its holders, trying them in turn, starting
         at a holder picked by this node's peer ID and the fragment index (round-robin), so
         newcomers spread over donors and one newcomer spreads its fragments over them.
-        ``joining``: this node is joining the swarm; the request says so (``"join"``), which the
-        ``kill-in-state-transfer`` fault injection keys on.
+        ``timeout`` (seconds per holder) defaults to ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``.
+        ``joining``: this node is joining the swarm; the request says so (``"join"``).
+        Concurrent calls for the same head share one transfer.
 
         Raises:
             StateSyncError: no holder returned a state whose digest matches ``head``, or the
                 state is not a plausible successor of ours (see the module docstring).
         """
-        if (fragment, head.version, head.digest) in self._refused:
+        key = (fragment, head.version, head.digest)
+        if key in self._refused:
             raise StateSyncError(f"fragment {fragment} v{head.version} was refused before")
+        pending = self._pending.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[key] = fut
+        try:
+            state = await self._download(fragment, head, timeout, joining)
+        except BaseException as e:
+            if not fut.done():
+                fut.set_exception(e if isinstance(e, Exception) else StateSyncError("download cancelled"))
+            fut.exception()  # retrieved: waiters get it, nobody else needs to
+            raise
+        else:
+            fut.set_result(state)
+            return state
+        finally:
+            del self._pending[key]
+
+    async def _download(self, fragment: int, head: Head, timeout: float | None, joining: bool) -> FragmentState:
+        if timeout is None:
+            timeout = STATE_TIMEOUT_S + self.state_bytes(fragment) / MIN_RATE
         donors = sorted(p for p in head.holders if p != self.swarm.peer_id)
         if donors:
             start = (int.from_bytes(hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "big") + fragment) % len(donors)
             donors = donors[start:] + donors[:start]
         last = "no other holder"
         for donor in donors:
+            if donor in self.swarm.bans or donor in self.ignoring():
+                continue
             try:
                 state = await self._fetch(donor, fragment, timeout, joining)
+            except PeerUnreachable as e:
+                self.failed_downloads += 1
+                self._strike(donor, f"did not deliver fragment {fragment} v{head.version}: {e}",
+                             hard=isinstance(e, PeerTimeout))
+                last = str(e)
+                log.info("state download of fragment %d from %s failed: %s", fragment, donor[-8:], e)
+                continue
             except (NetworkError, StateSyncError) as e:
                 self.failed_downloads += 1
+                self._strike(donor, f"did not deliver fragment {fragment} v{head.version}: {e}", hard=False)
                 last = str(e)
                 log.info("state download of fragment %d from %s failed: %s", fragment, donor[-8:], e)
                 continue
             if (state.version, state.digest) == (head.version, head.digest):
-                self._check_plausible(state)  # same bytes from every holder: no other donor to try
+                self._delivered(donor)
+                try:
+                    self._check_plausible(state)  # same bytes from every holder: no other donor to try
+                except StateSyncError:
+                    for holder in head.holders:  # each of them signed a claim of this state
+                        self.swarm.ban(holder, f"claims fragment {fragment} v{head.version}, a state no honest "
+                                               "merge produces (refused as implausible)")
+                    raise
                 self.downloads += 1
-                self._failed.pop((fragment, head.version, head.digest), None)
                 return state
+            if state.version <= head.version:  # a holder that moved on since its record is honest
+                self._strike(donor, f"served v{state.version} of fragment {fragment}, not the v{head.version} "
+                                    "it claims", hard=False)
             last = f"{donor[-8:]} now holds v{state.version}, not v{head.version}"
-        key = (fragment, head.version, head.digest)
-        self._failed = {k: n for k, n in self._failed.items() if k[0] != fragment or k[1] >= head.version}
-        self._failed[key] = self._failed.get(key, 0) + 1
-        if donors and self._failed[key] >= UNREACHABLE_AFTER:  # look past this state for a while
-            del self._failed[key]
-            self._unreachable[key] = time.monotonic() + UNREACHABLE_S
         raise StateSyncError(f"fragment {fragment} v{head.version}: {last}")
 
     async def _fetch(self, donor: str, fragment: int, timeout: float, joining: bool) -> FragmentState:
         request = {"f": fragment, "join": True} if joining else {"f": fragment}  # "join": a node joining the swarm
-        reply, body = await self.swarm.call(donor, "state.get", request, timeout=timeout)
+        reply, body = await self.swarm.call(donor, "state.get", request, timeout=timeout,
+                                            max_reply=self.state_bytes(fragment))
         try:
-            version, digest = int(reply["v"]), str(reply["d"])
-        except (KeyError, TypeError, ValueError):
-            raise StateSyncError("malformed state reply") from None
+            answer = rec.parse_state_answer(reply)
+        except ProtocolError as e:
+            self.swarm.drop(donor, "state_answer")
+            self.swarm.ban(donor, f"malformed state answer: {e}")
+            raise StateSyncError(f"malformed state answer from {donor[-8:]}: {e}") from None
         shapes = [s.shape for s in self.fragments[fragment].slots]
         try:
             tensors = wire.decode(body, shapes + shapes, "fp32")
-        except ProtocolError as e:
-            raise StateSyncError(f"partial or malformed state from {donor[-8:]}: {e}") from None
+        except ProtocolError as e:  # the transport read exactly the size it declared: no honest answer
+            self.swarm.ban(donor, f"state answer for fragment {fragment} of the wrong size ({e})")
+            raise StateSyncError(f"malformed state from {donor[-8:]}: {e}") from None
         n = len(shapes)
         theta, momentum = tensors[:n], tensors[n:]
-        if fragment_digest(fragment, version, theta, momentum) != digest:
+        if fragment_digest(fragment, answer.version, theta, momentum) != answer.digest:
+            self.swarm.ban(donor, f"state answer for fragment {fragment} does not match the digest it states")
             raise StateSyncError(f"state from {donor[-8:]} does not match its digest")
-        return FragmentState.create(fragment, version, theta, momentum)
+        return FragmentState.create(fragment, answer.version, theta, momentum)
 
-    async def _on_get(self, _: str, header: Header, __: bytes) -> tuple[Header, bytes]:
+    async def _on_get(self, peer: str, header: Header, __: bytes) -> tuple[Header, bytes]:
         try:
-            fragment = int(header["f"])
-            state = self.current()[fragment]
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise ProtocolError("malformed state request") from None
+            request = rec.parse_state_request(header, len(self.fragments))
+        except ProtocolError:
+            self.swarm.drop(peer, "state_request")
+            raise
+        state = self.current()[request.fragment]
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
         return {"v": state.version, "d": state.digest}, body
 

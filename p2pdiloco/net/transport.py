@@ -9,9 +9,37 @@ keeps the daemon alive after its parent is SIGKILLed. We run ``DHTNode`` inside 
 event loop instead, so the only child is p2pd, which exits as soon as its owner's control
 connection closes, including on SIGKILL.
 
-RPCs are framed as a stream of ``BytesValue`` chunks: one msgpack header, then the payload
-in chunks of at most ``CHUNK_BYTES``; the reply is framed the same way. Every call has a
-deadline.
+RPCs (:meth:`Swarm.call`, :meth:`Swarm.add_handler`) run on hivemind's raw libp2p streams
+(``P2P.call_binary_stream_handler`` / ``P2P.add_binary_stream_handler``), one stream per call,
+with this framing for the request and for the reply alike::
+
+    offset 0   4 bytes   L: header length, unsigned big-endian, 1 <= L <= MAX_HEADER_BYTES (64 KiB)
+    offset 4   L bytes   header: a msgpack map with string keys; "_n" (int >= 0) = payload length
+    offset 4+L _n bytes  payload: opaque bytes (tensors, state), nothing after it
+
+Reserved header keys: ``_n`` (payload length), ``_cert`` (membership certificate, bin, in a
+private swarm); a reply with ``error`` (str) is a refusal, with ``denied`` (str) a membership
+refusal. Headers are decoded with msgpack's size limits (strings, bins, arrays and maps no
+larger than the header itself); anything that is not a map is a protocol error.
+
+A server never buffers what it has not decided to accept: it reads the header within
+``HEADER_TIMEOUT`` seconds, checks the caller's membership and ``_n`` against the handler's
+``max_payload`` *before* reading the payload, then reads the payload within
+``PAYLOAD_GRACE + _n / MIN_PAYLOAD_RATE`` seconds. At most ``MAX_STREAMS_PER_PEER`` inbound
+streams per peer and ``MAX_STREAMS`` in all are served at once; the others are answered
+``{"error": "busy"}`` without being read. After answering, the server waits up to
+``LINGER_TIMEOUT`` seconds for the caller to close its end (closing first can reset the stream
+and lose the answer). The caller reads the reply while it still writes (a refusal arrives
+before the request is fully sent) and checks the reply's ``_n`` against its ``max_reply``.
+Every malformed, oversized, over-limit or late inbound message is counted by
+:meth:`Swarm.drop`; a peer with more than ``DROP_BUDGET`` drops within ``DROP_WINDOW_S``
+seconds is blocked: its streams are closed unread for ``BLOCK_S`` seconds, doubling with every
+further block (at most ``BLOCK_MAX_S``); up to ``TARPIT_PER_PEER`` of them (``TARPIT_MAX`` in
+all) are first held unanswered for ``TARPIT_S`` seconds, so that a caller that waits for its
+answers slows down instead of opening stream after stream. Every request of a banned peer
+counts as a drop (its handlers refuse it, with the reason), so a banned peer that keeps
+calling is blocked too. Every
+call has a deadline.
 
 Trust (docs/trust.md): the daemon runs with the node's Ed25519 identity
 (:mod:`p2pdiloco.trust.identity`), so the peer ID libp2p authenticates on every connection
@@ -29,9 +57,10 @@ import logging
 import os
 import random
 import signal
+import struct
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +69,12 @@ from pathlib import Path
 
 import msgpack
 import psutil
-from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.dht import DHTNode
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from p2pdiloco.errors import NetworkError, PeerUnreachable, ProtocolError
+from p2pdiloco.errors import NetworkError, PeerTimeout, PeerUnreachable, ProtocolError
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.certificates import Membership
 from p2pdiloco.trust.errors import AccessDenied, IdentityError
@@ -54,8 +82,27 @@ from p2pdiloco.trust.identity import Identity, is_peer_id
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20  # 1 MiB per stream message, well under p2pd's 4 MiB limit
-MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = 64 << 10  # bytes: largest msgpack header accepted (request or reply)
+MAX_RECORD_BYTES = 64 << 10  # bytes: largest signed DHT record value accepted (heads records are ~1 kB)
+CHUNK_BYTES = 1 << 20  # bytes: payloads are written and read in pieces of at most this size
+HEADER_TIMEOUT = 10.0  # seconds an inbound stream may take to deliver its request header
+PAYLOAD_GRACE = 30.0  # seconds granted to any payload, on top of its size at MIN_PAYLOAD_RATE
+MIN_PAYLOAD_RATE = 128 << 10  # bytes/second: slowest payload (request or reply) a peer may send us
+LINGER_TIMEOUT = 5.0  # seconds a server waits for the caller to close after the answer
+LINGER_DISCARD_BYTES = 8 << 20  # bytes a server reads and discards while it lingers, at most
+DROP_BUDGET = 50  # drops one peer may cause within DROP_WINDOW_S before it is blocked
+DROP_WINDOW_S = 60.0
+BLOCK_S = 60.0  # seconds the first block lasts; doubles with each further block
+BLOCK_MAX_S = 900.0
+TARPIT_S = 10.0  # seconds a blocked peer's stream is held unanswered before it is closed ...
+TARPIT_PER_PEER = 16  # ... for this many of its streams at once (the others are closed at once)
+TARPIT_MAX = 256  # ... and this many in all
+MAX_STREAMS_PER_PEER = 16  # inbound streams served at once for one peer (mm.join holds one ~2 min)
+MAX_STREAMS = 512  # inbound streams served at once in all
+DEFAULT_MAX_REPLY = 1 << 20  # bytes: reply payload a call accepts unless told otherwise
+MAX_DROP_PEERS = 1024  # peers remembered in Swarm.dropped (the smallest counts are evicted)
+
+_LENGTH = struct.Struct(">I")
 
 Header = dict[str, Any]
 Handler = Callable[[str, Header, bytes], Awaitable[tuple[Header, bytes]]]
@@ -63,7 +110,7 @@ Handler = Callable[[str, Header, bytes], Awaitable[tuple[Header, bytes]]]
 
 @dataclass
 class TrafficStats:
-    """Bytes of RPC payload and headers that this peer sent and received (bytes)."""
+    """RPC payload bytes this peer sent and received (headers not counted), and calls made."""
 
     bytes_out: int = 0
     bytes_in: int = 0
@@ -77,44 +124,134 @@ def pack(header: Header) -> bytes:
 
 
 def unpack(data: bytes) -> Header:
-    """Decode a msgpack header; raises ProtocolError on anything that is not a dict."""
+    """Decode a msgpack header of at most ``MAX_HEADER_BYTES``.
+
+    No string, bin, array or map inside may be longer than ``len(data)``.
+
+    Raises:
+        ProtocolError: ``data`` is too long, not one msgpack object, or not a map.
+    """
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(data)} bytes (limit {MAX_HEADER_BYTES})")
+    limit = len(data)
     try:
-        header = msgpack.unpackb(data, raw=False, max_bin_len=MAX_HEADER_BYTES)
+        header = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=limit, max_str_len=limit,
+                                 max_array_len=limit, max_map_len=limit, max_ext_len=limit)
     except Exception as e:  # msgpack raises several unrelated types
-        raise ProtocolError(f"undecodable header: {e}") from None
+        raise ProtocolError(f"undecodable header: {_short(e)}") from None
     if not isinstance(header, dict):
-        raise ProtocolError("header is not a map")
+        raise ProtocolError(f"header is a {type(header).__name__}, not a map")
     return header
 
 
-def _frames(header: Header, payload: bytes) -> list[BytesValue]:
-    head = dict(header, _n=len(payload))
-    frames = [BytesValue(value=pack(head))]
-    view = memoryview(payload)
-    for i in range(0, len(payload), CHUNK_BYTES):
-        frames.append(BytesValue(value=bytes(view[i : i + CHUNK_BYTES])))
-    return frames
+def frame(header: Header, payload_size: int) -> bytes:
+    """The length prefix and header of a message whose payload has ``payload_size`` bytes
+    (the payload follows it on the stream; see the module docstring).
+
+    Raises:
+        ProtocolError: the encoded header exceeds ``MAX_HEADER_BYTES``.
+        TypeError: ``header`` holds something msgpack cannot encode.
+    """
+    head = pack(dict(header, _n=payload_size))
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    return _LENGTH.pack(len(head)) + head
 
 
-async def _read_frames(stream: AsyncIterator[BytesValue]) -> tuple[Header, bytes]:
-    first = await anext(stream, None)
-    if first is None:
-        raise ProtocolError("empty message")
-    header = unpack(first.value)
-    size = header.pop("_n", 0)
-    if not isinstance(size, int) or size < 0:
-        raise ProtocolError("bad payload length")
-    parts, got = [], 0
-    while got < size:
-        frame = await anext(stream, None)
-        if frame is None:
-            raise ProtocolError(f"payload truncated at {got} of {size} bytes")
-        parts.append(frame.value)
-        got += len(frame.value)
-    if got != size:
-        raise ProtocolError(f"payload has {got} bytes, header said {size}")
-    return header, b"".join(parts)
+async def read_header(reader: asyncio.StreamReader) -> tuple[Header, int]:
+    """Read one message's length prefix and header; returns (header without ``_n``, payload size
+    in bytes). Reads nothing of the payload. No deadline of its own: wrap it in one.
 
+    Raises:
+        ProtocolError: header length 0 or over ``MAX_HEADER_BYTES``, undecodable header, not a
+            map, or ``_n`` missing or not an int >= 0.
+        asyncio.IncompleteReadError: the stream ended first.
+    """
+    size = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))[0]
+    if not 0 < size <= MAX_HEADER_BYTES:
+        raise ProtocolError(f"header length {size} outside 1..{MAX_HEADER_BYTES}")
+    header = unpack(await reader.readexactly(size))
+    n = header.pop("_n", None)
+    if type(n) is not int or n < 0:
+        raise ProtocolError(f"bad payload length {n!r:.40}")
+    return header, n
+
+
+async def read_payload(reader: asyncio.StreamReader, n: int) -> bytes:
+    """Read exactly ``n`` bytes in pieces of at most ``CHUNK_BYTES``. No deadline of its own.
+
+    Raises:
+        asyncio.IncompleteReadError: the stream ended first.
+    """
+    if n <= CHUNK_BYTES:
+        return await reader.readexactly(n) if n else b""
+    parts, left = [], n
+    while left:
+        parts.append(await reader.readexactly(min(left, CHUNK_BYTES)))
+        left -= len(parts[-1])
+    return b"".join(parts)
+
+
+async def write_message(writer: asyncio.StreamWriter, header: Header, payload: bytes, *,
+                        stop_after: int | None = None) -> None:
+    """Write one framed message and drain; ``stop_after``: write only that many payload bytes.
+    No deadline of its own.
+
+    Raises:
+        ProtocolError / TypeError: as :func:`frame`.
+        ConnectionError: the stream broke.
+    """
+    writer.write(frame(header, len(payload)))
+    view = memoryview(payload)[: len(payload) if stop_after is None else stop_after]
+    for i in range(0, len(view), CHUNK_BYTES):
+        writer.write(view[i : i + CHUNK_BYTES])
+        await writer.drain()
+    await writer.drain()
+
+
+def payload_deadline(n: int) -> float:
+    """Seconds allowed to transfer a payload of ``n`` bytes (at MIN_PAYLOAD_RATE, plus PAYLOAD_GRACE)."""
+    return PAYLOAD_GRACE + n / MIN_PAYLOAD_RATE
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    """Close a stream's socket now: unsent bytes are discarded (a peer that does not read
+    them must not keep the descriptor open). Never raises."""
+    try:
+        transport = writer.transport
+        if transport.get_write_buffer_size():
+            transport.abort()
+        else:
+            writer.close()
+    except Exception as e:  # already closed, loop shutting down
+        log.debug("closing a stream: %s", e)
+
+
+_BUSY = frame({"error": "busy"}, 0)
+
+
+async def _linger(reader: asyncio.StreamReader) -> None:
+    """After answering: wait up to LINGER_TIMEOUT s for the caller to close its end, reading
+    and discarding at most LINGER_DISCARD_BYTES meanwhile. Never raises (but CancelledError)."""
+    left = LINGER_DISCARD_BYTES
+    try:
+        async with asyncio.timeout(LINGER_TIMEOUT):
+            while left > 0:
+                chunk = await reader.read(min(left, 1 << 16))
+                if not chunk:
+                    return
+                left -= len(chunk)
+    except (TimeoutError, ConnectionError, OSError):
+        pass
+
+
+class _Drop(Exception):
+    """An inbound request that is not served: counted under ``reason``; answered ``message``
+    unless ``answer`` is false (the stream is gone)."""
+
+    def __init__(self, reason: str, message: str, answer: bool = True):
+        super().__init__(message)
+        self.reason, self.answer = reason, answer
 
 
 _ENVELOPE_FORMAT = 1
@@ -188,6 +325,8 @@ class SignedRecords(RecordValidatorBase):
             self.seconds += time.perf_counter() - t0
 
     def _validate(self, record: DHTRecord) -> bool:
+        if len(record.value) > MAX_RECORD_BYTES or len(record.subkey or b"") > 256:
+            return self._reject("oversize", record)
         opened = self._open(record.value)
         if opened is None:
             return self._reject("unsigned", record)
@@ -230,7 +369,16 @@ class Swarm:
         bans: peer ID -> reason, peers excluded for the rest of the run (a contribution
             of theirs failed verification); consulted by matchmaking and the all-reduce.
         refused: requests refused because the caller is not a member, by reason.
-        stats: traffic counters (bytes of RPC frames, both directions).
+        dropped: inbound RPC messages not served (malformed, oversized, over a stream limit,
+            too slow), by peer ID; at most ``MAX_DROP_PEERS`` peers. See :meth:`drop`.
+        drop_reasons: the same drops by reason (``busy``, ``header_timeout``, ``bad_header``,
+            ``bad_cert``, ``too_large``, ``payload_timeout``, ``truncated``, ``closed``,
+            ``reply_timeout``, ``reply_broken``; for our calls: ``bad_reply``,
+            ``reply_too_large``; ``blocked`` for streams of blocked or banned peers closed
+            unread; other modules add the records and messages they drop).
+        blocked: peer ID -> until when (monotonic s) its streams are closed unread (more than
+            ``DROP_BUDGET`` drops within ``DROP_WINDOW_S``); see :meth:`blocking`.
+        stats: traffic counters (RPC payload bytes, both directions).
     """
 
     def __init__(self, p2p: P2P, dht: DHTNode, daemon_pid: int | None, identity: Identity,
@@ -241,6 +389,15 @@ class Swarm:
         self.identity, self.membership, self.records = identity, membership, records
         self.bans: dict[str, str] = {}
         self.refused: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()  # inbound messages not served, by peer (see drop)
+        self.drop_reasons: Counter[str] = Counter()  # the same, by reason
+        self.blocked: dict[str, float] = {}  # peer -> its streams are closed unread until (monotonic s)
+        self._blocks: dict[str, int] = {}  # peer -> times it was blocked
+        self._drop_window: dict[str, tuple[float, int]] = {}  # peer -> (window start, drops in it)
+        self._tarpit: Counter[str] = Counter()  # blocked peer -> its streams held unanswered now
+        self._refused_peers: set[str] = set()  # refused at least once (logged at INFO once)
+        self._streams: Counter[str] = Counter()  # inbound streams being served, by peer
+        self._streams_total = 0
         self.admitted = False  # a member of the swarm accepted us (check_admission)
         self.stats = TrafficStats()
         self.started_at = time.time()
@@ -249,8 +406,8 @@ class Swarm:
 
     def inject_kill_midway(self, rpc: str, nth: int, when: Callable[[Header], bool] = lambda _: True) -> None:
         """Fault injection (tests, chaos runs): SIGKILL this process while it streams its
-        ``nth`` answer to an ``rpc`` request whose header satisfies ``when``, after about half
-        of the answer's frames went out."""
+        ``nth`` answer to an ``rpc`` request whose header satisfies ``when``, after the reply's
+        header and half of its payload bytes went out."""
         self._kill_midway[rpc] = (nth, when)
 
     def ban(self, peer: str, reason: str) -> None:
@@ -418,94 +575,270 @@ class Swarm:
         return {str(sub): item.value for sub, item in found.value.items()}
 
     # ---- RPC ----------------------------------------------------------------------------
-    async def add_handler(self, name: str, handler: Handler) -> None:
+    def drop(self, peer: str, reason: str) -> None:
+        """Count an inbound message from ``peer`` that was not served (malformed, oversized,
+        over a limit, too slow): ``dropped[peer]`` and ``drop_reasons[reason]`` grow by one.
+        ``dropped`` keeps the ``MAX_DROP_PEERS`` peers with the most drops at most. Logged
+        at DEBUG only (a flood must not flood the log). Never raises."""
+        self.dropped[peer] += 1
+        self.drop_reasons[reason] += 1
+        if len(self.dropped) > MAX_DROP_PEERS:
+            keep = MAX_DROP_PEERS * 3 // 4
+            for victim, _ in self.dropped.most_common()[keep:]:
+                del self.dropped[victim]
+        log.debug("dropped a message from %s: %s", peer[-8:], reason)
+        now = time.monotonic()
+        start, n = self._drop_window.get(peer, (now, 0))
+        if now - start > DROP_WINDOW_S:
+            start, n = now, 0
+        self._drop_window[peer] = (start, n + 1)
+        if n + 1 >= DROP_BUDGET and peer != self.peer_id:
+            del self._drop_window[peer]
+            k = self._blocks[peer] = self._blocks.get(peer, 0) + 1
+            seconds = min(BLOCK_MAX_S, BLOCK_S * 2 ** (k - 1))
+            self.blocked[peer] = now + seconds
+            log.warning("blocking %s for %.0f s: %d malformed or over-limit messages within %.0f s",
+                        peer[-8:], seconds, DROP_BUDGET, DROP_WINDOW_S)
+        if len(self._drop_window) > MAX_DROP_PEERS:  # bounded: forget the oldest windows
+            for victim in sorted(self._drop_window, key=lambda q: self._drop_window[q][0])[:MAX_DROP_PEERS // 4]:
+                del self._drop_window[victim]
+
+    def blocking(self) -> dict[str, float]:
+        """Peers whose streams are closed unread now, {peer ID: seconds left}."""
+        now = time.monotonic()
+        self.blocked = {p: t for p, t in self.blocked.items() if t > now}
+        return {p: round(t - now, 1) for p, t in self.blocked.items()}
+
+    def open_streams(self, peer: str | None = None) -> int:
+        """Inbound RPC streams being served now: from ``peer``, or from everybody."""
+        return self._streams.get(peer, 0) if peer is not None else self._streams_total
+
+    async def add_handler(self, name: str, handler: Handler, *, max_payload: int = 0) -> None:
         """Serve RPC ``name``: ``handler(peer_id, header, payload) -> (header, payload)``.
 
-        A handler that raises ProtocolError answers ``{"error": message}``; other errors are
-        logged and answered the same way, so a bad request never kills the node.
-        """
+        Args:
+            max_payload: largest request payload accepted (bytes); a request declaring more is
+                refused before any of its payload is read.
 
-        async def serve(requests: AsyncIterator[BytesValue], ctx: P2PContext) -> AsyncIterator[BytesValue]:
-            remote = ctx.remote_id.to_base58()
-            request: Header = {}
+        Per request (see the module docstring for the framing and deadlines): over
+        ``MAX_STREAMS_PER_PEER`` / ``MAX_STREAMS`` open streams, answers ``{"error": "busy"}``
+        unread; reads the header within ``HEADER_TIMEOUT`` s; refuses a non-member
+        (``{"error", "denied"}``, counted in :attr:`refused`) and a payload over
+        ``max_payload`` before reading the payload; reads the payload within
+        :func:`payload_deadline`. A handler raising ProtocolError answers
+        ``{"error": message}``; any other exception is logged and answered as an internal
+        error. Nothing a peer sends raises out of the stream handler, and every stream is
+        closed (its descriptor released) on every path. Drops are counted by :meth:`drop`.
+
+        Raises:
+            ValueError: ``max_payload`` < 0.
+        """
+        if max_payload < 0:
+            raise ValueError(f"max_payload must be >= 0, got {max_payload}")
+
+        async def serve(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                header, payload = await _read_frames(requests)
-                request = dict(header)
-                async for _ in requests:  # wait for the caller's end of stream: answering (and closing)
-                    pass  # before it arrives can reset the stream and lose the answer (seen on refusals)
-                self.stats.bytes_in += len(payload)
+                remote = info.peer_id.to_base58()
+            except Exception:  # the daemon always sends one; never let a stream leak
+                _close(writer)
+                return
+            if remote in self.bans:  # served (handlers refuse it with the reason), but every request counts
+                self.drop(remote, "banned")
+            if remote in self.blocked and self.blocked[remote] > time.monotonic():
+                self.drop_reasons["blocked"] += 1
+                if self._tarpit[remote] < TARPIT_PER_PEER and sum(self._tarpit.values()) < TARPIT_MAX:
+                    self._tarpit[remote] += 1  # held unanswered: a caller that waits for answers slows down
+                    try:
+                        await _hold(reader, TARPIT_S)
+                    finally:
+                        self._tarpit[remote] -= 1
+                        if self._tarpit[remote] <= 0:
+                            del self._tarpit[remote]
+                _close(writer)
+                return
+            if self._streams[remote] >= MAX_STREAMS_PER_PEER or self._streams_total >= MAX_STREAMS:
+                self.drop(remote, "busy")
                 try:
-                    self.membership.check(remote, header.pop("_cert", None))
-                except AccessDenied as e:
-                    self.refused[e.reason] += 1
-                    log.warning("refused %s from %s: %s", name, remote[-8:], e)
-                    reply, body = {"error": str(e), "denied": e.reason}, b""
-                else:
-                    reply, body = await handler(remote, header, payload)
-                    if self.membership.private:
-                        reply = dict(reply, _cert=self.membership.own_certificate)
-            except ProtocolError as e:
-                log.warning("dropped %s request from %s: %s", name, remote[-8:], e)
-                reply, body = {"error": str(e)}, b""
-            except Exception as e:  # a handler bug must not take the daemon connection down
-                log.exception("handler %s failed for %s", name, remote[-8:])
-                reply, body = {"error": f"internal error: {_short(e)}"}, b""
-            self.stats.bytes_out += len(body)
-            frames = _frames(reply, body)
-            kill_at = self._kill_at(name, request, len(frames))
-            for i, frame in enumerate(frames):
-                if i == kill_at:
-                    await asyncio.sleep(0.5)  # let the frames sent so far reach the caller
-                    log.warning("injected fault: killed while answering %s (%d of %d frames sent)", name, i, len(frames))
+                    writer.write(_BUSY)  # a few bytes into an empty socket buffer: never blocks
+                except Exception as e:  # the stream is already gone
+                    log.debug("busy answer to %s: %s", remote[-8:], e)
+                _close(writer)
+                return
+            self._streams[remote] += 1
+            self._streams_total += 1
+            try:
+                await self._serve(name, handler, max_payload, remote, reader, writer)
+            except Exception:  # a bug here must not reach asyncio's connection callback
+                log.exception("serving %s for %s failed", name, remote[-8:])
+            finally:
+                _close(writer)
+                self._streams_total -= 1
+                self._streams[remote] -= 1
+                if self._streams[remote] <= 0:
+                    del self._streams[remote]
+
+        await self._p2p.add_binary_stream_handler(name, serve)
+
+    async def _serve(self, name: str, handler: Handler, max_payload: int, remote: str,
+                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request: Header = {}
+        try:
+            request, reply, body = await self._answer(name, handler, max_payload, remote, reader)
+        except _Drop as d:
+            self.drop(remote, d.reason)
+            if not d.answer:
+                return
+            reply, body = {"error": str(d)}, b""
+        kill_at = self._kill_at(name, request, len(body))
+        try:
+            async with asyncio.timeout(payload_deadline(len(body))):
+                if kill_at is not None:
+                    await write_message(writer, reply, body, stop_after=kill_at)
+                    await asyncio.sleep(0.5)  # let the bytes sent so far reach the caller
+                    log.warning("injected fault: killed while answering %s (%d of %d payload bytes sent)",
+                                name, kill_at, len(body))
                     logging.shutdown()
                     os.kill(os.getpid(), signal.SIGKILL)
-                yield frame
+                await write_message(writer, reply, body)
+        except (TimeoutError, ConnectionError, OSError) as e:
+            self.drop(remote, "reply_timeout" if isinstance(e, TimeoutError) else "reply_broken")
+            return
+        self.stats.bytes_out += len(body)
+        await _linger(reader)
 
-        await self._p2p.add_protobuf_handler(name, serve, BytesValue, stream_input=True, stream_output=True)
+    async def _answer(self, name: str, handler: Handler, max_payload: int, remote: str,
+                      reader: asyncio.StreamReader) -> tuple[Header, Header, bytes]:
+        """Read and serve one request: (request header, reply header, reply payload).
+        Raises _Drop for a request that is not served."""
+        try:
+            async with asyncio.timeout(HEADER_TIMEOUT):
+                header, n = await read_header(reader)
+        except TimeoutError:
+            raise _Drop("header_timeout", f"no request header within {HEADER_TIMEOUT:g} s") from None
+        except ProtocolError as e:
+            raise _Drop("bad_header", str(e)) from None
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            raise _Drop("closed", "stream closed before the header", answer=False) from None
+        request = dict(header)
+        cert = header.pop("_cert", None)
+        if cert is not None and not isinstance(cert, bytes):
+            raise _Drop("bad_cert", "_cert is not bytes")
+        try:
+            self.membership.check(remote, cert)
+        except AccessDenied as e:
+            self.refused[e.reason] += 1
+            level = logging.DEBUG if remote in self._refused_peers else logging.INFO
+            if len(self._refused_peers) < MAX_DROP_PEERS:
+                self._refused_peers.add(remote)
+            log.log(level, "refused %s from %s: %s", name, remote[-8:], e)
+            return request, {"error": str(e), "denied": e.reason}, b""
+        if n > max_payload:
+            raise _Drop("too_large", f"{name} payload of {n} bytes exceeds the limit of {max_payload}")
+        try:
+            async with asyncio.timeout(payload_deadline(n)):
+                payload = await read_payload(reader, n)
+        except TimeoutError:
+            raise _Drop("payload_timeout", f"payload of {n} bytes not received within "
+                                           f"{payload_deadline(n):.0f} s") from None
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            raise _Drop("truncated", "stream closed inside the payload", answer=False) from None
+        self.stats.bytes_in += n
+        try:
+            reply, body = await handler(remote, header, payload)
+            if self.membership.private:
+                reply = dict(reply, _cert=self.membership.own_certificate)
+            frame(reply, len(body))  # fails here (answered as an error) rather than half-written
+        except ProtocolError as e:
+            log.debug("%s request from %s refused: %s", name, remote[-8:], e)
+            return request, {"error": str(e)}, b""
+        except Exception as e:  # a handler bug must not take the node down
+            log.exception("handler %s failed for %s", name, remote[-8:])
+            return request, {"error": f"internal error: {_short(e)}"}, b""
+        return request, reply, body
 
-    def _kill_at(self, name: str, request: Header, n_frames: int) -> int:
-        """Frame index at which the injected kill-midway fault hits this answer, or -1."""
+    def _kill_at(self, name: str, request: Header, n_bytes: int) -> int | None:
+        """Payload bytes after which the injected kill-midway fault hits this answer, or None."""
         left, when = self._kill_midway.get(name, (0, None))
         if when is None or not when(request):
-            return -1
+            return None
         self._kill_midway[name] = (left - 1, when)
         if left - 1 > 0:
-            return -1
-        return 1 + (n_frames - 1) // 2  # the header and about half of the payload's frames went out
+            return None
+        return n_bytes // 2  # the header and about half of the payload went out
 
     async def call(
-        self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float
+        self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float,
+        max_reply: int = DEFAULT_MAX_REPLY,
     ) -> tuple[Header, bytes]:
         """Call RPC ``name`` on ``peer_id`` and return its (header, payload).
 
+        The request is written while the reply is awaited (a refusal arrives before a large
+        request is fully sent); the stream is closed in every case.
+
+        Args:
+            timeout: seconds for the whole call (connect, request, reply).
+            max_reply: largest reply payload accepted (bytes); a reply declaring more is
+                refused before its payload is read (counted by :meth:`drop`).
+
         Raises:
-            PeerUnreachable: no full answer within ``timeout`` seconds or the stream broke.
-            ProtocolError: the peer answered with an error or a malformed reply.
+            PeerTimeout: no full answer within ``timeout`` seconds (a PeerUnreachable).
+            PeerUnreachable: the stream could not be opened or broke.
+            AccessDenied: the peer refused us (not a member of its private swarm), or its
+                answer is dropped (it is not a member of ours).
+            ProtocolError: the peer answered with an error (``busy``, too large...), or a
+                malformed reply, or one over ``max_reply``.
         """
         self.stats.calls_out += 1
-        self.stats.bytes_out += len(payload)
         if self.membership.private:
             header = dict(header, _cert=self.membership.own_certificate)
         try:
+            frame(header, len(payload))
+        except (ProtocolError, TypeError, ValueError) as e:
+            self.stats.calls_failed += 1
+            raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
+        writer: asyncio.StreamWriter | None = None
+        sending: asyncio.Task | None = None
+        try:
             async with asyncio.timeout(timeout):
-                requests = _aiter(_frames(header, payload))
-                stream = await self._p2p.iterate_protobuf_handler(
-                    PeerID.from_base58(peer_id), name, requests, BytesValue
-                )
-                reply, body = await _read_frames(stream)
+                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+                sending = asyncio.create_task(write_message(writer, header, payload))
+                try:
+                    reply, n = await read_header(reader)
+                except ProtocolError as e:
+                    self.drop(peer_id, "bad_reply")
+                    raise ProtocolError(f"{peer_id[-8:]} answered {name} with a malformed reply: {e}") from None
+                if n > max_reply:
+                    self.drop(peer_id, "reply_too_large")
+                    raise ProtocolError(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of "
+                                        f"{max_reply}")
+                body = await read_payload(reader, n)
         except ProtocolError:
             self.stats.calls_failed += 1
             raise
-        except (TimeoutError, Exception) as e:
+        except TimeoutError:
             self.stats.calls_failed += 1
-            raise PeerUnreachable(f"{name} to {peer_id[-8:]} failed: {_short(e) or 'timeout'}") from None
+            raise PeerTimeout(f"{name} to {peer_id[-8:]} failed: timeout after {timeout:g} s") from None
+        except Exception as e:
+            self.stats.calls_failed += 1
+            raise PeerUnreachable(f"{name} to {peer_id[-8:]} failed: {_short(e)}") from None
+        finally:
+            if sending is not None:
+                sending.cancel()  # done: no-op; still writing: the reply came first (a refusal)
+                sent = await asyncio.gather(sending, return_exceptions=True)
+                if sent[0] is None:
+                    self.stats.bytes_out += len(payload)
+            if writer is not None:
+                _close(writer)
         self.stats.bytes_in += len(body)
         if "error" in reply:
             if "denied" in reply:
                 raise AccessDenied(f"{peer_id[-8:]} refused {name}: {reply['error']}", str(reply["denied"]))
             raise ProtocolError(f"{peer_id[-8:]} refused {name}: {reply['error']}")
+        cert = reply.pop("_cert", None)
         try:
-            self.membership.check(peer_id, reply.pop("_cert", None))
+            if cert is not None and not isinstance(cert, bytes):
+                raise AccessDenied("its _cert is not bytes", "malformed")
+            self.membership.check(peer_id, cert)
         except AccessDenied as e:
             self.refused[e.reason] += 1
             raise AccessDenied(f"answer of {peer_id[-8:]} to {name} dropped: {e}", e.reason) from None
@@ -542,8 +875,9 @@ async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: f
                                  check_if_identity_free=False)
         try:
             async with asyncio.timeout(timeout):
-                await probe.call_protobuf_handler(PeerID.from_base58(peer_id), "p2pdiloco.identity-probe",
-                                                  BytesValue(), BytesValue)
+                _, _, writer = await probe.call_binary_stream_handler(PeerID.from_base58(peer_id),
+                                                                      "p2pdiloco.identity-probe")
+                _close(writer)
             return True  # nobody serves this name, but an answer means someone is there
         except Exception as e:
             text = str(e).lower()
@@ -559,9 +893,16 @@ async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: f
                 log.debug("probe shutdown: %s", e)
 
 
-async def _aiter(items: Sequence[BytesValue]) -> AsyncIterator[BytesValue]:
-    for item in items:
-        yield item
+async def _hold(reader: asyncio.StreamReader, seconds: float, discard: int = 1 << 20) -> None:
+    """Wait until the caller closes its end (EOF), ``seconds`` pass, or it sent ``discard``
+    bytes (read and thrown away), whichever comes first."""
+    got = 0
+    try:
+        async with asyncio.timeout(seconds):
+            while got < discard and (chunk := await reader.read(65536)):
+                got += len(chunk)
+    except (TimeoutError, ConnectionError, OSError):
+        pass
 
 
 def _no_peers_message(initial_peers: Sequence[str]) -> str:

@@ -3,9 +3,10 @@
 A private swarm is an Ed25519 key pair (``p2pdiloco swarm init``). Its owner admits a node
 offline by signing a certificate for the node's public key with an expiry
 (``p2pdiloco swarm admit PUBLIC_KEY``) and may revoke members with a signed list
-(``p2pdiloco swarm revoke``). Members present their certificate with every DHT record and
-RPC; a member accepts a peer only when :meth:`Membership.check` passes. The owner's private
-key never has to be online.
+(``p2pdiloco swarm revoke``), handed out as a file or published in the DHT, where members
+pick it up while they run (:mod:`p2pdiloco.net.revocation`, :meth:`Membership.adopt_revocations`).
+Members present their certificate with every DHT record and RPC; a member accepts a peer
+only when :meth:`Membership.check` passes. The owner's private key never has to be online.
 
 Byte layouts (msgpack as in :mod:`p2pdiloco.trust.signing`; keys are raw 32-byte Ed25519
 public keys; times are integer Unix seconds, UTC):
@@ -315,7 +316,8 @@ class Membership:
     Attributes:
         swarm: the swarm's public key, or None for a public swarm.
         certificate: this node's own certificate (sent with every record and request).
-        revocations: the swarm's revocation list, if any.
+        revocations: the swarm's revocation list, if any; replaced by a newer one with
+            :meth:`adopt_revocations` while the node runs.
     """
 
     swarm: bytes | None = None
@@ -346,6 +348,35 @@ class Membership:
                                    "certificate at trust.certificate", "missing")
         self.certificate.verify(self.swarm, public_key_of(peer_id), now=now, revocations=self.revocations)
 
+    def adopt_revocations(self, revocations: RevocationList) -> bool:
+        """Replace the held revocation list with ``revocations`` when its serial is higher.
+
+        From then on :meth:`check` and :meth:`check_own` refuse the revoked members: the cache
+        of verified certificates is cleared, so a peer admitted before is checked again at its
+        next record or request. Lists of another swarm, lists whose swarm signature does not
+        verify, lists with the same or a lower serial and public swarms are not adopted.
+
+        Returns:
+            True when the list was adopted, False when it was ignored (never raises).
+        """
+        if not self.private or revocations.swarm != self.swarm:
+            return False
+        if self.revocations is not None and revocations.serial <= self.revocations.serial:
+            return False
+        try:
+            body = [revocations.swarm, revocations.serial, revocations.issued, sorted(revocations.revoked)]
+            if not signing.verify(self.swarm, "revocations", body, revocations.signature):
+                return False
+        except Exception:  # noqa: BLE001 - a hand-built list of the wrong types: not adopted
+            return False
+        self.revocations = revocations
+        self._verified.clear()
+        return True
+
+    def revokes(self, public_key: bytes) -> bool:
+        """Whether the held revocation list names ``public_key`` (raw 32 bytes)."""
+        return self.revocations is not None and bytes(public_key) in self.revocations.revoked
+
     def check(self, peer_id: str, certificate: bytes | None, now: float | None = None) -> None:
         """Admit ``peer_id`` presenting ``certificate`` (encoded), or raise.
 
@@ -364,7 +395,10 @@ class Membership:
                 raise CertificateError(f"{peer_id[-8:]} is not an Ed25519 peer ID", "malformed")
             if not certificate:
                 raise CertificateError(f"{peer_id[-8:]} presented no membership certificate", "missing")
-            cert = Certificate.decode(bytes(certificate))
+            if not isinstance(certificate, bytes) or len(certificate) > 4096:
+                raise CertificateError(f"{peer_id[-8:]} presented a certificate that is not a short byte string",
+                                       "malformed")
+            cert = Certificate.decode(certificate)
             cert.verify(self.swarm, public_key_of(peer_id), now=now, revocations=self.revocations)
         except CertificateError as e:
             raise AccessDenied(f"not a member of {self.name}: {e}", e.reason) from None

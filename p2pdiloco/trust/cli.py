@@ -2,18 +2,22 @@
 
 The owner runs ``init`` once (a swarm key pair), every node shows its public key with
 ``identity``, the owner signs a certificate for it with ``admit`` and hands the file over,
-and may later revoke members with ``revoke``. None of these needs the network.
+and may later revoke members with ``revoke``. None of these needs the network, except
+``revoke --publish``, which also stores the new list in the swarm's DHT, where running members
+pick it up (:mod:`p2pdiloco.net.revocation`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 from pathlib import Path
 
 from p2pdiloco.trust import CERTIFICATE_FILE, IDENTITY_FILE
 from p2pdiloco.trust.certificates import RevocationList, SwarmKey, fingerprint, parse_public_key
+from p2pdiloco.errors import ConfigError, P2PDilocoError
 from p2pdiloco.trust.errors import TrustError
 from p2pdiloco.trust.identity import Identity, peer_id_of
 
@@ -42,6 +46,13 @@ def add_swarm_key_parsers(swarm_subparsers: argparse._SubParsersAction) -> None:
     revoke.add_argument("--list", type=Path, default=Path("revocations.txt"),
                         help="revocation list to create or extend (default revocations.txt); nodes read it "
                              "from trust.revocations")
+    revoke.add_argument("--publish", action="store_true",
+                        help="also publish the list in the swarm's DHT: running members adopt it within their "
+                             "poll interval (20 s) and refuse the revoked nodes from then on")
+    revoke.add_argument("--initial-peers", nargs="+", default=None, metavar="MULTIADDR",
+                        help="with --publish: multiaddrs of peers of the swarm to join through")
+    revoke.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                        help="with --publish: seconds to wait for the DHT and for a member's copy (default 60)")
 
     ident = swarm_subparsers.add_parser("identity", help="show (creating if needed) this node's public key")
     ident.add_argument("--data-dir", type=Path, default=None, help=f"the node's data dir (identity in {IDENTITY_FILE})")
@@ -56,6 +67,9 @@ def run_swarm_key_command(args: argparse.Namespace) -> int:
     except TrustError as e:
         print(f"p2pdiloco: {e}", file=sys.stderr)
         return 2
+    except P2PDilocoError as e:  # revoke --publish: addresses (2) and the network (1)
+        print(f"p2pdiloco: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -85,6 +99,22 @@ def _admit(args: argparse.Namespace) -> int:
 
 
 def _revoke(args: argparse.Namespace) -> int:
+    if args.publish and not args.initial_peers:
+        print("p2pdiloco: --publish needs --initial-peers MULTIADDR (a peer of the swarm, from `p2pdiloco bootstrap`)",
+              file=sys.stderr)
+        return 2
+    if args.initial_peers and not args.publish:
+        print("p2pdiloco: --initial-peers is only used with --publish", file=sys.stderr)
+        return 2
+    if args.publish and not args.wait > 0:
+        print("p2pdiloco: --wait must be > 0", file=sys.stderr)
+        return 2
+    if args.publish:
+        from p2pdiloco.net.addresses import check_any_reachable, check_peer_maddr  # noqa: PLC0415
+
+        for m in args.initial_peers:  # AddressError (2), NetworkError (1): before anything is written
+            check_peer_maddr(m)
+        check_any_reachable(args.initial_peers)
     key = SwarmKey.load(args.swarm_key)
     members = [parse_public_key(k) for k in args.public_keys]
     previous = RevocationList.load(args.list, key.public_key) if args.list.exists() else None
@@ -92,7 +122,25 @@ def _revoke(args: argparse.Namespace) -> int:
     revocations.save(args.list)
     print(f"revocation list #{revocations.serial} of swarm {fingerprint(key.public_key)}: "
           f"{len(revocations.revoked)} revoked, written to {args.list}")
-    print("give it to every member (trust.revocations); they refuse the revoked nodes from their next start")
+    if not args.publish:
+        print("give it to every member (trust.revocations); they refuse the revoked nodes from their next start "
+              "(or publish it to the running members with --publish --initial-peers MULTIADDR)")
+        return 0
+    return _publish(revocations, key, args.initial_peers, args.wait)
+
+
+def _publish(revocations: RevocationList, key: SwarmKey, initial_peers: list[str], wait: float) -> int:
+    from p2pdiloco.net.revocation import PUBLISH_TTL, publish_revocations  # noqa: PLC0415  (hivemind)
+
+    try:
+        done = asyncio.run(publish_revocations(revocations, key, initial_peers, wait=wait))
+    except KeyboardInterrupt:
+        print("p2pdiloco: interrupted (the transient peer was shut down)", file=sys.stderr)
+        return 130
+    held = (f"{len(done.holders)} member(s) hold a copy" if done.holders else
+            f"no member re-published it within {wait:g} s (its own copy lives {PUBLISH_TTL // 60} minutes)")
+    print(f"published revocation list #{revocations.serial} in the DHT of swarm {fingerprint(key.public_key)} "
+          f"(key {done.key}); {held}; running members adopt it within their poll interval")
     return 0
 
 

@@ -1,0 +1,388 @@
+"""The one boundary where a peer's input is parsed: typed, bounded records and messages.
+
+Every value this node reads from the DHT (heads records, gathering announcements,
+matchmaking declarations) and every RPC request or answer it acts on passes through one
+``parse_*`` function here before any other code looks at it. A parser returns a frozen
+dataclass whose fields have the documented types and ranges, or raises
+:class:`~p2pdiloco.errors.ProtocolError`; it never raises anything else, whatever the
+input (tests/test_fuzz_records.py feeds every parser 10,000 hostile inputs). Callers drop
+what fails and count it per peer (``Swarm.drop``).
+
+Bounds (module constants; far above anything an honest peer sends):
+
+* versions: ``0 <= v <= MAX_VERSION`` (2**48: one outer step a millisecond for 8,900
+  years; ``fragment_digest`` packs versions as int64, so 2**63 would not even hash);
+* digests: 64 lower-case hex digits (sha256); round IDs: 1 to ``MAX_ROUND_ID`` characters;
+* fragment indices: ``0 <= p < num_fragments`` (the run's P, at most ``MAX_FRAGMENTS``);
+* member lists: 1 to ``MAX_GROUP`` Ed25519 peer IDs, sorted, no duplicates;
+* counters (tokens, steps): ``0 <= n <= MAX_COUNT`` (2**53, exact in a float);
+* other numbers finite; names and states at most ``MAX_TEXT`` characters;
+* signatures 64 bytes, public keys 32 bytes.
+
+Integers must be ``int`` (not ``bool``, not ``float``): msgpack keeps the distinction, and
+an honest peer never sends a float where an integer belongs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from p2pdiloco.errors import ProtocolError
+from p2pdiloco.trust.identity import is_peer_id
+
+MAX_VERSION = 2**48
+MAX_FRAGMENTS = 1024
+MAX_GROUP = 256
+MAX_ROUND_ID = 64
+MAX_TEXT = 64
+MAX_COUNT = 2**53
+MAX_RECORD_KEYS = 32
+_HEX = frozenset("0123456789abcdef")
+
+
+# ---- field checks ---------------------------------------------------------------------------
+def _int(x: Any, what: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
+    if type(x) is not int or not lo <= x <= hi:
+        raise ProtocolError(f"{what}: expected an integer in [{lo}, {hi}]")
+    return x
+
+
+def _finite(x: Any, what: str) -> float:
+    if type(x) not in (int, float) or not math.isfinite(x):
+        raise ProtocolError(f"{what}: expected a finite number")
+    return float(x)
+
+
+def _text(x: Any, what: str, hi: int = MAX_TEXT, lo: int = 0) -> str:
+    if not isinstance(x, str) or not lo <= len(x) <= hi:
+        raise ProtocolError(f"{what}: expected a string of {lo} to {hi} characters")
+    return x
+
+
+def _bytes(x: Any, what: str, size: int) -> bytes:
+    if not isinstance(x, bytes) or len(x) != size:
+        raise ProtocolError(f"{what}: expected {size} bytes")
+    return x
+
+
+def digest(x: Any, what: str = "digest") -> str:
+    """A sha256 hex digest: exactly 64 lower-case hex digits."""
+    if not isinstance(x, str) or len(x) != 64 or not _HEX.issuperset(x):
+        raise ProtocolError(f"{what}: expected 64 lower-case hex digits")
+    return x
+
+
+def version(x: Any, what: str = "version") -> int:
+    """A fragment version: an int in [0, MAX_VERSION]."""
+    return _int(x, what, 0, MAX_VERSION)
+
+
+def fragment(x: Any, num_fragments: int, what: str = "fragment") -> int:
+    """A fragment index: an int in [0, num_fragments)."""
+    return _int(x, what, 0, num_fragments - 1)
+
+
+def round_id(x: Any) -> str:
+    return _text(x, "round id", MAX_ROUND_ID, 1)
+
+
+def members(x: Any) -> tuple[str, ...]:
+    """A group's member list: 1 to MAX_GROUP Ed25519 peer IDs, sorted, no duplicates.
+    The length is checked before any peer ID is decoded (a list of 100,000 costs nothing)."""
+    if not isinstance(x, list) or not 1 <= len(x) <= MAX_GROUP:
+        raise ProtocolError(f"members: expected a list of 1 to {MAX_GROUP} peer IDs")
+    if not all(isinstance(m, str) for m in x) or x != sorted(set(x)):
+        raise ProtocolError("members: expected sorted, distinct peer IDs")
+    if not all(is_peer_id(m) for m in x):
+        raise ProtocolError("members: not an Ed25519 peer ID")
+    return tuple(x)
+
+
+def _map(value: Any, what: str) -> dict:
+    if not isinstance(value, dict) or len(value) > MAX_RECORD_KEYS:
+        raise ProtocolError(f"{what}: expected a map of at most {MAX_RECORD_KEYS} fields")
+    return value
+
+
+# ---- DHT records ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadsRecord:
+    """A node's record under ``{run}/heads`` (subkey: its peer ID), published every few
+    seconds and after each commit (``StateSync.publish``).
+
+    Attributes:
+        fragments: per fragment, (version, digest) of the global state the node holds, or
+            None where this node decided to look past the claim (refused or unreachable).
+        rounds: per fragment, the ID of the round that made that state ("" unknown).
+        t: the author's Unix time of publishing (seconds; informational, clocks differ).
+        name, state: the node's display name and life-cycle state ("training", ...).
+        done: the node stopped training (its budget ended or it was stopped).
+        step: its inner step; tps: its tokens per second; loss: its last training loss
+            (nats/byte) or None.
+    """
+
+    fragments: tuple[tuple[int, str] | None, ...]
+    rounds: tuple[str, ...] = ()
+    t: float = 0.0
+    name: str = ""
+    state: str = ""
+    done: bool = False
+    step: int = 0
+    tps: float = 0.0
+    loss: float | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack-able form that :func:`parse_heads` reads back."""
+        return {"f": [list(f) if f is not None else None for f in self.fragments], "r": list(self.rounds),
+                "t": self.t, "name": self.name, "state": self.state, "done": self.done, "step": self.step,
+                "tps": self.tps, "loss": self.loss}
+
+    def without(self, index: int) -> HeadsRecord:
+        """The same record with fragment ``index``'s claim replaced by None."""
+        frags = list(self.fragments)
+        frags[index] = None
+        return HeadsRecord(tuple(frags), self.rounds, self.t, self.name, self.state, self.done, self.step,
+                           self.tps, self.loss)
+
+
+def parse_heads(value: Any, num_fragments: int | None = None) -> HeadsRecord:
+    """Parse a heads record (the map :meth:`HeadsRecord.to_wire` writes).
+
+    Args:
+        value: the decoded DHT value (anything).
+        num_fragments: the run's P; the record must list exactly P fragments. None accepts
+            any count up to MAX_FRAGMENTS (``swarm status``, which knows no model).
+    Raises:
+        ProtocolError: any field missing, of the wrong type or out of range.
+    """
+    rec = _map(value, "heads record")
+    frags = rec.get("f")
+    if not isinstance(frags, list) or not 1 <= len(frags) <= MAX_FRAGMENTS \
+            or (num_fragments is not None and len(frags) != num_fragments):
+        raise ProtocolError("heads record: wrong fragment list")
+    parsed: list[tuple[int, str] | None] = []
+    for item in frags:
+        if item is None:
+            parsed.append(None)
+        elif isinstance(item, list) and len(item) == 2:
+            parsed.append((version(item[0]), digest(item[1])))
+        else:
+            raise ProtocolError("heads record: a fragment entry is not [version, digest]")
+    rounds = rec.get("r", [])
+    if not isinstance(rounds, list) or len(rounds) not in (0, len(frags)):
+        raise ProtocolError("heads record: wrong round list")
+    rounds = tuple(_text(r, "round id", MAX_ROUND_ID) for r in rounds) or ("",) * len(frags)
+    loss = rec.get("loss")
+    return HeadsRecord(
+        tuple(parsed), rounds, _finite(rec.get("t", 0.0), "t"), _text(rec.get("name", ""), "name"),
+        _text(rec.get("state", ""), "state"), _bool(rec.get("done", False), "done"),
+        _int(rec.get("step", 0), "step"), _finite(rec.get("tps", 0.0), "tps"),
+        None if loss is None else _finite(loss, "loss"))
+
+
+def _bool(x: Any, what: str) -> bool:
+    if type(x) is not bool:
+        raise ProtocolError(f"{what}: expected a boolean")
+    return x
+
+
+@dataclass(frozen=True)
+class Gathering:
+    """A learner's announcement under ``{run}/{tag}/gathering``: the (fragment, version,
+    digest) keys it is gathering a group for now."""
+
+    keys: tuple[tuple[int, int, str], ...]
+    t: float
+
+
+def parse_gathering(value: Any, num_fragments: int) -> Gathering:
+    """Parse a gathering announcement ``{"g": [[fragment, version, digest], ...], "t": time}``.
+
+    Raises:
+        ProtocolError: malformed, or more keys than fragments.
+    """
+    rec = _map(value, "gathering")
+    items = rec.get("g")
+    if not isinstance(items, list) or len(items) > num_fragments:
+        raise ProtocolError("gathering: expected a list of at most P keys")
+    keys = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 3:
+            raise ProtocolError("gathering: a key is not [fragment, version, digest]")
+        keys.append((fragment(item[0], num_fragments), version(item[1]), digest(item[2])))
+    return Gathering(tuple(keys), _finite(rec.get("t", 0.0), "t"))
+
+
+def parse_declaration(value: Any) -> bool:
+    """A matchmaking declaration ``{"open": bool, "t": time}``; returns whether it is open.
+
+    Raises:
+        ProtocolError: malformed.
+    """
+    rec = _map(value, "declaration")
+    _finite(rec.get("t", 0.0), "t")
+    return _bool(rec.get("open"), "open")
+
+
+# ---- RPC messages ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JoinRequest:
+    """``mm.join``: the (fragment, version, digest) the joiner wants to merge at."""
+
+    fragment: int
+    version: int
+    digest: str
+
+
+def parse_join_request(header: Any, num_fragments: int) -> JoinRequest:
+    h = _map(header, "join request")
+    return JoinRequest(fragment(h.get("f"), num_fragments), version(h.get("v")), digest(h.get("d")))
+
+
+@dataclass(frozen=True)
+class JoinAnswer:
+    """A leader's answer to ``mm.join``: a closed group (``members`` and ``round``), or a
+    ``status`` of "redirect" (another peer leads) or "closed"."""
+
+    status: str
+    members: tuple[str, ...] = ()
+    round: str = ""
+    formed_in: float = 0.0
+
+
+def parse_join_answer(header: Any) -> JoinAnswer:
+    h = _map(header, "join answer")
+    if "members" in h:
+        return JoinAnswer("group", members(h["members"]), round_id(h.get("round")),
+                          max(0.0, _finite(h.get("t", 0.0), "t")))
+    status = h.get("status")
+    if status not in ("redirect", "closed"):
+        raise ProtocolError("join answer: neither a group nor a status")
+    return JoinAnswer(status)
+
+
+@dataclass(frozen=True)
+class StateRequest:
+    """``state.get``: which fragment; ``join``: the caller is joining the swarm."""
+
+    fragment: int
+    join: bool = False
+
+
+def parse_state_request(header: Any, num_fragments: int) -> StateRequest:
+    h = _map(header, "state request")
+    return StateRequest(fragment(h.get("f"), num_fragments), _bool(h.get("join", False), "join"))
+
+
+@dataclass(frozen=True)
+class StateAnswer:
+    """The header of a ``state.get`` answer: the version and digest of the state in its body."""
+
+    version: int
+    digest: str
+
+
+def parse_state_answer(header: Any) -> StateAnswer:
+    h = _map(header, "state answer")
+    return StateAnswer(version(h.get("v")), digest(h.get("d")))
+
+
+@dataclass(frozen=True)
+class ReduceRequest:
+    """``ar.reduce``: one member's signed slice of its pseudo-gradient for one reducer.
+
+    Attributes:
+        round: round ID; fragment, version, digest: the group's key; members: the group;
+        reducer: index of the addressed reducer in ``members``; tokens, steps: the
+        member's counters (signed; negative values parse, so that the reducer can reject
+        the signed slice as ``bad_counters`` and ban its author); key: its raw Ed25519 public key (32 bytes);
+        signature: 64 bytes over ``signing.contribution_fields``.
+    """
+
+    round: str
+    fragment: int
+    version: int
+    digest: str
+    members: tuple[str, ...]
+    reducer: int
+    tokens: int
+    steps: int
+    key: bytes
+    signature: bytes
+
+
+def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
+    h = _map(header, "reduce request")
+    group = members(h.get("members"))
+    return ReduceRequest(
+        round_id(h.get("round")), fragment(h.get("f"), num_fragments), version(h.get("v")), digest(h.get("d")),
+        group, _int(h.get("r"), "reducer", 0, len(group) - 1), _int(h.get("tokens"), "tokens", -MAX_COUNT),
+        _int(h.get("steps"), "steps", -MAX_COUNT), _bytes(h.get("k"), "key", 32), _bytes(h.get("sig"), "signature", 64))
+
+
+@dataclass(frozen=True)
+class ReducerStatement:
+    """A reducer's answer: the member indices it merged (sorted, distinct) and its signature
+    over them and the merged bytes."""
+
+    contributors: tuple[int, ...]
+    signature: bytes
+
+
+def parse_statement(header: Any, group_size: int) -> ReducerStatement:
+    h = _map(header, "reducer statement")
+    c = h.get("c")
+    if not isinstance(c, list) or not 1 <= len(c) <= group_size:
+        raise ProtocolError("reducer statement: wrong contributor list")
+    contributors = tuple(_int(i, "contributor", 0, group_size - 1) for i in c)
+    if list(contributors) != sorted(set(contributors)):
+        raise ProtocolError("reducer statement: contributors not sorted and distinct")
+    return ReducerStatement(contributors, _bytes(h.get("sig"), "signature", 64))
+
+
+@dataclass(frozen=True)
+class FinalRequest:
+    """``ar.final`` (phase 2): the round, the addressed reducer, and every reducer's signed
+    phase-1 statement as (reducer index, contributors, sha256 of its merged bytes, signature)."""
+
+    round: str
+    reducer: int
+    statements: tuple[tuple[int, tuple[int, ...], bytes, bytes], ...]
+
+
+def parse_final_request(header: Any) -> FinalRequest:
+    h = _map(header, "final request")
+    st = h.get("st")
+    if not isinstance(st, list) or not 1 <= len(st) <= MAX_GROUP:
+        raise ProtocolError("final request: wrong statement list")
+    out = []
+    for item in st:
+        if not isinstance(item, list) or len(item) != 4 or not isinstance(item[1], list) \
+                or len(item[1]) > MAX_GROUP:
+            raise ProtocolError("final request: a statement is not [reducer, contributors, hash, signature]")
+        r = _int(item[0], "reducer", 0, MAX_GROUP - 1)
+        contributors = tuple(_int(i, "contributor", 0, MAX_GROUP - 1) for i in item[1])
+        out.append((r, contributors, _bytes(item[2], "hash", 32), _bytes(item[3], "signature", 64)))
+    return FinalRequest(round_id(h.get("round")), _int(h.get("r"), "reducer", 0, MAX_GROUP - 1), tuple(out))
+
+
+def parse_many(values: dict[str, Any], parse, *args) -> tuple[dict[str, Any], list[str]]:
+    """Parse every ``{peer ID: value}`` of a DHT read: (parsed, peers whose value failed).
+    Subkeys that are not Ed25519 peer IDs are skipped (the DHT accepts owner-only records
+    only under the author's own peer ID)."""
+    good, bad = {}, []
+    for peer, value in values.items():
+        if not is_peer_id(peer):
+            continue
+        try:
+            good[peer] = parse(value, *args)
+        except ProtocolError:
+            bad.append(peer)
+    return good, bad
+
+
+__all__ = [n for n in dir() if n.startswith(("parse_", "MAX_")) or n in (
+    "HeadsRecord", "Gathering", "JoinRequest", "JoinAnswer", "StateRequest", "StateAnswer", "ReduceRequest",
+    "ReducerStatement", "FinalRequest", "digest", "version", "fragment", "members", "round_id")]

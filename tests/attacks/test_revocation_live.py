@@ -1,0 +1,133 @@
+"""Attack 8 of the issue: revocation took effect only when a member restarted.
+
+A private swarm made with the CLI (``p2pdiloco swarm init`` / ``identity`` / ``admit``): a
+bootstrap and three member node processes. The owner revokes the third member while it runs
+(``p2pdiloco swarm revoke PEER_ID --publish --initial-peers MADDR``); within 60 s both other
+members refuse it (its peer ID in their ``bans``/``ignored``/``passed_over``/``dropped``, or
+their ``refused`` counters grow), without any restart, and they keep training together with
+equal digests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.attacks.conftest import IGNORING, _keys  # noqa: F401
+from tests.conftest import TINY
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+REFUSE_WITHIN = 60.0
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "p2pdiloco.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _status(d: Path) -> dict:
+    try:
+        return json.loads((d / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _refused_total(st: dict) -> int:
+    r = st.get("refused")
+    return sum(v for v in r.values() if isinstance(v, int)) if isinstance(r, dict) else 0
+
+
+def _dropped(st: dict, peer: str) -> int:
+    d = st.get("dropped")
+    return d.get(peer, 0) if isinstance(d, dict) else 0
+
+
+def _refuses(st: dict, peer: str, before: dict) -> bool:
+    """``peer`` newly banned, ignored or passed over, or more of its messages dropped, or more
+    requests refused, than in the status ``before``."""
+    return (peer in _keys(st, "bans", "ignored", "passed_over") and peer not in _keys(before, "bans", "ignored",
+                                                                                       "passed_over")) \
+        or _dropped(st, peer) > _dropped(before, peer) or _refused_total(st) > _refused_total(before)
+
+
+def test_8_revocation_reaches_running_members(harness, tmp_path: Path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    r = _cli("swarm", "init", "--dir", str(keys))
+    assert r.returncode == 0, r.stderr
+    peer_ids = {}
+    for name in ("m0", "m1", "m2"):
+        r = _cli("swarm", "identity", "--identity", str(keys / f"{name}.key"))
+        assert r.returncode == 0, r.stderr
+        peer_ids[name] = r.stdout.split()[0]
+        r = _cli("swarm", "admit", peer_ids[name], "--swarm-key", str(keys / "swarm.key"), "--days", "1",
+                 "--out", str(keys / f"{name}.cert"))
+        assert r.returncode == 0, r.stderr
+
+    maddr = harness.bootstrap()
+    nodes = {}
+    for i, name in enumerate(("m0", "m1", "m2")):
+        settings = {**TINY, "data.num_shards": "3", "data.shard_index": str(i),
+                    "trust.swarm_key": str(keys / "swarm.pub"), "trust.identity": str(keys / f"{name}.key"),
+                    "trust.certificate": str(keys / f"{name}.cert")}
+        nodes[name] = harness.node(maddr, name, settings, "--duration", "900")
+
+    def alive(names=("m0", "m1", "m2")) -> None:
+        for n in names:
+            proc, d = nodes[n]
+            assert proc.poll() is None, f"{n} exited (code {proc.returncode}):\n{(d / 'node.log').read_text()[-3000:]}"
+
+    end = time.monotonic() + 150  # every member trains and has merged
+    while not all(_status(d).get("state") == "training" and _status(d).get("rounds_committed", 0) >= 10
+                  for _, d in nodes.values()):
+        harness.track_daemons()
+        alive()
+        assert time.monotonic() < end, {n: _status(d).get("state") for n, (_, d) in nodes.items()}
+        time.sleep(0.5)
+    honest = [nodes["m0"][1], nodes["m1"][1]]
+    revoked = peer_ids["m2"]
+    before = [_status(d) for d in honest]
+    assert not any(revoked in _keys(st, "bans", "ignored", "passed_over") for st in before), \
+        f"m2 was refused before it was revoked: {before}"
+    rounds_before = [st.get("rounds_committed", 0) for st in before]
+
+    t0 = time.monotonic()
+    r = _cli("swarm", "revoke", revoked, "--swarm-key", str(keys / "swarm.key"), "--list",
+             str(keys / "revocations.txt"), "--publish", "--initial-peers", maddr, "--wait", "15", timeout=120)
+    published = time.monotonic() - t0
+    assert r.returncode == 0, f"`p2pdiloco swarm revoke --publish` failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}"
+
+    deadline = time.monotonic() + REFUSE_WITHIN
+    refused_at: dict[int, float] = {}
+    while len(refused_at) < 2 and time.monotonic() < deadline:
+        harness.track_daemons()
+        alive(("m0", "m1"))
+        for i, d in enumerate(honest):
+            if i not in refused_at and _refuses(_status(d), revoked, before[i]):
+                refused_at[i] = time.monotonic() - t0
+        time.sleep(0.5)
+    print(f"\n[attack-suite] revocation: published in {published:.1f} s; refused by "
+          f"{ {f'm{i}': round(t, 1) for i, t in refused_at.items()} } s after the revoke command started", flush=True)
+    assert len(refused_at) == 2, (
+        f"only {sorted(f'm{i}' for i in refused_at)} refused the revoked member within {REFUSE_WITHIN:.0f} s of "
+        f"`swarm revoke --publish` returning ({published:.1f} s): "
+        f"{[{k: _status(d).get(k) for k in (*IGNORING, 'refused')} for d in honest]}")
+
+    # the two remaining members keep training together: rounds go on, their digests agree
+    end = time.monotonic() + 30
+    while True:
+        alive(("m0", "m1"))
+        a, b = (_status(d) for d in honest)
+        if a.get("fragments") and a.get("fragments") == b.get("fragments") \
+                and abs(a.get("time", 0) - b.get("time", 0)) <= 1.5 \
+                and all(st.get("rounds_committed", 0) > r0 + 5 for st, r0 in zip((a, b), rounds_before)):
+            break
+        assert time.monotonic() < end, f"m0 and m1 did not train on with equal digests: {a.get('fragments')} " \
+                                       f"{b.get('fragments')}"
+        time.sleep(0.5)

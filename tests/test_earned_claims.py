@@ -1,0 +1,118 @@
+"""Claims a peer makes about itself must be earned: hand-computed cases of the corroboration
+rule of the heads (``statesync.newest_heads``), the joining rule, the holder strikes, and the
+matchmaking leader order. No network: the rules are pure functions of the records."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from p2pdiloco.net.matchmaking import leader_rank
+from p2pdiloco.net.records import HeadsRecord
+from p2pdiloco.net.statesync import IGNORE_S, LEAD, Head, StateSync, newest_heads
+
+A, B, C, X = "A", "B", "C", "X"  # newest_heads takes any keys; the DHT only yields peer IDs
+D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
+
+
+def recs(**claims: tuple[int, str] | None) -> dict[str, HeadsRecord]:
+    return {peer: HeadsRecord((claim,)) for peer, claim in claims.items()}
+
+
+def test_one_peer_far_ahead_is_not_followed_when_two_others_disagree() -> None:
+    records = recs(A=(53, D1), B=(53, D1), X=(1_000_000_053, D2))
+    # A's view: others are B (53) and X: second-highest other version 53, ceiling 53 + LEAD
+    assert newest_heads(records, 1, me=A) == [Head(53, D1, (A, B))]
+    # a claim within the lead counts: an honest node one commit ahead of the others
+    records = recs(A=(53, D1), B=(53, D1), X=(53 + LEAD, D2))
+    assert newest_heads(records, 1, me=A) == [Head(53 + LEAD, D2, (X,))]
+
+
+def test_with_a_single_other_peer_its_claim_counts() -> None:
+    # B came back far behind; A is the only other peer: nothing can be corroborated
+    assert newest_heads(recs(A=(100, D1), B=(50, D2)), 1, me=B) == [Head(100, D1, (A,))]
+    # three peers, the one far ahead is corroborated by a second peer
+    records = recs(A=(100, D1), C=(100, D1), B=(50, D2))
+    assert newest_heads(records, 1, me=B) == [Head(100, D1, (A, C))]
+
+
+def test_a_joining_node_follows_only_a_state_two_peers_hold() -> None:
+    records = recs(A=(53, D1), B=(53, D1), X=(54, D2), N=(0, D3))
+    assert newest_heads(records, 1, me="N") == [Head(54, D2, (X,))]  # within the lead
+    assert newest_heads(records, 1, me="N", min_holders=2) == [Head(53, D1, (A, B))]
+    # with a single other holder in the whole swarm it cannot ask for two
+    assert newest_heads(recs(X=(54, D2), N=(0, D3)), 1, me="N", min_holders=2) == [Head(54, D2, (X,))]
+
+
+def test_heads_parse_raw_records_and_drop_out_of_range_versions() -> None:
+    raw = {A: {"f": [[3, D1]]}, X: {"f": [[2**63, D2]]}, C: {"f": [[float("inf"), D2]]}}
+    assert newest_heads(raw, 1) == [Head(3, D1, (A,))]
+
+
+def test_leader_order_is_a_hash_of_key_and_peer_and_changes_with_the_key() -> None:
+    peers = [f"peer{i}" for i in range(8)]
+    key1 = "run/tag/mm/0/5/abcd"
+    lead1 = min(peers, key=lambda p: leader_rank(key1, p))
+    assert leader_rank(key1, lead1) == hashlib.sha256(f"{key1}\x00{lead1}".encode()).digest()
+    leaders = {min(peers, key=lambda p: leader_rank(f"run/tag/mm/0/{v}/abcd", p)) for v in range(64)}
+    assert len(leaders) >= 5  # over 64 versions, no single peer leads every round (8 peers)
+
+
+class _Swarm:
+    """The part of the transport StateSync's strike rule touches (no network involved)."""
+
+    peer_id = "me"
+    bans: dict[str, str] = {}
+
+
+def test_strikes_ignore_a_holder_for_a_doubling_while_and_delivery_clears_them(monkeypatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr("p2pdiloco.net.statesync.time.monotonic", lambda: now[0])
+    sync = StateSync(_Swarm(), "run", [], lambda: [])
+    sync._strike(X, "no answer", hard=True)
+    assert sync.ignoring() == {X: "no answer"}
+    now[0] += IGNORE_S + 0.1
+    assert sync.ignoring() == {}
+    sync._strike(X, "no answer", hard=True)  # second strike: twice as long
+    now[0] += IGNORE_S + 0.1
+    assert X in sync.ignoring()
+    now[0] += IGNORE_S
+    assert X not in sync.ignoring()
+    sync._strike(B, "truncated", hard=False)  # a soft failure strikes from the second in a row
+    assert B not in sync.ignoring()
+    sync._strike(B, "truncated", hard=False)
+    assert B in sync.ignoring()
+    sync._delivered(X)
+    sync._strike(X, "no answer", hard=True)  # cleared: back to the first strike's length
+    assert sync.ignored[X][0] == pytest.approx(now[0] + IGNORE_S)
+
+
+def test_own_version_counts_so_a_newcomer_behind_does_not_hide_an_honest_lead() -> None:
+    # A (me) at 50, B one commit ahead, a newcomer N still at 0: the second-highest other
+    # version is 0, but A's own 50 corroborates B's 51
+    records = recs(A=(50, D1), B=(51, D2), N=(0, D3))
+    assert newest_heads(records, 1, me=A, mine=[50]) == [Head(51, D2, (B,))]
+    assert newest_heads(records, 1, me=A, mine=[50])[0].version == 50 + LEAD
+
+
+def test_a_node_ahead_alone_falls_back_to_the_state_two_others_hold() -> None:
+    import torch
+
+    from p2pdiloco.core.outer import FragmentState
+    from p2pdiloco.net.statesync import ROLLBACK_MAX, runaway_heads
+
+    zeros = (torch.zeros(2),)
+
+    def state(v: int) -> FragmentState:
+        return FragmentState.create(0, v, zeros, zeros)
+
+    # A made v54 alone while B and C merged v52 together: the others look past A (54 > 52 + LEAD)
+    records = recs(A=(54, D1), B=(52, D2), C=(52, D2))
+    assert newest_heads(records, 1, me=B, mine=[52]) == [Head(52, D2, (B, C))]
+    assert runaway_heads(records, [state(54)], A) == [Head(52, D2, (B, C))]
+    assert runaway_heads(records, [state(53)], A) == [None]  # within the lead: no fall-back
+    # two newcomers at v0 are no fall-back for a node far ahead of them
+    records = recs(A=(50, D1), N1=(0, D3), N2=(0, D3))
+    assert runaway_heads(records, [state(50)], A) == [None]
+    assert ROLLBACK_MAX < 50

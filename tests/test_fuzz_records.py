@@ -1,0 +1,194 @@
+"""Wire and record fuzzer: every decoder of peer input gets 10,000 hostile inputs.
+
+Inputs are mutations of a valid value (fields dropped, swapped for other types, numbers
+replaced by infinities, NaN, 2**63, negatives, strings and lists grown to thousands of
+entries, maps nested deep) and random bytes decoded with msgpack, from a fixed seed. Each
+decoder may raise only the error its docstring names (``ProtocolError`` for records and
+messages, ``CertificateError`` for certificates and revocation lists); anything else,
+a call slower than ``SLOW_S`` (a hang), or more than ``PEAK_BYTES`` of memory allocated at
+once fails the test.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+
+from p2pdiloco.errors import ProtocolError
+from p2pdiloco.net import records as rec
+from p2pdiloco.net import wire
+from p2pdiloco.trust.certificates import Certificate, RevocationList, SwarmKey
+from p2pdiloco.trust.errors import CertificateError
+from p2pdiloco.trust.identity import Identity
+
+N = 10_000
+SLOW_S = 0.25
+PEAK_BYTES = 64 << 20
+P = 4
+PEERS = sorted(Identity.generate().peer_id for _ in range(3))
+D = "ab" * 32
+
+VALID: dict[str, Any] = {
+    "heads": {"f": [[3, D], [2, D], None, [0, D]], "r": ["a1", "", "b2", ""], "t": 1.5, "name": "n0",
+              "state": "training", "done": False, "step": 12, "tps": 100.5, "loss": 2.25},
+    "gathering": {"g": [[0, 3, D], [2, 1, D]], "t": 5.0},
+    "declaration": {"open": True, "t": 5.0},
+    "join_request": {"f": 1, "v": 3, "d": D},
+    "join_answer": {"members": PEERS, "round": "abcd", "t": 0.5},
+    "state_request": {"f": 1, "join": True},
+    "state_answer": {"v": 3, "d": D},
+    "reduce_request": {"round": "abcd", "f": 1, "v": 3, "d": D, "members": PEERS, "r": 1, "tokens": 100,
+                       "steps": 4, "k": b"k" * 32, "sig": b"s" * 64},
+    "statement": {"c": [0, 2], "sig": b"s" * 64, "rej": {}},
+    "final_request": {"round": "abcd", "r": 0, "st": [[0, [0, 1], b"h" * 32, b"s" * 64]]},
+}
+DECODERS: dict[str, Callable[[Any], Any]] = {
+    "heads": lambda v: rec.parse_heads(v, P),
+    "heads_any_count": lambda v: rec.parse_heads(v, None),
+    "gathering": lambda v: rec.parse_gathering(v, P),
+    "declaration": rec.parse_declaration,
+    "join_request": lambda v: rec.parse_join_request(v, P),
+    "join_answer": rec.parse_join_answer,
+    "state_request": lambda v: rec.parse_state_request(v, P),
+    "state_answer": rec.parse_state_answer,
+    "reduce_request": lambda v: rec.parse_reduce_request(v, P),
+    "statement": lambda v: rec.parse_statement(v, 3),
+    "final_request": rec.parse_final_request,
+}
+NASTY: list[Any] = [None, True, False, 0, -1, 1, 2**31, 2**48 + 1, 2**63, -(2**63), 2**64 - 1, 1.5, -0.0,
+                    math.inf, -math.inf, math.nan, 1e308, "", "x" * 10_000, D, D.upper(), "12D3KooW", b"", b"\x00" * 64,
+                    [], {}, [None] * 5000, list(range(100_000)), {str(i): i for i in range(64)}, [[[[[]]]]],
+                    PEERS[0], PEERS[::-1], [PEERS[0]] * 2]
+
+
+def mutate(value: Any, rng: random.Random, depth: int = 0) -> Any:
+    """One random change somewhere in ``value`` (changed containers are copies; parsers never
+    mutate their input, so the unchanged parts and the nasty values are shared)."""
+    if depth > 6 or rng.random() < 0.3:
+        return rng.choice(NASTY) if rng.random() < 0.8 else rng.randbytes(rng.randint(0, 80))
+    if isinstance(value, dict) and value:
+        out = dict(value)
+        key = rng.choice(list(out))
+        action = rng.random()
+        if action < 0.2:
+            del out[key]
+        elif action < 0.3:
+            out[rng.choice(["_n", "x", key.upper(), ""])] = rng.choice(NASTY)
+        else:
+            out[key] = mutate(out[key], rng, depth + 1)
+        return out
+    if isinstance(value, list) and value:
+        out = list(value)
+        i = rng.randrange(len(out))
+        action = rng.random()
+        if action < 0.15:
+            del out[i]
+        elif action < 0.3:
+            out.append(out[i])
+        elif action < 0.4 and len(out) < 64:
+            out = out * rng.randint(2, 400)
+        else:
+            out[i] = mutate(out[i], rng, depth + 1)
+        return out
+    return rng.choice(NASTY)
+
+
+def inputs(valid: Any, seed: int) -> list[Any]:
+    """N inputs: mutants of ``valid`` (1 to 3 mutations each) and random msgpack decodings."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(N):
+        if i % 10 == 9:  # random bytes through msgpack, as a DHT value or RPC header would arrive
+            try:
+                out.append(msgpack.unpackb(rng.randbytes(rng.randint(1, 64)), raw=False, strict_map_key=False))
+            except Exception:  # not decodable: the transport drops it before any parser
+                out.append(rng.randbytes(8))
+            continue
+        v = valid
+        for _ in range(rng.randint(1, 3)):
+            v = mutate(v, rng)
+        out.append(v)
+    return out
+
+
+def run_fuzz(decode: Callable[[Any], Any], cases: list[Any], allowed: tuple[type[BaseException], ...]) -> dict:
+    """Feed every case; returns {"ok": n, "refused": n}; fails on any other exception, a slow
+    call or a memory peak over the bound."""
+    counts = {"ok": 0, "refused": 0}
+    tracemalloc.start()
+    try:
+        for case in cases:
+            t0 = time.perf_counter()
+            try:
+                decode(case)
+                counts["ok"] += 1
+            except allowed:
+                counts["refused"] += 1
+            except Exception as e:  # noqa: BLE001 - this is what the fuzzer looks for
+                pytest.fail(f"{type(e).__name__}: {e} on input {repr(case)[:300]}")
+            dt = time.perf_counter() - t0
+            assert dt < SLOW_S, f"{dt:.3f} s on input {repr(case)[:300]}"
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < PEAK_BYTES, f"peak {peak / 2**20:.1f} MiB"
+    return counts
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_record_and_message_decoders_survive_10000_hostile_inputs(name: str) -> None:
+    valid = VALID[name.removesuffix("_any_count")]
+    DECODERS[name](valid)  # the valid value itself parses
+    counts = run_fuzz(DECODERS[name], inputs(valid, seed=sum(map(ord, name))),
+                      (ProtocolError,))
+    assert counts["ok"] + counts["refused"] == N and counts["refused"] > N // 2
+
+
+def test_wire_decoder_survives_10000_hostile_payloads() -> None:
+    shapes = [(16, 8), (8,), (3, 5)]
+    rng = random.Random(7)
+    good = {p: wire.encode([__import__("torch").randn(s) for s in shapes], p) for p in wire.WIRE_DTYPES}
+    cases = []
+    for i in range(N):
+        p = rng.choice(sorted(good))
+        data = bytearray(good[p])
+        action = rng.random()
+        if action < 0.3 and data:
+            del data[rng.randrange(len(data)):]
+        elif action < 0.6 and data:
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        elif action < 0.8:
+            data += rng.randbytes(rng.randint(1, 64))
+        else:
+            data = bytearray(rng.randbytes(rng.randint(0, 2000)))
+        cases.append((bytes(data), p))
+    counts = run_fuzz(lambda c: wire.decode(c[0], shapes, c[1]), cases, (ProtocolError,))
+    assert counts["refused"] > N // 3
+
+
+def test_certificate_and_revocation_decoders_survive_10000_hostile_inputs() -> None:
+    key = SwarmKey.generate()
+    cert = key.admit(Identity.generate().public_key, valid_for=3600).encode()
+    revs = key.revoke([Identity.generate().public_key]).encode()
+    rng = random.Random(11)
+    for good, decode in ((cert, Certificate.decode), (revs, lambda b: RevocationList.decode(b, key.public_key))):
+        structure = msgpack.unpackb(good, raw=False)
+        cases = []
+        for i in range(N):
+            if i % 2:
+                data = bytearray(good)
+                for _ in range(rng.randint(1, 6)):
+                    data[rng.randrange(len(data))] = rng.randrange(256)
+                cases.append(bytes(data))
+            else:
+                cases.append(msgpack.packb(mutate(structure, rng), use_bin_type=True))
+        counts = run_fuzz(decode, cases, (CertificateError,))
+        assert counts["refused"] > N // 2
