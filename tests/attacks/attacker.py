@@ -210,6 +210,8 @@ class Attacker:
         except (NetworkError, TypeError, ValueError, OverflowError) as e:
             self.stats["store_failed"] += 1
             self.stats[f"store_error:{type(e).__name__}"] += 1
+            if self.stats["store_failed"] == 1:  # the first message, for the window's summary
+                self.stats[f"first_store_error:{str(e)[:160]}"] += 1
             return False
         self.stats["stored" if ok else "store_refused"] += 1
         return ok

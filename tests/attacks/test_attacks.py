@@ -19,8 +19,8 @@ from tests.attacks import attacker as A
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 
-WINDOW = 18.0  # seconds of attack for the attacks
-SHORT = 12.0  # ... and for the other attacks of the same kinds
+WINDOW = 15.0  # seconds of attack for the attacks
+SHORT = 10.0  # ... and for the other attacks of the same kinds
 
 
 def below_honest(peer_ids: list[str]):
