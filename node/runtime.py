@@ -299,12 +299,6 @@ class Node:
         head = self._targets(records, states)[p]
         if head is None:
             return anchor, records
-        others = sum(1 for q, r in records.items() if q != self.swarm.peer_id and r.fragments[p] is not None)
-        if len(head.holders) < 2 and others >= 2 and head.version > anchor.version:
-            # one peer alone is ahead and nobody else holds its state yet: the round does not wait
-            # for that download (the catch-up loop tries it, and strikes a holder that stalls); if
-            # the lead was honest, the split brain that may follow is healed by the heads rule
-            return anchor, records
         return await self._follow(p, head, records) or anchor, records
 
     def _trace(self, group, contrib: Contribution, merged, anchor: FragmentState, new: FragmentState) -> None:

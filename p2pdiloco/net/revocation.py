@@ -51,7 +51,7 @@ __all__ = ["RevocationWatch", "Publication", "publish_revocations", "revocations
 
 log = logging.getLogger(__name__)
 
-MAX_LIST_BYTES = 60 << 10  # larger DHT values are dropped unread (about 1,900 revoked keys fit; the DHT itself refuses records over transport.MAX_RECORD_BYTES)
+MAX_LIST_BYTES = 60 << 10  # larger DHT values are dropped unread (about 1,900 revoked keys fit; the DHT itself refuses records over signed_records.MAX_RECORD_BYTES)
 REPLICAS = 8  # members that keep re-storing the newest list (the others let their copy expire)
 PUBLISHER_CERT_S = 600  # validity of the certificate the owner issues to its transient publisher (s)
 PUBLISH_TTL = 540  # lifetime of the publisher's own entry (s): ends before its certificate does
