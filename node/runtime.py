@@ -1,6 +1,6 @@
 """One node: the swarm services, the outer rounds and the training thread, in one task group.
 
-Outer round of fragment p (Decoupled DiLoCo, arXiv 2604.21428; brief sections 1 and 3):
+Outer round of fragment p (Decoupled DiLoCo, arXiv 2604.21428, on a swarm: docs/architecture.md):
 the training thread hands over Δ_p with its token and step counts and the anchor state it was
 computed against; the node forms a group of learners at the same (version, digest) through
 the DHT, all-reduces the contributions with the token-weighted merge, applies the Nesterov

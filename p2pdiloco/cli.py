@@ -7,7 +7,6 @@ line on stderr and a non-zero exit code: 2 for configuration errors, 1 for the r
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os

@@ -43,7 +43,7 @@ def _validate(*checks: tuple[str, bool, str]) -> None:
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Outer loop (brief section 1; DiLoCo arXiv 2311.08105 defaults lr 0.7, momentum 0.9;
+    """Outer loop (DiLoCo arXiv 2311.08105 defaults lr 0.7, momentum 0.9;
     Decoupled DiLoCo arXiv 2604.21428 uses P = 24, H = 24, tau = 2 on large models; P = 4
     here, since fragments hold whole tensors and the default model has 20)."""
 
@@ -64,7 +64,7 @@ class OuterConfig:
     # DiLoCo (OpenDiLoCo, arXiv 2407.07852; torchft's DiLoCo).
     synchronous: bool = False
     # What a learner does on arrival of a merge that contains its contribution: "overwrite"
-    # θ_p with the new Θ_p (the paper's rule, brief section 1), dropping the inner steps that
+    # θ_p with the new Θ_p (the paper's rule, arXiv 2604.21428), dropping the inner steps that
     # ran while the round was in flight; or "keep" those steps on top of the new Θ_p and
     # contribute them at the next round (no token is lost; see Learner.install_keeping_flight).
     on_arrival: str = "keep"

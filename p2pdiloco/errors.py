@@ -32,6 +32,11 @@ class PeerTimeout(PeerUnreachable):
     refused connection): the peer is there but slow, stopped, or stalling on purpose."""
 
 
+class PeerSilent(PeerTimeout):
+    """A peer did not begin its answer (the reply's header) within the call's first-reply
+    deadline, which is shorter than the whole call's: nothing came back at all."""
+
+
 class ProtocolError(NetworkError):
     """A peer sent a message that does not follow the wire protocol; the message is dropped."""
 

@@ -119,7 +119,8 @@ class GPT(nn.Module):
 
 def build_model(cfg: ModelConfig, seed: int) -> GPT:
     """A GPT with weights drawn from ``seed`` alone: identical on every node for the same seed
-    and torch version (brief invariant I8). The caller's global RNG state is left untouched."""
+    and torch version (invariant I8, docs/architecture.md). The caller's global RNG state is left
+    untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(cfg)

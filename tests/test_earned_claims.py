@@ -116,3 +116,69 @@ def test_a_node_ahead_alone_falls_back_to_the_state_two_others_hold() -> None:
     records = recs(A=(50, D1), N1=(0, D3), N2=(0, D3))
     assert runaway_heads(records, [state(50)], A) == [None]
     assert ROLLBACK_MAX < 50
+
+
+def test_a_record_left_unchanged_for_stale_s_drops_out_so_a_dead_peer_corroborates_nothing(monkeypatch) -> None:
+    from p2pdiloco.net.statesync import STALE_S
+
+    now = [1000.0]
+    monkeypatch.setattr("p2pdiloco.net.statesync.time.monotonic", lambda: now[0])
+    sync = StateSync(_Swarm(), "run", [], lambda: [])
+
+    def heads(t_b: float, t_dead: float) -> dict[str, HeadsRecord]:
+        # me at 48, B (alive, merging alone) at 50, a node killed long ago still listed at v2
+        return {"me": HeadsRecord(((48, D1),), t=now[0]), B: HeadsRecord(((50, D2),), t=t_b),
+                C: HeadsRecord(((2, D3),), t=t_dead)}
+
+    assert set(sync._live(heads(1.0, 1.0))) == {"me", B, C}  # first sight: every record counts
+    now[0] += STALE_S
+    assert set(sync._live(heads(2.0, 1.0))) == {"me", B, C}  # C unchanged for exactly STALE_S
+    now[0] += 0.5
+    live = sync._live(heads(3.0, 1.0))
+    assert set(live) == {"me", B}  # B republished; C did not for STALE_S + 0.5 s
+    # with the dead record C counted, B's v50 is two above our 48 and the second-highest other
+    # claim (C's v2): looked past. Without it B is the only other peer and its claim counts.
+    assert newest_heads(heads(3.0, 1.0), 1, me="me", mine=[48]) == [Head(48, D1, ("me",))]
+    assert newest_heads(live, 1, me="me", mine=[48]) == [Head(50, D2, (B,))]
+    now[0] += 1.0
+    assert set(sync._live(heads(3.0, 7.0))) == {"me", B, C}  # C published again: live again
+
+
+def test_the_first_reply_deadline_follows_recent_transfers_within_its_bounds() -> None:
+    from p2pdiloco.net.statesync import FIRST_REPLY_FACTOR, FIRST_REPLY_MIN_S, FIRST_REPLY_S, STATE_TIMEOUT_S
+
+    sync = StateSync(_Swarm(), "run", [], lambda: [])
+    assert sync.first_reply_s() == FIRST_REPLY_S == 1.0  # nothing measured yet
+    sync._took.extend([0.05, 0.2, 0.1])
+    assert FIRST_REPLY_FACTOR == 4.0 and sync.first_reply_s() == pytest.approx(0.8)  # 4 x the slowest
+    sync._took.clear()
+    sync._took.append(0.01)
+    assert sync.first_reply_s() == FIRST_REPLY_MIN_S == 0.5
+    sync._took.append(2.0)
+    assert sync.first_reply_s() == STATE_TIMEOUT_S
+
+
+@pytest.mark.asyncio
+async def test_silence_past_the_first_reply_deadline_strikes_a_stranger_at_once_and_a_known_donor_from_the_second() -> None:
+    from p2pdiloco.core.fragments import Fragment, TensorSlot
+    from p2pdiloco.errors import PeerSilent, StateSyncError
+
+    class Silent(_Swarm):
+        calls: list[tuple[str, float]] = []
+
+        async def call(self, peer, name, header, payload=b"", *, timeout, max_reply, first_reply):
+            self.calls.append((peer, first_reply))
+            raise PeerSilent(f"{name} to {peer} failed: no answer within {first_reply} s")
+
+    swarm = Silent()
+    sync = StateSync(swarm, "run", [Fragment(0, (TensorSlot("w", (2,), 2, False),))], lambda: [])
+    with pytest.raises(StateSyncError, match="no answer within 1.0 s"):
+        await sync.download(0, Head(7, D1, (X,)))
+    assert X in sync.ignoring()  # never delivered to us: struck at once
+    sync._delivered(B)  # B delivered before
+    sync._took.append(0.1)
+    for attempt in (1, 2):
+        with pytest.raises(StateSyncError, match="no answer within 0.5 s"):
+            await sync.download(0, Head(7 + attempt, D1, (B,)))
+        assert (B in sync.ignoring()) == (attempt == 2)  # forgiven once
+    assert swarm.calls == [(X, 1.0), (B, 0.5), (B, 0.5)]

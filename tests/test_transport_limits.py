@@ -24,7 +24,7 @@ import pytest
 from conftest import swarms
 from hivemind.p2p import PeerID
 
-from p2pdiloco.errors import PeerTimeout, PeerUnreachable, ProtocolError
+from p2pdiloco.errors import PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError
 from p2pdiloco.net import transport
 from p2pdiloco.net.transport import Header, Swarm, frame, read_header, read_payload
 from p2pdiloco.trust.certificates import Membership, SwarmKey
@@ -222,6 +222,32 @@ async def test_large_payload_and_reply_round_trip():
         assert a.stats.bytes_in == len(data) and a.stats.bytes_out == len(data) + 1
         reply, body = await b.call(a.peer_id, "t.rev", {"k": 0}, b"", timeout=10)
         assert body == b"!" and not a.dropped and not b.dropped
+
+
+@pytest.mark.asyncio
+async def test_a_silent_peer_is_caught_at_the_first_reply_deadline_not_the_whole_one():
+    """A handler that never answers: a call with ``first_reply`` 0.5 s and ``timeout`` 60 s
+    raises PeerSilent (a PeerTimeout) after about 0.5 s; without ``first_reply`` it is a plain
+    PeerTimeout at ``timeout``; an answering handler is unaffected by the short deadline."""
+    async with swarms(2) as (a, b):
+        async def silent(peer: str, header: Header, payload: bytes) -> tuple[Header, bytes]:
+            await asyncio.sleep(3600)
+            return {}, b""
+
+        await a.add_handler("t.silent", silent, max_payload=0)
+        await a.add_handler("t.echo", recorder([], lambda p: p), max_payload=MiB)
+        assert (await b.call(a.peer_id, "t.echo", {}, b"warm", timeout=10))[1] == b"warm"  # connected
+        t0 = time.monotonic()
+        with pytest.raises(PeerSilent, match="no answer within 0.5 s"):
+            await b.call(a.peer_id, "t.silent", {}, timeout=60, first_reply=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 5
+        with pytest.raises(PeerTimeout) as caught:
+            await b.call(a.peer_id, "t.silent", {}, timeout=1.0)
+        assert type(caught.value) is PeerTimeout
+        reply, body = await b.call(a.peer_id, "t.echo", {}, bytes(MiB // 2), timeout=10, first_reply=0.5,
+                                   max_reply=MiB)
+        assert reply == {"got": MiB // 2} and len(body) == MiB // 2
+        assert b.stats.calls_failed == 2
 
 
 @pytest.mark.asyncio

@@ -1,6 +1,6 @@
 """Balanced tensor fragmentation and the staggered fragment schedule.
 
-Source: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), brief section 1 "Fragments":
+Source: Decoupled DiLoCo (Douillard et al., arXiv 2604.21428), balanced tensor fragmentation:
 whole tensors are packed greedily (largest first, into the currently lightest bucket) into P
 buckets of near-equal size, and the fragments are synced on a staggered schedule so that one
 fragment goes out every H/P inner steps (Streaming DiLoCo, arXiv 2501.18512, introduced the
@@ -76,7 +76,7 @@ def balanced_fragments(
     Whole tensors, largest first (ties by name), each into the currently lightest fragment
     (ties: lowest index); slots inside a fragment keep the original parameter order.
     Deterministic: every node computes the same fragments from the same parameter list.
-    Source: arXiv 2604.21428 "balanced tensor fragmentation" (brief section 1).
+    Source: arXiv 2604.21428, "balanced tensor fragmentation".
 
     Raises ValueError if num_fragments < 1 or exceeds the number of tensors, on duplicate
     names, or on an embedding name that is not a parameter.
@@ -120,7 +120,7 @@ def assign_parts(slots_numel: Sequence[int], num_members: int) -> tuple[tuple[in
 @dataclass(frozen=True)
 class StaggeredSchedule:
     """When each fragment is sent and merged (Streaming DiLoCo staggering, arXiv 2501.18512;
-    Decoupled DiLoCo defaults P = 24, H = 24, tau = 2, brief section 1).
+    Decoupled DiLoCo, arXiv 2604.21428, defaults P = 24, H = 24, tau = 2).
 
     H: inner steps between two syncs of the same fragment; P: number of fragments;
     tau: inner steps between sending a fragment and applying its merge (overlap).

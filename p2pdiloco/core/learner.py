@@ -1,6 +1,6 @@
 """One learner's inner loop and its view of the global fragment states.
 
-Source: Decoupled DiLoCo (arXiv 2604.21428), brief section 1: each learner trains its own copy
+Source: Decoupled DiLoCo (arXiv 2604.21428): each learner trains its own copy
 with AdamW (DiLoCo inner defaults, arXiv 2311.08105: lr 4e-4, linear warmup then cosine decay,
 weight decay 0.1), counts tokens and steps per fragment since it last received that fragment,
 computes pseudo-gradients Δ = Θ_p(anchor) − θ_p, and on arrival of a merged fragment
@@ -151,7 +151,7 @@ class Learner:
     def pseudo_gradient(self, p: int) -> list[Tensor]:
         """Δ_p = anchor Θ_p − θ_p: new fp32 CPU tensors in slot shapes (positive along the
         direction of descent taken, like a gradient), never aliasing params or anchors.
-        Source: brief section 1 "Pseudo-gradient". Raises ValueError on an unknown fragment."""
+        Source: arXiv 2604.21428 (pseudo-gradient). Raises ValueError on an unknown fragment."""
         return [a - _cpu32(q) for a, q in zip(self.global_states[self._check(p)].theta, self._params[p])]
 
     def install(self, state: FragmentState, rebase: bool = False) -> None:
@@ -160,7 +160,8 @@ class Learner:
         rebase=False: θ_p ← Θ_p (copied into the parameters) and counters of p reset.
         rebase=True: θ_p ← Θ_p − (old anchor − θ_p): local progress since the old anchor is kept
         on top of the new global value, and so are the counters (for a node that catches up on a
-        version it missed, brief invariant I3). AdamW state is kept in both cases.
+        version it missed, invariant I3 in docs/architecture.md). AdamW state is kept in both
+        cases.
         Raises ValueError on an unknown index or slot shape mismatch."""
         p = self._check(state.index)
         if [tuple(t.shape) for t in state.theta] != [s.shape for s in self.fragments[p].slots]:
@@ -180,7 +181,7 @@ class Learner:
         the steps and tokens taken since sending.
 
         This is :meth:`install` (overwrite) plus the inner steps that ran while the round was
-        in flight, which the paper's overwrite drops (brief section 1, "On arrival"); they are
+        in flight, which the paper's overwrite on arrival drops (arXiv 2604.21428); they are
         contributed at the next round instead (as in asynchronous Local-SGD, arXiv
         2401.09135). With nothing trained in flight both are identical.
         Raises ValueError on an unknown index, shape mismatch or counters larger than ours."""

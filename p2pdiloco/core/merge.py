@@ -1,6 +1,6 @@
 """Token-weighted merge of pseudo-gradients (Decoupled DiLoCo, arXiv 2604.21428).
 
-Source: brief section 1 "Token-weighted merge". Weight w_m = tokens_m**2 / steps_m. Embedding
+Source: the paper's token-weighted merge. Weight w_m = tokens_m**2 / steps_m. Embedding
 tensors get the weighted mean; every other tensor gets radial-directional averaging, which
 keeps the merged norm independent of the number of (nearly orthogonal) contributions, so the
 outer learning rate does not need retuning when the quorum size changes.
@@ -33,7 +33,7 @@ DIRECTION_EPS = 1e-6  # below this norm of the (normalised) direction sum, use t
 def contribution_weight(tokens: int, steps: int) -> float:
     """Merge weight of one contribution: tokens**2 / steps (tokens processed times tokens per
     step), 0.0 when steps == 0. Units: tokens (bytes here) squared per inner step.
-    Source: arXiv 2604.21428, brief section 1. Raises ValueError on negative arguments."""
+    Source: arXiv 2604.21428 (token-weighted merge). Raises ValueError on negative arguments."""
     if tokens < 0 or steps < 0:
         raise ValueError(f"tokens and steps must be >= 0, got tokens={tokens} steps={steps}")
     return 0.0 if steps == 0 else float(tokens) ** 2 / steps
@@ -74,7 +74,7 @@ def merge_tensor(deltas: Sequence[Tensor], weights: Sequence[float], is_embeddin
       direction), merged = magnitude · direction/‖direction‖, or the weighted mean when
       ‖direction‖ < 1e-6. Σ w == 0 (nobody took a step) gives zeros. With a single member of
       positive weight the result is exactly its Δ (what the formula gives, without rounding).
-    Source: arXiv 2604.21428, brief section 1 "Token-weighted merge".
+    Source: arXiv 2604.21428, token-weighted merge with radial-directional averaging.
     Raises ValueError on empty input, length or shape mismatch, bad weights, non-finite Δ.
     """
     if not deltas:

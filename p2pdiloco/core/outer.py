@@ -1,9 +1,9 @@
 """Global fragment state and the Nesterov outer step.
 
 Source: DiLoCo (arXiv 2311.08105) outer optimizer, kept per fragment by Decoupled DiLoCo
-(arXiv 2604.21428), brief section 1 "Outer step": b ← μ·b + Δ; Θ ← Θ − lr·(Δ + μ·b), i.e.
-``torch.optim.SGD(nesterov=True)`` with Δ as the gradient. Θ and b stay fp32 on the CPU.
-The digest backs the swarm's invariant I1 (same version, same state; brief section 3).
+(arXiv 2604.21428): b ← μ·b + Δ; Θ ← Θ − lr·(Δ + μ·b), i.e. ``torch.optim.SGD(nesterov=True)``
+with Δ as the gradient. Θ and b stay fp32 on the CPU.
+The digest backs the swarm's invariant I1 (same version, same state; docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
     merged: one tensor per slot (slot shapes, converted to fp32). b ← μ·b + Δ;
     Θ ← Θ − lr·(Δ + μ·b), computed with the same torch ops as ``torch.optim.SGD(lr,
     momentum=μ, nesterov=True)`` (bit-identical on CPU), into new tensors: the input state is
-    never modified. Source: DiLoCo (arXiv 2311.08105) outer Nesterov; brief section 1.
+    never modified. Source: DiLoCo (arXiv 2311.08105) outer Nesterov, kept per fragment by
+    Decoupled DiLoCo (arXiv 2604.21428).
     Raises ValueError on a count/shape mismatch, lr < 0 or non-finite, μ outside [0, 1).
     """
     if not (math.isfinite(lr) and lr >= 0):

@@ -1,7 +1,7 @@
 """DHT-matched group formation for one fragment's outer round.
 
 Only learners at the same fragment version *and* the same global-state digest can be
-grouped (invariant I3 of the design brief): the DHT key they declare under contains both.
+grouped (invariant I3, docs/architecture.md): the DHT key they declare under contains both.
 Among the learners declared open under a key, the one whose peer ID hashes lowest with the
 key (``leader_rank``: sha256 of the DHT key and the peer ID) leads: the others send it a
 long-poll ``mm.join`` request; the leader closes the group once the

@@ -39,7 +39,10 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   Source: the same median-norm bound as the robust merge (``core.merge.robust_merge``;
   Yin et al., arXiv 1803.01498), applied to outer steps.
 * **Deliver or be ignored.** A holder that does not deliver the state it claims (no answer
-  within the deadline: ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``) gets a strike; other
+  within the deadline: ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``) gets a strike; one that
+  does not even begin its answer within :meth:`StateSync.first_reply_s` (a few times this
+  node's recent transfer times: a staller costs a fraction of a second, not the transfer's
+  deadline) gets one too, or from the second time in a row if it delivered to us before; other
   failed deliveries (truncated, refused, an older state than claimed; a newer one is an honest
   holder that moved on) count a strike from the second in a row. A holder
   with strikes has its records ignored for ``IGNORE_S`` × 2^(strikes − 1) seconds (at most
@@ -71,7 +74,7 @@ import torch
 
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FragmentState, fragment_digest
-from p2pdiloco.errors import NetworkError, PeerTimeout, PeerUnreachable, ProtocolError, StateSyncError
+from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError, StateSyncError
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
 from p2pdiloco.net.records import HeadsRecord
@@ -87,8 +90,12 @@ LEAD = 1  # versions a claim may run ahead of the highest version two other peer
 ROLLBACK_MAX = 8  # versions a node ahead alone falls back at most (runaway_heads)
 STATE_TIMEOUT_S = 3.0  # seconds of a state download's deadline, plus its size over MIN_RATE
 MIN_RATE = 256 * 1024  # bytes/s: the slowest donor link a download waits for
+FIRST_REPLY_S = 1.0  # seconds a holder has to begin its answer once the stream is open, before any download...
+FIRST_REPLY_FACTOR = 4.0  # ... then this many times the slowest recent download,
+FIRST_REPLY_MIN_S = 0.5  # ... but never less than this (seconds), nor more than STATE_TIMEOUT_S
 IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its first strike (doubling)
 IGNORE_MAX_S = 600.0
+STALE_S = 15.0  # seconds a record may go unchanged before its author counts as gone (nodes publish every <= 5 s)
 
 
 @dataclass(frozen=True)
@@ -215,6 +222,9 @@ class StateSync:
         self._soft: dict[str, int] = {}  # holder -> failures that strike only from the second in a row
         self.ignored: dict[str, tuple[float, str]] = {}  # holder -> (ignored until, monotonic s; reason)
         self._pending: dict[tuple[int, int, str], asyncio.Future] = {}
+        self._donors: dict[str, None] = {}  # holders that delivered a state to us (insertion-ordered set)
+        self._took: deque[float] = deque(maxlen=FOLLOW_HISTORY)  # seconds of recent successful downloads
+        self._changed: dict[str, tuple[float, float]] = {}  # peer -> (its record's t, monotonic s we first saw it)
 
     @property
     def heads_key(self) -> str:
@@ -251,7 +261,10 @@ class StateSync:
     async def records(self) -> dict[str, HeadsRecord]:
         """Every live node's parsed record, {peer ID: record}: records under a peer ID, which
         the DHT accepted only when signed by that peer (and, in a private swarm, a member);
-        none of a banned or ignored peer; every refused (version, digest) replaced by None.
+        none of a banned or ignored peer; none that stayed unchanged for ``STALE_S`` seconds of
+        this node's watch (its author stopped publishing: a dead node's record outlives it by
+        up to ``HEAD_TTL``, and must neither hold a head nor corroborate a claim); every refused
+        (version, digest) replaced by None.
         Records that do not parse are dropped and counted (``Swarm.drop``).
 
         Raises:
@@ -265,7 +278,7 @@ class StateSync:
         for peer in bad:
             self._malformed(peer, values[peer])
         out = {}
-        for peer, record in good.items():
+        for peer, record in self._live(good).items():
             for p, claim in enumerate(record.fragments):
                 if claim is not None and (p, *claim) in self._refused:
                     record = record.without(p)
@@ -275,6 +288,16 @@ class StateSync:
             log.info("ignoring the records of %s for %.0f s: %s", peer[-8:], IGNORE_S, why)
             del out[peer]
         return out
+
+    def _live(self, records: dict[str, HeadsRecord]) -> dict[str, HeadsRecord]:
+        """``records`` without those whose ``t`` has not changed for ``STALE_S`` seconds since
+        this node first saw it (this node's clock only: authors' clocks differ). A record seen
+        for the first time counts as live."""
+        now = time.monotonic()
+        seen = {p: self._changed[p] if p in self._changed and self._changed[p][0] == r.t else (r.t, now)
+                for p, r in records.items()}
+        self._changed = seen  # peers no longer in the DHT are forgotten
+        return {p: r for p, r in records.items() if p == self.swarm.peer_id or now - seen[p][1] <= STALE_S}
 
     def _malformed(self, peer: str, value: Any) -> None:
         """A heads record that does not parse: signed by ``peer``, so it is banned, unless the
@@ -360,8 +383,24 @@ class StateSync:
     def _delivered(self, peer: str) -> None:
         self._strikes.pop(peer, None)
         self._soft.pop(peer, None)
+        self._donors[peer] = None
+        if len(self._donors) > 4096:  # bounded: forget the oldest donors
+            for p in list(self._donors)[:1024]:
+                del self._donors[p]
 
     # ---- downloads -------------------------------------------------------------------------
+    def first_reply_s(self) -> float:
+        """Seconds a holder has to begin its answer to ``state.get`` once the stream is open
+        (``Swarm.call``'s ``first_reply``): ``FIRST_REPLY_FACTOR`` × the slowest of the last
+        ``FOLLOW_HISTORY`` successful downloads (whole transfers, dialing included, so an upper
+        bound of their first replies), within [``FIRST_REPLY_MIN_S``, ``STATE_TIMEOUT_S``];
+        ``FIRST_REPLY_S`` before any download succeeded. An honest holder answers about one
+        round trip after the request (it serves a committed state from memory); one that says
+        nothing is caught at this deadline instead of at the transfer's."""
+        if not self._took:
+            return FIRST_REPLY_S
+        return min(STATE_TIMEOUT_S, max(FIRST_REPLY_MIN_S, FIRST_REPLY_FACTOR * max(self._took)))
+
     async def download(self, fragment: int, head: Head, *, timeout: float | None = None,
                        joining: bool = False) -> FragmentState:
         """Fetch ``fragment`` at ``head`` from one of its holders, trying them in turn, starting
@@ -407,12 +446,16 @@ class StateSync:
         for donor in donors:
             if donor in self.swarm.bans or donor in self.ignoring():
                 continue
+            t0 = time.monotonic()
             try:
                 state = await self._fetch(donor, fragment, timeout, joining)
             except PeerUnreachable as e:
                 self.failed_downloads += 1
+                # silence past the whole deadline strikes at once; past the first-reply deadline
+                # too, unless the holder delivered to us before (that deadline adapts to this
+                # machine's recent transfers: one busy moment of a known donor is forgiven)
                 self._strike(donor, f"did not deliver fragment {fragment} v{head.version}: {e}",
-                             hard=isinstance(e, PeerTimeout))
+                             hard=isinstance(e, PeerTimeout) and not (isinstance(e, PeerSilent) and donor in self._donors))
                 last = str(e)
                 log.info("state download of fragment %d from %s failed: %s", fragment, donor[-8:], e)
                 continue
@@ -424,6 +467,7 @@ class StateSync:
                 continue
             if (state.version, state.digest) == (head.version, head.digest):
                 self._delivered(donor)
+                self._took.append(time.monotonic() - t0)
                 try:
                     self._check_plausible(state)  # same bytes from every holder: no other donor to try
                 except StateSyncError:
@@ -442,7 +486,7 @@ class StateSync:
     async def _fetch(self, donor: str, fragment: int, timeout: float, joining: bool) -> FragmentState:
         request = {"f": fragment, "join": True} if joining else {"f": fragment}  # "join": a node joining the swarm
         reply, body = await self.swarm.call(donor, "state.get", request, timeout=timeout,
-                                            max_reply=self.state_bytes(fragment))
+                                            max_reply=self.state_bytes(fragment), first_reply=self.first_reply_s())
         try:
             answer = rec.parse_state_answer(reply)
         except ProtocolError as e:

@@ -4,7 +4,7 @@ This package (``p2pdiloco.net``) is the only place that imports hivemind. Everyt
 wraps hivemind's public API (``hivemind.p2p.P2P``, ``hivemind.dht.DHTNode``) and translates
 its errors into :mod:`p2pdiloco.errors`.
 
-Lifecycle (brief section 5): hivemind's ``DHT`` class runs its node in a child process that
+Lifecycle (measured with hivemind 1.1.12): hivemind's ``DHT`` class runs its node in a child process that
 keeps the daemon alive after its parent is SIGKILLed. We run ``DHTNode`` inside the caller's
 event loop instead, so the only child is p2pd, which exits as soon as its owner's control
 connection closes, including on SIGKILL.
@@ -73,7 +73,7 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from p2pdiloco.errors import NetworkError, PeerTimeout, PeerUnreachable, ProtocolError
+from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError
 from p2pdiloco.net.signed_records import SignedRecords
 from p2pdiloco.trust.certificates import Membership
 from p2pdiloco.trust.errors import AccessDenied, IdentityError
@@ -661,7 +661,7 @@ class Swarm:
 
     async def call(
         self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float,
-        max_reply: int = DEFAULT_MAX_REPLY,
+        max_reply: int = DEFAULT_MAX_REPLY, first_reply: float | None = None,
     ) -> tuple[Header, bytes]:
         """Call RPC ``name`` on ``peer_id`` and return its (header, payload).
 
@@ -672,8 +672,14 @@ class Swarm:
             timeout: seconds for the whole call (connect, request, reply).
             max_reply: largest reply payload accepted (bytes); a reply declaring more is
                 refused before its payload is read (counted by :meth:`drop`).
+            first_reply: seconds (within ``timeout``) from the stream's opening (dialing and
+                protocol negotiation count against ``timeout`` only) to the reply's header;
+                None: no separate limit. A handler that answers from memory answers its header
+                about one round trip after the request, so a staller is caught well before a
+                large payload's deadline.
 
         Raises:
+            PeerSilent: no reply header within ``first_reply`` seconds (a PeerTimeout).
             PeerTimeout: no full answer within ``timeout`` seconds (a PeerUnreachable).
             PeerUnreachable: the stream could not be opened or broke.
             AccessDenied: the peer refused us (not a member of its private swarm), or its
@@ -691,15 +697,17 @@ class Swarm:
             raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
         writer: asyncio.StreamWriter | None = None
         sending: asyncio.Task | None = None
+        first: asyncio.Timeout | None = None
         try:
             async with asyncio.timeout(timeout):
                 _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
                 sending = asyncio.create_task(write_message(writer, header, payload))
-                try:
-                    reply, n = await read_header(reader)
-                except ProtocolError as e:
-                    self.drop(peer_id, "bad_reply")
-                    raise ProtocolError(f"{peer_id[-8:]} answered {name} with a malformed reply: {e}") from None
+                async with asyncio.timeout(first_reply) as first:
+                    try:
+                        reply, n = await read_header(reader)
+                    except ProtocolError as e:
+                        self.drop(peer_id, "bad_reply")
+                        raise ProtocolError(f"{peer_id[-8:]} answered {name} with a malformed reply: {e}") from None
                 if n > max_reply:
                     self.drop(peer_id, "reply_too_large")
                     raise ProtocolError(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of "
@@ -710,6 +718,8 @@ class Swarm:
             raise
         except TimeoutError:
             self.stats.calls_failed += 1
+            if first is not None and first.expired():
+                raise PeerSilent(f"{name} to {peer_id[-8:]} failed: no answer within {first_reply:.3g} s") from None
             raise PeerTimeout(f"{name} to {peer_id[-8:]} failed: timeout after {timeout:g} s") from None
         except Exception as e:
             self.stats.calls_failed += 1

@@ -1,7 +1,6 @@
 """Tensor encoding on the wire. Merge arithmetic stays fp32; only the bytes sent are narrowed
-(brief section 1, "Wire precision": fp16 was lossless in OpenDiLoCo, arXiv 2407.07852; int8
-in INTELLECT-1, arXiv 2412.01152; int4 outer gradients about lossless in Decoupled DiLoCo,
-arXiv 2604.21428).
+(fp16 was lossless in OpenDiLoCo, arXiv 2407.07852; int8 in INTELLECT-1, arXiv 2412.01152;
+int4 outer gradients about lossless in Decoupled DiLoCo, arXiv 2604.21428).
 
 Precisions (``WIRE_DTYPES``, the registry the config validates against):
 

@@ -2,7 +2,7 @@
 
 Source: Douillard et al., "Decoupled DiLoCo for Resilient Distributed Pre-training",
 arXiv 2604.21428, Table 1 (goodput of 150k to 2.4M simulated chips, one failure per
-chip-year), as summarised in the design brief, section 2. The paper does not publish its
+chip-year), as reported in secondary readings of that table. The paper does not publish its
 stall and repair times; :data:`CALIBRATED` holds ours, fitted once to that table
 (docs/simulator.md explains the fit and every assumption below).
 
@@ -167,7 +167,7 @@ def _job_stalls(rng: np.random.Generator, chips: np.ndarray, horizon: float, tm:
 def simulate(params: DatacenterParams) -> DatacenterResult:
     """Simulate one datacenter run and return its goodput and uptime.
 
-    Rules and sources: module docstring (arXiv 2604.21428, Table 1; design brief sec. 2).
+    Rules and sources: module docstring (arXiv 2604.21428, Table 1).
     Deterministic for a given ``params`` (including ``seed``). Raises :class:`ConfigError`
     only through the parameter classes.
     """

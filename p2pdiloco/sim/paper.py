@@ -1,8 +1,8 @@
 """The paper's goodput table, its reproduction, and the one-time calibration.
 
-Source of the numbers: Douillard et al., arXiv 2604.21428, Table 1, as reported in the
-design brief section 2 (goodput in percent, one failure per chip-year, Decoupled DiLoCo
-rows by number of learners M). The calibration (:func:`calibrate`) is how
+Source of the numbers: Douillard et al., arXiv 2604.21428, Table 1, as reported in
+secondary readings of that table (goodput in percent, one failure per chip-year, Decoupled
+DiLoCo rows by number of learners M). The calibration (:func:`calibrate`) is how
 :data:`p2pdiloco.sim.datacenter.CALIBRATED` was obtained; bench/simulate_table.py runs it.
 """
 

@@ -6,12 +6,13 @@ Units: seconds, tokens, bytes, megabits per second. Sources of the rules:
   lognormal length with the given mean) and an offline gap (exponential); every session is
   a new peer with its own speed (lognormal around ``tokens_per_s``). Our model; heavy-tailed
   sessions follow measurements of volunteer and P2P systems.
-* Join: a new peer downloads the global state (fp32 parameters and outer momentum, brief
-  section 1) before it trains: ``state_bytes / bandwidth + latency``.
+* Join: a new peer downloads the global state (fp32 parameters and outer momentum, as nodes
+  hold them: docs/architecture.md) before it trains: ``state_bytes / bandwidth + latency``.
 * Traffic: a butterfly all-reduce among ``n`` peers makes each send and receive about
   ``2 (n - 1) / n`` times the fragment's bytes (Patarasuk and Yuan 2009; hivemind's
-  all-reduce), plus a fixed matchmaking latency (brief section 5: about 3 s).
-* Decoupled (Decoupled DiLoCo, arXiv 2604.21428, sec. 3; brief section 1): peers never
+  all-reduce), plus a fixed matchmaking latency (about 3 s, measured with hivemind
+  1.1.12 on 4 local peers).
+* Decoupled (Decoupled DiLoCo, arXiv 2604.21428, sec. 3): peers never
   wait. One fragment merge every ``round_compute_s / fragments`` seconds among the peers
   online then, if at least ``min_quorum`` are; it stays open ``latency + grace +
   all-reduce`` seconds; a member's death in that window discards it (invariant I2) and the
