@@ -269,6 +269,8 @@ SCALAR_METRICS = (
     ("counter", "p2pdiloco_tokens", "tokens trained by this node", "tokens"),
     ("counter", "p2pdiloco_tokens_merged", "tokens of this node's contributions merged", "tokens_merged"),
     ("counter", "p2pdiloco_catchups", "fragment states downloaded from peers", "catchups"),
+    ("counter", "p2pdiloco_resyncs", "downloads of a fragment at the version already held (split brain lost)",
+     "resyncs"),
     ("counter", "p2pdiloco_bytes_sent", "RPC bytes sent", "bytes_out"),
     ("counter", "p2pdiloco_bytes_received", "RPC bytes received", "bytes_in"),
     ("counter", "p2pdiloco_rounds_alone", "committed rounds with no other member", "rounds_alone"),

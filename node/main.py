@@ -157,7 +157,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "loss": _num(tr.loss) if tr else None, "heldout_loss": _num(tr.heldout_loss) if tr else None,
         "rounds_committed": st.rounds_committed, "rounds_failed": st.rounds_failed,
         "rounds_late": st.rounds_late, "rounds_alone": st.rounds_alone, "catchups": st.catchups,
-        "tokens_merged": st.tokens_merged,
+        "resyncs": st.resyncs, "tokens_merged": st.tokens_merged,
         "last_round": vars(st.recent[-1]) if st.recent else None,
         "recent_rounds": [{**vars(r), "seconds": round(r.seconds, 2)} for r in st.recent[-10:]],
         "bytes_out": swarm.stats.bytes_out, "bytes_in": swarm.stats.bytes_in,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from p2pdiloco.core.grace import GraceWindow
-from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
+from p2pdiloco.core.outer import OUTER_STEP_RULE, FragmentState, nesterov_outer_step
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution
 from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
@@ -52,7 +52,8 @@ NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it 
 def protocol_tag(cfg) -> str:
     """A short hash of the settings every member of one group must share."""
     out = cfg.outer
-    shared = (WIRE_VERSION, repr(cfg.model), cfg.seed, out.fragments, out.wire_precision, out.lr, out.momentum)
+    shared = (WIRE_VERSION, OUTER_STEP_RULE, repr(cfg.model), cfg.seed, out.fragments, out.wire_precision, out.lr,
+              out.momentum)
     return hashlib.sha256(repr(shared).encode()).hexdigest()[:10]
 
 
@@ -76,6 +77,7 @@ class NodeStats:
     rounds_late: int = 0
     rounds_alone: int = 0
     catchups: int = 0
+    resyncs: int = 0  # catch-ups to a state at the version already held (another digest won: I7)
     tokens_merged: int = 0  # tokens of this node's contributions that went into a merge
     internal_errors: int = 0  # background steps that raised (logged with a traceback, never fatal)
     recent: list[RoundRecord] = field(default_factory=list)
@@ -384,6 +386,8 @@ class Node:
         except StateSyncError as e:
             log.info("catch-up of fragment %d failed: %s", p, e)
             return None
+        if (state.version, state.digest) == (self.committed[p].version, self.committed[p].digest):
+            return state  # a concurrent caller of the same (shared) download installed it already
         made_by = next((r.rounds[p] for peer, r in records.items() if peer in head.holders), "")
         failed = self._failed_round.pop(p, None)
         ours = bool(made_by) and failed == made_by
@@ -391,6 +395,7 @@ class Node:
         old = self.committed[p]
         self.committed[p], self._round_ids[p] = state, made_by
         self.stats.catchups += 1
+        self.stats.resyncs += state.version == old.version
         log.info("followed fragment %d: v%d -> v%d (%s)%s", p, old.version, state.version, state.short(),
                  " with our contribution inside" if ours else "")
         if self.training is None:

@@ -182,3 +182,41 @@ async def test_silence_past_the_first_reply_deadline_strikes_a_stranger_at_once_
             await sync.download(0, Head(7 + attempt, D1, (B,)))
         assert (B in sync.ignoring()) == (attempt == 2)  # forgiven once
     assert swarm.calls == [(X, 1.0), (B, 0.5), (B, 0.5)]
+
+
+@pytest.mark.asyncio
+async def test_a_dead_peer_ignored_for_a_while_is_still_stale_when_its_ignore_ends(monkeypatch) -> None:
+    import torch
+
+    from p2pdiloco.core.fragments import Fragment, TensorSlot
+    from p2pdiloco.core.outer import FragmentState
+    from p2pdiloco.net.statesync import STALE_S
+
+    now = [1000.0]
+    monkeypatch.setattr("p2pdiloco.net.statesync.time.monotonic", lambda: now[0])
+    ours = FragmentState.create(0, 48, (torch.zeros(2),), (torch.zeros(2),))
+
+    from p2pdiloco.trust.identity import Identity
+
+    me, b, c = (Identity.generate().peer_id for _ in range(3))  # the DHT yields Ed25519 peer IDs only
+
+    class Dht(_Swarm):
+        peer_id = me
+        t_b = 1.0
+
+        def drop(self, peer, reason):
+            raise AssertionError(f"{peer} dropped: {reason}")
+
+        async def get(self, key):
+            return {me: HeadsRecord(((48, ours.digest),), t=now[0]).to_wire(),
+                    b: HeadsRecord(((49, D2),), t=self.t_b).to_wire(),
+                    c: HeadsRecord(((2, D3),), t=5.0).to_wire()}  # c died: its record never changes
+
+    swarm = Dht()
+    sync = StateSync(swarm, "run", [Fragment(0, (TensorSlot("w", (2,), 2, False),))], lambda: [ours])
+    assert set(await sync.records()) == {me, b, c}
+    sync.ignored[c] = (now[0] + IGNORE_S, "did not deliver")  # e.g. struck for a failed download
+    now[0] += IGNORE_S + 1.0
+    swarm.t_b = 2.0
+    assert STALE_S < IGNORE_S + 1.0
+    assert set(await sync.records()) == {me, b}  # not "seen for the first time" again

@@ -6,8 +6,13 @@ keeps the merged norm independent of the number of (nearly orthogonal) contribut
 outer learning rate does not need retuning when the quorum size changes.
 
 All tensor arithmetic is fp32 and accumulates in the given member order (the caller sorts
-members, e.g. by peer id), so a merge is reproducible for a given torch build; weights are
-normalised in Python float64 first.
+members, e.g. by peer id); weights are normalised in Python float64 first. Elementwise work is
+single multiplies and adds, each rounded once (no ``add(alpha=)``, a fused multiply-add in
+torch's vectorised CPU kernels only), and norms and dot products accumulate in float64
+(``_norm``, ``_dot``), whose summation order, which differs between kernel sets, moves the
+result far below what survives the rounding of the scalar to fp32: a merge gives the same bytes
+under ``ATEN_CPU_CAPABILITY`` default, avx2 and avx512 (``tests/test_cpu_kernels.py``). Only
+the round's reducer computes a merged tensor; its members receive its bytes.
 """
 
 from __future__ import annotations
@@ -55,11 +60,21 @@ def _normalised(weights: Sequence[float], n: int) -> list[float]:
     return [w / total for w in ws] if total > 0 else []
 
 
+def _norm(t: Tensor) -> float:
+    """‖t‖₂ accumulated in float64 (see the module docstring)."""
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64))
+
+
+def _dot(a: Tensor, b: Tensor) -> float:
+    """a · b of two 1-D tensors, accumulated in float64."""
+    return float(torch.dot(a.to(torch.float64), b.to(torch.float64)))
+
+
 def _weighted_sum(ds: Sequence[Tensor], ws: Sequence[float]) -> Tensor:
     acc = torch.zeros_like(ds[0])
     for d, w in zip(ds, ws):
         if w > 0:
-            acc.add_(d, alpha=w)
+            acc.add_(d.mul(w))
     return acc
 
 
@@ -92,13 +107,13 @@ def merge_tensor(deltas: Sequence[Tensor], weights: Sequence[float], is_embeddin
         return ds[live[0]].clone()
     if is_embedding:
         return _weighted_sum(ds, ws)
-    norms = [float(torch.linalg.vector_norm(d)) for d in ds]
+    norms = [_norm(d) for d in ds]
     magnitude = math.fsum(w * n for w, n in zip(ws, norms))
     direction = torch.zeros_like(ds[0])
     for d, w, n in zip(ds, ws, norms):
         if w > 0 and n > 0:
-            direction.add_(d / n, alpha=w)
-    dnorm = float(torch.linalg.vector_norm(direction))
+            direction.add_(d.mul(w / n))
+    dnorm = _norm(direction)
     if dnorm < DIRECTION_EPS:
         return _weighted_sum(ds, ws)
     return direction.mul_(magnitude / dnorm)
@@ -227,7 +242,7 @@ def robust_merge(
         live = [m for m in alive if ws[m] > 0]
         outliers: set[int] = set()
         for i in range(n_slots):
-            norms = {m: float(torch.linalg.vector_norm(deltas[m][i])) for m in live}
+            norms = {m: _norm(deltas[m][i]) for m in live}
             ref = statistics.median_low(norms.values()) if norms else 0.0
             if ref <= 0:
                 continue
@@ -265,17 +280,17 @@ def _misaligned(members: Sequence[int], deltas: dict[int, list[Tensor]], n_slots
     for i in range(n_slots):
         units = {}
         for m in members:
-            norm = float(torch.linalg.vector_norm(deltas[m][i]))
+            norm = _norm(deltas[m][i])
             if norm > 0:
                 units[m] = deltas[m][i].reshape(-1) / norm
         if len(units) < 3:
             continue
         ref = torch.stack(list(units.values())).median(dim=0).values
-        ref_norm = float(torch.linalg.vector_norm(ref))
+        ref_norm = _norm(ref)
         if ref_norm <= 0:
             continue
         margin = max(DIRECTION_MARGIN, 3.0 / math.sqrt(ref.numel()))
-        bad = [m for m, u in units.items() if float(torch.dot(u, ref)) / ref_norm < -margin]
+        bad = [m for m, u in units.items() if _dot(u, ref) / ref_norm < -margin]
         if bad and 2 * len(bad) < len(units):
             out.extend((m, i) for m in bad)
     return sorted(out)

@@ -84,14 +84,21 @@ class FragmentState:
         return hash(self.digest)
 
 
+OUTER_STEP_RULE = "nesterov-unfused-1"  # changes when the outer step's rounding changes (protocol tag)
+
+
 def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: float, momentum: float) -> FragmentState:
     """Apply one outer step with the merged pseudo-gradient Δ; returns the next version.
 
     merged: one tensor per slot (slot shapes, converted to fp32). b ← μ·b + Δ;
-    Θ ← Θ − lr·(Δ + μ·b), computed with the same torch ops as ``torch.optim.SGD(lr,
-    momentum=μ, nesterov=True)`` (bit-identical on CPU), into new tensors: the input state is
-    never modified. Source: DiLoCo (arXiv 2311.08105) outer Nesterov, kept per fragment by
-    Decoupled DiLoCo (arXiv 2604.21428).
+    Θ ← Θ − lr·(Δ + μ·b), into new tensors: the input state is never modified. Every
+    operation is one fp32 multiply or add by itself, each rounded once (IEEE 754), so the
+    result is bit-identical on every CPU kernel set (``ATEN_CPU_CAPABILITY`` default, avx2,
+    avx512) and equals a plain float32 NumPy computation; ``torch.optim.SGD``'s
+    ``add(alpha=)`` is a fused multiply-add in the vectorised kernels only, so it agrees with
+    this step to within rounding but not bit for bit (invariant I1, docs/architecture.md;
+    ``OUTER_STEP_RULE`` is part of the protocol tag). Source: DiLoCo (arXiv 2311.08105) outer
+    Nesterov, kept per fragment by Decoupled DiLoCo (arXiv 2604.21428).
     Raises ValueError on a count/shape mismatch, lr < 0 or non-finite, μ outside [0, 1).
     """
     if not (math.isfinite(lr) and lr >= 0):
@@ -106,6 +113,7 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
             raise ValueError(f"merged shape {tuple(d.shape)} != slot shape {tuple(th.shape)}")
         d = d.detach().to("cpu", torch.float32)
         nb = b.mul(momentum).add_(d)  # b ← μ·b + Δ
-        theta.append(th.add(d.add(nb, alpha=momentum), alpha=-lr))  # Θ ← Θ − lr·(Δ + μ·b)
+        u = nb.mul(momentum).add_(d)  # Δ + μ·b (no add(alpha=): that is fused on avx2/avx512 only)
+        theta.append(th.sub(u.mul_(lr)))  # Θ ← Θ − lr·u
         buf.append(nb)
     return FragmentState._seal(state.index, state.version + 1, theta, buf)

@@ -272,8 +272,9 @@ class StateSync:
         """
         self._observe()
         ignoring = self.ignoring()
-        values = {p: v for p, v in (await self.swarm.get(self.heads_key)).items()
-                  if p not in self.swarm.bans and p not in ignoring}
+        stored = await self.swarm.get(self.heads_key)
+        values = {p: v for p, v in stored.items() if p not in self.swarm.bans and p not in ignoring}
+        self._changed = {p: seen for p, seen in self._changed.items() if p in stored}  # gone from the DHT: forgotten
         good, bad = rec.parse_many(values, rec.parse_heads, len(self.fragments))
         for peer in bad:
             self._malformed(peer, values[peer])
@@ -292,12 +293,13 @@ class StateSync:
     def _live(self, records: dict[str, HeadsRecord]) -> dict[str, HeadsRecord]:
         """``records`` without those whose ``t`` has not changed for ``STALE_S`` seconds since
         this node first saw it (this node's clock only: authors' clocks differ). A record seen
-        for the first time counts as live."""
+        for the first time counts as live. Peers left out of ``records`` (ignored for a while)
+        keep their watch, so a dead peer does not look new when its ignore ends."""
         now = time.monotonic()
-        seen = {p: self._changed[p] if p in self._changed and self._changed[p][0] == r.t else (r.t, now)
-                for p, r in records.items()}
-        self._changed = seen  # peers no longer in the DHT are forgotten
-        return {p: r for p, r in records.items() if p == self.swarm.peer_id or now - seen[p][1] <= STALE_S}
+        for p, r in records.items():
+            if p not in self._changed or self._changed[p][0] != r.t:
+                self._changed[p] = (r.t, now)
+        return {p: r for p, r in records.items() if p == self.swarm.peer_id or now - self._changed[p][1] <= STALE_S}
 
     def _malformed(self, peer: str, value: Any) -> None:
         """A heads record that does not parse: signed by ``peer``, so it is banned, unless the
