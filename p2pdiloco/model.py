@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -96,10 +97,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: no separate head parameter
         for name, p in self.named_parameters():  # GPT-2 init (nanoGPT)
-            if name.endswith("bias"):
+            std = _init_std(name, p, cfg)
+            if std == 0.0:
                 nn.init.zeros_(p)
-            elif p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+            elif std is not None:
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def embedding_names(self) -> tuple[str, ...]:
@@ -117,10 +118,30 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # [B, T, V]
 
 
+def _init_std(name: str, p: Tensor, cfg: ModelConfig) -> float | None:
+    """GPT-2's initial standard deviation of parameter ``name`` (nanoGPT): 0 for biases, 0.02
+    for matrices, scaled by 1/sqrt(2 n_layer) for residual projections; None: keep the
+    module's own init (LayerNorm weights, ones)."""
+    if name.endswith("bias"):
+        return 0.0
+    if p.dim() >= 2:
+        return 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+    return None
+
+
 def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """A GPT with weights drawn from ``seed`` alone: identical on every node for the same seed
-    and torch version (invariant I8, docs/architecture.md). The caller's global RNG state is left
-    untouched."""
+    """A GPT with weights drawn from ``seed`` alone: identical on every node for the same seed,
+    whatever its CPU (invariant I8, docs/architecture.md). The draws come from NumPy's PCG64
+    generator (``standard_normal``, float64, scaled, then rounded once to fp32), not from
+    torch's ``normal_``, whose vectorised kernels (avx2, avx512) give other values than its
+    default one. The caller's global RNG states are left untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return GPT(cfg)
+        model = GPT(cfg)
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # in model order: the same draws everywhere
+            std = _init_std(name, p, cfg)
+            if std:
+                p.copy_(torch.from_numpy((rng.standard_normal(tuple(p.shape)) * std).astype(np.float32)))
+    return model

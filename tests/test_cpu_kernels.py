@@ -1,5 +1,5 @@
-"""Invariant I1 (docs/architecture.md) across CPU generations: the outer step and the merge give
-the same bytes whichever kernel set torch dispatches to. Each capability runs in its own
+"""Invariants I1 and I8 (docs/architecture.md) across CPU generations: the initial model, the
+outer step and the merge give the same bytes whichever kernel set torch dispatches to. Each capability runs in its own
 subprocess (``ATEN_CPU_CAPABILITY`` is read once, at import) on inputs made here and passed
 as a file, so even the inputs do not depend on a kernel. A capability this CPU lacks is left
 out (avx512 needs the ``avx512f`` flag in /proc/cpuinfo)."""
@@ -20,6 +20,7 @@ import hashlib, json, sys
 import torch
 from p2pdiloco.core.merge import merge_pseudo_gradients, robust_merge
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
+from p2pdiloco.model import ModelConfig, build_model
 
 inputs = torch.load(sys.argv[1])
 state = FragmentState.create(0, 0, inputs["theta"], [torch.zeros_like(t) for t in inputs["theta"]])
@@ -32,7 +33,8 @@ robust = robust_merge(inputs["members"], inputs["weights"], inputs["embedding_ma
 h = hashlib.sha256()
 for t in [*merged, *robust.merged]:
     h.update(t.contiguous().numpy().tobytes())
-print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "outer": digests,
+init = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in build_model(ModelConfig(), 7).parameters()))
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "outer": digests, "init": init.hexdigest(),
                   "merge": h.hexdigest(), "clipped": robust.clipped, "misaligned": robust.misaligned}))
 """
 
@@ -42,7 +44,7 @@ def _capabilities() -> list[str]:
     return ["default", *(["avx2"] if " avx2" in flags else []), *(["avx512"] if " avx512f" in flags else [])]
 
 
-def test_outer_step_and_merge_are_bit_identical_on_every_cpu_kernel_set(tmp_path):
+def test_initial_model_outer_step_and_merge_are_bit_identical_on_every_cpu_kernel_set(tmp_path):
     caps = _capabilities()
     if len(caps) < 2:
         pytest.skip(f"this CPU offers only {caps}")
@@ -69,6 +71,7 @@ def test_outer_step_and_merge_are_bit_identical_on_every_cpu_kernel_set(tmp_path
     for cap in caps[1:]:
         assert out[cap]["outer"] == first["outer"], (cap, caps[0])
         assert out[cap]["merge"] == first["merge"], (cap, caps[0])
+        assert out[cap]["init"] == first["init"], (cap, caps[0])  # invariant I8: the same start
 
 
 def test_the_same_inputs_differ_under_a_fused_multiply_add_so_the_check_above_can_fail(tmp_path):
