@@ -282,3 +282,26 @@ async def test_second_node_with_the_same_identity_refuses_to_start(tmp_path: Pat
         assert time.monotonic() - t0 < 15
         other = await Swarm.start(initial_peers=maddrs, identity_path=str(tmp_path / "new.key"))
         await other.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_lone_round_returns_the_contribution_unquantised_and_refuses_a_non_finite_one():
+    """A group of one member with int4 on the wire: the merged Δ is the contribution itself, bit
+    for bit in fp32 (a wire round trip would round 4-bit), and a NaN Δ fails the round."""
+    from p2pdiloco.errors import RoundFailed
+    from p2pdiloco.net import wire
+
+    async with swarms(1) as (s,):
+        reducer = AllReducer(s, [FRAGMENT], "int4", 4.0, run_id="run")
+        await reducer.start()
+        group = Group("lone", KEY, (s.peer_id,), 0.0)
+        mine = delta(7)
+        merged = await reducer.run(group, Contribution(mine, 1000, 10))
+        assert all(torch.equal(m, d) and m.dtype == torch.float32 for m, d in zip(merged, mine))
+        coded = wire.decode(wire.encode(list(mine), "int4"), SHAPES, "int4")
+        assert not all(torch.equal(c, d) for c, d in zip(coded, mine))  # what a wire round trip gives
+        assert reducer.last_contributors == (s.peer_id,) and reducer.stats.rounds == 1
+        bad = tuple(t.clone() for t in mine)
+        bad[1][0] = float("nan")
+        with pytest.raises(RoundFailed, match="not finite"):
+            await reducer.run(Group("lone2", KEY, (s.peer_id,), 0.0), Contribution(bad, 1000, 10))

@@ -240,6 +240,8 @@ class AllReducer:
         Returns:
             fp32 tensors, one per fragment slot, bit-identical on every member that gets a
             result; :attr:`last_contributors` holds the peers whose contributions it merges.
+            A group of this node alone returns its Δ unchanged in fp32 (the merge of one
+            contribution is itself, arXiv 2604.21428), never passed through the wire codec.
         Raises:
             ContributionExcluded: the round merged without our contribution.
             RoundFailed: some reducer did not answer with a verified statement, or the
@@ -248,6 +250,13 @@ class AllReducer:
         if self.poison:
             contrib = self._poison(contrib)
         frag, me, members = group.key.fragment, self.swarm.peer_id, group.members
+        if members == (me,):  # a lone round: nothing is sent, so nothing is quantised for the wire
+            if not is_finite_contribution(contrib.delta):
+                self.stats.failed += 1
+                raise RoundFailed(f"round {group.round_id}: our own contribution is not finite")
+            self.stats.rounds += 1
+            self.last_contributors = (me,)
+            return [t.detach().to("cpu", torch.float32).clone() for t in contrib.delta]
         parts = self._parts(frag, len(members))
         reducers = [r for r in range(len(members)) if parts[r]]
         base = {"round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,
