@@ -84,21 +84,13 @@ class TrainingLoop:
             self._requested.add(p)
 
     def _due(self) -> list[int]:
-        """Fragments to send now. A fragment is due once H inner steps have passed since it
-        was last received (the first time at its staggered offset, H + offset(p), so fragments
-        go out about every H/P steps; arXiv 2501.18512 sec. 2). Counting from the last receipt
-        instead of a fixed step grid keeps H steps of progress in every contribution however
-        long the previous round took. Peers gathering for p pull it in early from H/2 steps."""
+        """Fragments to send now: the schedule's rule (``StaggeredSchedule.due``) on this
+        learner's step, its per-fragment progress since the last install, and the fragments
+        peers asked for (:meth:`request`)."""
         with self._lock:
             requested, self._requested = self._requested, set()
-        H, step, due = self.schedule.H, self.learner.step, []
-        for p in range(self.schedule.P):
-            steps = self.learner.counters(p)[1]
-            if step < H + self.schedule.offset(p):
-                continue
-            if steps >= H or (p in requested and steps >= max(1, H // 2)):
-                due.append(p)
-        return due
+        since = [self.learner.counters(p)[1] for p in range(self.schedule.P)]
+        return self.schedule.due(self.learner.step, since, requested)
 
     def deliver(self, item: Delivery) -> None:
         """Thread-safe: a round or catch-up result for a fragment."""

@@ -51,7 +51,7 @@ class OuterConfig:
     momentum: float = 0.9
     fragments: int = 4  # P, at most the model's number of parameter tensors
     sync_every: int = 24  # H, inner steps between two syncs of one fragment
-    overlap: int = 2  # tau, inner steps a merge may take before it is applied
+    overlap: int = 2  # tau: inner steps a round may take while training goes on (sizes the grace window)
     min_quorum: int = 1  # K
     grace_gamma: float = 0.5
     grace_min: float = 0.5  # seconds

@@ -69,19 +69,49 @@ def test_assign_parts():
         assign_parts([1], 0)
 
 
+def _sends(s: StaggeredSchedule, steps: range, delay: int = 0, requested: dict[int, set[int]] | None = None):
+    """Drive the schedule as the training loop does: a sent fragment's merge is installed
+    ``delay`` steps later (its progress counter restarts then); returns {step: fragments sent}."""
+    since, in_flight, out = [0] * s.P, {}, {}
+    for step in steps:
+        for p, at in list(in_flight.items()):
+            if step >= at:
+                since[p] = step - at  # installed at step `at`: progress counts from there
+                del in_flight[p]
+        due = [p for p in s.due(step, since, (requested or {}).get(step, set())) if p not in in_flight]
+        if due:
+            out[step] = due
+        for p in due:
+            in_flight[p] = step + delay
+        since = [n + 1 for n in since]
+    return out
+
+
 def test_schedule_staggered():
     s = StaggeredSchedule(H=4, P=2, tau=1)
     assert [s.offset(p) for p in range(2)] == [0, 2]
-    due = {step: s.due(step) for step in range(0, 13)}
-    assert {k: v for k, v in due.items() if v} == {4: [0], 6: [1], 8: [0], 10: [1], 12: [0]}
+    # merges that land at once: the grid H + offset(p) + kH
+    assert _sends(s, range(0, 13)) == {4: [0], 6: [1], 8: [0], 10: [1], 12: [0]}
     s = StaggeredSchedule(H=24, P=24, tau=2)
+    sends = _sends(s, range(0, 124))
     for start in (24, 100):  # every fragment exactly once in any window of H steps
-        sent = [p for step in range(start, start + 24) for p in s.due(step)]
-        assert sorted(sent) == list(range(24))
-    assert [p for step in range(1, 24) for p in s.due(step)] == []
-    assert StaggeredSchedule(H=2, P=4, tau=0).due(2) == [0, 1]
-    assert StaggeredSchedule(H=2, P=4, tau=0).due(3) == [2, 3]
-    assert StaggeredSchedule(H=1, P=3, tau=0).due(1) == [0, 1, 2]
+        assert sorted(p for step in range(start, start + 24) for p in sends.get(step, [])) == list(range(24))
+    assert not any(step < 24 for step in sends)
+    assert StaggeredSchedule(H=2, P=4, tau=0).due(2, [2] * 4) == [0, 1]
+    assert StaggeredSchedule(H=2, P=4, tau=0).due(3, [3] * 4) == [0, 1, 2, 3]
+    assert StaggeredSchedule(H=1, P=3, tau=0).due(1, [1, 1, 1]) == [0, 1, 2]
+
+
+def test_schedule_counts_from_the_last_install_and_pulls_in_early_on_request():
+    s = StaggeredSchedule(H=4, P=2, tau=1)
+    # a merge that takes 3 steps to land: the next send is H steps after the install, not on the grid
+    assert _sends(s, range(0, 16), delay=3) == {4: [0], 6: [1], 11: [0], 13: [1]}
+    assert s.due(9, [3, 3]) == []  # 3 < H steps of progress
+    assert s.due(9, [3, 3], requested={0}) == [0]  # peers gathering: from H // 2 = 2 steps
+    assert s.due(9, [1, 3], requested={0, 1}) == [1]
+    assert s.due(5, [5, 5], requested={1}) == [0]  # before H + offset(1) = 6 nothing of fragment 1
+    with pytest.raises(ValueError, match="3 progress counters for 2 fragments"):
+        s.due(9, [1, 2, 3])
 
 
 @pytest.mark.parametrize("H,P,tau", [(0, 1, 0), (1, 0, 0), (1, 1, -1)])

@@ -62,7 +62,7 @@ def test_outer_lr1_momentum0_reproduces_plain_adamw(H, P):
             g["lr"] = lr_at(k, INNER)
         opt.step()
         assert math.isclose(loss, ref_loss.item(), rel_tol=1e-5)
-        for p in schedule.due(learner.step):
+        for p in schedule.due(learner.step, [learner.counters(q)[1] for q in range(P)]):
             delta = learner.pseudo_gradient(p)
             tokens, steps = learner.counters(p)
             assert steps in (H, H + p) and tokens == steps * B * T

@@ -123,12 +123,15 @@ class StaggeredSchedule:
     Decoupled DiLoCo, arXiv 2604.21428, defaults P = 24, H = 24, tau = 2).
 
     H: inner steps between two syncs of the same fragment; P: number of fragments;
-    tau: inner steps between sending a fragment and applying its merge (overlap).
-    Fragment p is sent after inner steps H + offset(p), 2H + offset(p), ... with
-    offset(p) = (p * H) // P in [0, H): each fragment exactly once per H steps, the first
-    sends spread over steps H .. 2H - 1, about one every H/P steps (several at once if P > H).
-    Its merge is applied tau steps after sending; choose tau < H so that a fragment's merge
-    lands before its next send. Raises ValueError unless H >= 1, P >= 1, tau >= 0.
+    tau: the overlap, inner steps a fragment's round may take while the learner trains on:
+    the grace window is sized to it (``core.grace.GraceWindow``), and the training loop
+    applies the merge at the first inner-step boundary after it arrives (it never waits for
+    it; a round slower than tau steps lands later). Choose tau < H so that a merge lands
+    before the fragment's next send.
+    Fragment p is first sent after inner step H + offset(p), offset(p) = (p * H) // P in
+    [0, H): the first sends spread over steps H .. 2H - 1, about one every H/P steps (several
+    at once if P > H); after that, H steps after its last install (:meth:`due`). Raises
+    ValueError unless H >= 1, P >= 1, tau >= 0.
     """
 
     H: int
@@ -145,11 +148,24 @@ class StaggeredSchedule:
             raise ValueError(f"fragment {p} out of range [0, {self.P})")
         return (p * self.H) // self.P
 
-    def due(self, step: int) -> list[int]:
+    def due(self, step: int, steps_since: Sequence[int], requested: Collection[int] = ()) -> list[int]:
         """Fragments to send after inner step ``step`` (1-based count of completed steps),
-        ascending: every p with step >= H and (step - offset(p)) % H == 0."""
+        ascending. ``steps_since[p]``: inner steps since fragment p was last installed (a
+        merge or a download); ``requested``: fragments peers are gathering for now.
+
+        p is due once ``step >= H + offset(p)`` (the first sends staggered over H .. 2H - 1)
+        and it carries H steps of progress (``steps_since[p] >= H``), or, when requested,
+        at least ``max(1, H // 2)``. Counting from the last install instead of a fixed step
+        grid keeps H steps of progress in every contribution however long the previous round
+        took (with rounds that land at once it is the grid: sends at H + offset(p) + kH);
+        the early pull lets learners whose clocks drifted apart meet in one group instead of
+        merging one by one. Source: Streaming DiLoCo staggering (arXiv 2501.18512, sec. 2),
+        Decoupled DiLoCo (arXiv 2604.21428). Raises ValueError on a negative step or a
+        ``steps_since`` of another length than P."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if step < self.H:
-            return []
-        return [p for p in range(self.P) if (step - self.offset(p)) % self.H == 0]
+        if len(steps_since) != self.P:
+            raise ValueError(f"{len(steps_since)} progress counters for {self.P} fragments")
+        early = max(1, self.H // 2)
+        return [p for p in range(self.P) if step >= self.H + self.offset(p)
+                and (steps_since[p] >= self.H or (p in requested and steps_since[p] >= early))]
