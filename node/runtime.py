@@ -227,6 +227,8 @@ class Node:
                 self.grace.t_quorum.update(group.formed_in)
                 t1 = time.monotonic()
                 self._allreduces += len(group.members) > 1  # faults count group rounds only
+                if len(group.members) > 1:  # every member held the anchor: a common ancestor
+                    self.sync.shared(p, anchor.version)
                 fault = self._fault if self._fault[1] == self._allreduces and len(group.members) > 1 else ("", 0)
                 if fault[0] == "kill-in-allreduce":  # contributions are on their way when it hits
                     self._loop.call_later(0.02, os.kill, os.getpid(), signal.SIGKILL)

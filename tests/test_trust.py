@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+import statistics
 import time
 from pathlib import Path
 
@@ -332,6 +333,42 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
     assert newest_heads(records, 1)[0].version == 4
     Stub.bans = {attacker: "non_finite"}
     assert set(asyncio.run(sync.records())) == {honest}  # a banned peer's records are ignored
+
+
+def test_two_lone_runs_are_as_far_apart_as_both_together() -> None:
+    """Two honest nodes that merged alone for a while after their last group round (anchor v3,
+    result v4; then 6 lone rounds here, 7 there, in opposite directions) are 15 versions apart
+    through v3, not 1: a follow across the split must pass the bound, which counts both paths
+    from the last version both are known to have held."""
+    from p2pdiloco.core.fragments import Fragment, TensorSlot
+    from p2pdiloco.core.outer import FragmentState
+    from p2pdiloco.errors import StateSyncError
+    from p2pdiloco.net.statesync import FOLLOW_FACTOR, StateSync
+
+    frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
+    zeros = (torch.zeros(4),)
+    states = [FragmentState.create(0, 0, (torch.ones(4),), zeros)]
+    sync = StateSync(None, "run", [frag], lambda: states)
+    for v in range(1, 5):  # four group rounds, each moving Θ by 0.5 (norm of 0.25 x ones(4))
+        states[0] = FragmentState.create(0, v, (states[0].theta[0] + 0.25,), zeros)
+        sync.shared(0, v - 1)  # the group formed at the anchor v-1
+    base = states[0].theta[0]
+    for v in range(5, 11):  # six lone rounds: +1.5 per coordinate
+        states[0] = FragmentState.create(0, v, (states[0].theta[0] + 0.25,), zeros)
+        sync._observe()
+    assert statistics.median(sync._steps[0]) == 0.5
+    other = FragmentState.create(0, 11, (base - 7 * 0.25,), zeros)  # seven lone rounds the other way
+    # |Θ_mine - Θ_other| = (1.5 + 1.75) x |ones(4)| = 6.5: over FOLLOW_FACTOR x 1 x 0.5 = 5 (the
+    # version gap alone), within FOLLOW_FACTOR x ((11 - 3) + (10 - 3)) x 0.5 = 75
+    assert 6.5 > FOLLOW_FACTOR * 1 * 0.5
+    sync._check_plausible(other)
+    with pytest.raises(StateSyncError, match=r"over 10 x 15 version\(s\) x the median recent step 0.5"):
+        sync._check_plausible(FragmentState.create(0, 11, (base + 40,), zeros))  # (40 - 1.5) x 2 = 77 > 75
+    # a download is a shared state: once the other side's v11 is installed, 1 version is 1 version
+    sync.shared(0, 11)
+    states[0] = other
+    with pytest.raises(StateSyncError, match=r"10 x 1 version\(s\)"):
+        sync._check_plausible(FragmentState.create(0, 12, (other.theta[0] + 6,), zeros))
 
 
 def test_robust_merge_leaves_out_a_direction_against_the_group() -> None:

@@ -23,7 +23,7 @@ from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded
-from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
+from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker, leader_rank
 from p2pdiloco.net.statesync import StateSync
 from p2pdiloco.net.transport import Swarm
 from p2pdiloco.trust import signing
@@ -264,6 +264,37 @@ async def test_matchmaking_ignores_banned_peers():
         await task
         b.bans.clear()
         assert await mm_b.open_gatherings() == {}  # withdrawn when its group closed
+
+
+@pytest.mark.asyncio
+async def test_a_leader_admits_only_declared_joiners():
+    """A stranger that sends ``mm.join`` to the leader without declaring under the key is not
+    made a member: the declared joiner sees no ghost in the group and bans nobody (before, the
+    stranger became a member the joiner could not find, and the joiner banned the honest leader)."""
+    async with swarms(3) as (a, b, c):
+        dht_key = KEY.dht_key("run")
+        (leader, mm_l), (joiner, mm_j) = sorted(
+            [(a, Matchmaker(a, "run", 2)), (b, Matchmaker(b, "run", 2))], key=lambda x: leader_rank(dht_key, x[0].peer_id))
+        await mm_l.start()
+        await mm_j.start()
+        # expected=3: with the stranger counted, the leader would close at once with three members
+        leading = asyncio.create_task(mm_l.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=3))
+        request = {"f": KEY.fragment, "v": KEY.version, "d": KEY.digest}
+        end = time.monotonic() + 10
+        while not (mm_l._gatherings.get(0) and mm_l._gatherings[0].key == KEY):  # the leader is gathering
+            assert time.monotonic() < end, "the leader never opened its gathering"
+            await asyncio.sleep(0.05)
+        sneaking = asyncio.create_task(c.call(leader.peer_id, "mm.join", request, timeout=10.0))
+        while c.peer_id not in mm_l._gatherings[0].joiners:
+            assert time.monotonic() < end, "the stranger's join never reached the leader"
+            await asyncio.sleep(0.05)
+        (outcome_l, group_l), (outcome_j, group_j) = await asyncio.gather(
+            leading, mm_j.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=3))
+        reply, _ = await sneaking
+        assert outcome_l == outcome_j == "group"
+        assert group_l.members == group_j.members == tuple(sorted([leader.peer_id, joiner.peer_id]))
+        assert reply == {"status": "redirect"}
+        assert leader.bans == {} and joiner.bans == {}
 
 
 # ---- identity ----------------------------------------------------------------------------

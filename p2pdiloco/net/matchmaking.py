@@ -21,9 +21,11 @@ declaring peer's own ID, so only that peer can write or overwrite them
 * the leader of a key is the open peer with the lowest sha256(DHT key, peer ID): the key
   holds the fragment's version and state digest, which change every round, so no identity
   leads more often than chance, and grinding one that would needs a fresh identity per round;
-* a joiner accepts a group only if the leader and the joiner are in its member list and
+* a leader admits only joiners whose signed declaration under the key it has read, and a
+  joiner accepts a group only if the leader and the joiner are in its member list and
   every other member has a signed declaration under the key; a leader that sends anything
-  else is banned (provable: honest leaders send only declared members and themselves);
+  else is banned (provable: honest leaders send only declared members and themselves, so a
+  stranger that joins without declaring cannot make an honest leader look like a forger);
 * a leader that keeps a joiner waiting past the grace window (when the joiner and the
   leader already make a quorum) is passed over for that round, and that counts as a failed
   group; a leader whose groups failed ``LEADER_FAILURES`` times in a row (rounds reported
@@ -242,14 +244,17 @@ class Matchmaker:
                     elif time.monotonic() > deadline:
                         return ("late" if someone_closed else "no_quorum"), None
                     continue
-                size = 1 + len(gathering.joiners)
+                # only joiners declared under the key become members: an undeclared one would
+                # be a ghost to the other members, and get this (honest) leader banned
+                joined = [j for j in gathering.joiners if j in entries]
+                size = 1 + len(joined)
                 if size >= self.min_quorum and quorum_at is None:
                     quorum_at = now
                 everyone = size >= max(expected, 2)  # a lone learner still waits its grace
                 if quorum_at is not None and (everyone or now >= quorum_at + grace):
                     if size == 1 and someone_closed:
                         return "late", None  # a group at this version exists: don't fork it
-                    return "group", self._close(gathering, t0)
+                    return "group", self._close(gathering, t0, joined)
                 if quorum_at is None and now > deadline:
                     return ("late" if someone_closed else "no_quorum"), None
                 gathering.arrived.clear()
@@ -268,11 +273,14 @@ class Matchmaker:
             except NetworkError as e:
                 log.debug("could not mark %s closed: %s", dht_key, e)
 
-    def _close(self, gathering: _Gathering, t0: float) -> Group:
+    def _close(self, gathering: _Gathering, t0: float, joined: list[str]) -> Group:
+        """Close ``gathering`` with this leader and the ``joined`` peers (declared joiners); the
+        other joiners are redirected when the gathering ends (``_abdicate``)."""
         gathering.closed = True
-        members = tuple(sorted({self.swarm.peer_id, *gathering.joiners}))
+        members = tuple(sorted({self.swarm.peer_id, *joined}))
         group = Group(secrets.token_hex(8), gathering.key, members, time.monotonic() - t0, self.swarm.peer_id)
-        for fut in gathering.joiners.values():
+        for peer in joined:
+            fut = gathering.joiners[peer]
             if not fut.done():
                 fut.set_result(group)
         return group

@@ -31,11 +31,15 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   publish claims, so one stranger cannot hand a newcomer its model.
 * **Bounded moves.** A downloaded state is refused (``StateSyncError``; counted in
   ``refused_states``) when it is not finite, or moves Θ away from this node's committed
-  state by more than ``FOLLOW_RELATIVE`` × (versions ahead) × ‖Θ‖, or, once this node has
-  seen a step of that fragment, more than ``FOLLOW_FACTOR`` × (versions ahead) × the median
-  of the last ``FOLLOW_HISTORY`` per-version steps it saw. The versions ahead are capped by
-  the corroboration rule above, so no claimed gap widens the bound. Every peer whose signed
-  record claims a refused state is banned (it signed a state no honest merge produces).
+  state by more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖, or, once this node has
+  seen a step of that fragment, more than ``FOLLOW_FACTOR`` × (versions apart) × the median
+  of the last ``FOLLOW_HISTORY`` per-version steps it saw. Versions apart count both paths
+  from the last state this node knows another peer held too (a group formed at it, or a
+  download: :meth:`StateSync.shared`): two honest nodes that both merged alone for a while
+  are as far apart as the sum of their lone runs, not as their version gap. The claimed
+  versions are capped by the corroboration rule above, so no claimed gap widens the bound
+  beyond ``LEAD``. Every peer whose signed record claims a refused state gets a strike (a
+  bound on sizes is evidence, not proof: an honest peer must be able to come back).
   Source: the same median-norm bound as the robust merge (``core.merge.robust_merge``;
   Yin et al., arXiv 1803.01498), applied to outer steps.
 * **Deliver or be ignored.** A holder that does not deliver the state it claims (no answer
@@ -216,6 +220,7 @@ class StateSync:
         self.failed_downloads = 0
         self.refused_states = 0  # downloads refused as implausible (see the module docstring)
         self._seen: dict[int, FragmentState] = {}  # last committed state observed, per fragment
+        self._shared: dict[int, int] = {}  # fragment -> version of the last state another peer held too
         self._steps: dict[int, deque[float]] = {i: deque(maxlen=FOLLOW_HISTORY) for i in range(len(self.fragments))}
         self._refused: set[tuple[int, int, str]] = set()  # (fragment, version, digest) not to follow
         self._strikes: dict[str, int] = {}  # holder -> failed deliveries not yet cleared by a success
@@ -335,6 +340,14 @@ class StateSync:
                 if math.isfinite(step):
                     self._steps[p].append(step)
             self._seen[p] = state
+            self._shared.setdefault(p, state.version)  # the state we started from came from the swarm
+
+    def shared(self, fragment: int, version: int) -> None:
+        """Record that another peer held ``fragment`` at ``version`` too (a group formed at it,
+        or a state was downloaded): the common ancestor of a later divergence, see
+        :meth:`_check_plausible`."""
+        self._observe()
+        self._shared[fragment] = version
 
     def has_seen_steps(self, fragment: int) -> bool:
         """Whether this node has seen a step of ``fragment`` (else it is joining it)."""
@@ -349,7 +362,11 @@ class StateSync:
             reason = "it is not finite"
         else:
             mine, steps = self.current()[p], self._steps.get(p, ())
-            k, jump = max(1, state.version - mine.version), _distance(mine, state)
+            # versions between the two states through their last common one (lone rounds on
+            # either side since: both paths count, not only the claimed lead)
+            common = min(state.version, self._shared.get(p, mine.version), mine.version)
+            k = max(1, (state.version - common) + (mine.version - common))
+            jump = _distance(mine, state)
             size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
             bounds = [(FOLLOW_RELATIVE * k * size, f"{FOLLOW_RELATIVE:g} x {k} version(s) x |theta| {size:.3g}")]
             if steps and statistics.median(steps) > 0:
@@ -472,12 +489,14 @@ class StateSync:
                 self._took.append(time.monotonic() - t0)
                 try:
                     self._check_plausible(state)  # same bytes from every holder: no other donor to try
-                except StateSyncError:
-                    for holder in head.holders:  # each of them signed a claim of this state
-                        self.swarm.ban(holder, f"claims fragment {fragment} v{head.version}, a state no honest "
-                                               "merge produces (refused as implausible)")
+                except StateSyncError as e:
+                    # a statistical bound, not a proof: every holder is ignored for a while
+                    # (strikes double), none is banned for the rest of the run
+                    for holder in head.holders:
+                        self._strike(holder, str(e), hard=True)
                     raise
                 self.downloads += 1
+                self._shared[fragment] = state.version
                 return state
             if state.version <= head.version:  # a holder that moved on since its record is honest
                 self._strike(donor, f"served v{state.version} of fragment {fragment}, not the v{head.version} "

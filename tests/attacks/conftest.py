@@ -363,6 +363,11 @@ class PublicSwarm:
             out.append(f"an honest node holds a state the attacker published ({sorted(followed)})")
         if not any(_equal(s) for s in w.all()):
             out.append(f"the two nodes never reported the same fragments within {POST_WAIT:.0f} s of the attack")
+        last = w.all()[-1].status
+        for i, j in ((0, 1), (1, 0)):  # an honest node excluding the other splits the swarm for good
+            bans = (last[i] or {}).get("bans") or {}
+            if isinstance(bans, dict) and self.peer_ids[j] in bans:
+                out.append(f"n{i} banned the honest n{j}: {bans[self.peer_ids[j]]}")
         for i in range(2):
             losses = [s.status[i].get("heldout_loss") for s in w.samples if s.status[i]]
             losses = [x for x in losses if isinstance(x, (int, float))]

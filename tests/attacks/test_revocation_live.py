@@ -129,5 +129,6 @@ def test_8_revocation_reaches_running_members(harness, tmp_path: Path):
                 and all(st.get("rounds_committed", 0) > r0 + 5 for st, r0 in zip((a, b), rounds_before)):
             break
         assert time.monotonic() < end, f"m0 and m1 did not train on with equal digests: {a.get('fragments')} " \
-                                       f"{b.get('fragments')}"
+                                       f"{b.get('fragments')}; bans {a.get('bans')} {b.get('bans')}; " \
+                                       f"ignored {a.get('ignored')} {b.get('ignored')}"
         time.sleep(0.5)
