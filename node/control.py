@@ -274,6 +274,8 @@ SCALAR_METRICS = (
     ("counter", "p2pdiloco_bytes_sent", "RPC bytes sent", "bytes_out"),
     ("counter", "p2pdiloco_bytes_received", "RPC bytes received", "bytes_in"),
     ("counter", "p2pdiloco_rounds_alone", "committed rounds with no other member", "rounds_alone"),
+    ("counter", "p2pdiloco_rounds_excluded", "rounds merged without this node's contribution (kept for the next)",
+     "rounds_excluded"),
 )
 
 

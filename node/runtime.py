@@ -29,7 +29,7 @@ import torch
 from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.outer import OUTER_STEP_RULE, FragmentState, nesterov_outer_step
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
-from p2pdiloco.net.allreduce import AllReducer, Contribution
+from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded
 from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.revocation import RevocationWatch
@@ -76,6 +76,7 @@ class NodeStats:
     rounds_failed: int = 0
     rounds_late: int = 0
     rounds_alone: int = 0
+    rounds_excluded: int = 0  # rounds merged without our contribution: kept, rebased, offered again
     catchups: int = 0
     resyncs: int = 0  # catch-ups to a state at the version already held (another digest won: I7)
     tokens_merged: int = 0  # tokens of this node's contributions that went into a merge
@@ -255,6 +256,13 @@ class Node:
                 if outcome == "late":
                     self.stats.rounds_late += 1
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, outcome))
+        except ContributionExcluded as e:
+            # the others merged without our progress: it stays with us, rebased on their state
+            # when we follow it (not marked as ours: see _follow), and goes into our next round
+            self.stats.rounds_excluded += 1
+            self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "excluded"))
+            log.warning("round f%d v%d: our contribution was left out (%s); kept for the next round",
+                        p, anchor.version + 1, e)
         except RoundFailed as e:
             self.stats.rounds_failed += 1
             self.matchmaker.group_failed(group)
