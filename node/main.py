@@ -165,7 +165,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "rpc_calls": swarm.stats.calls_out, "rpc_failed": swarm.stats.calls_failed,
         "rejected": rejected, "rejected_total": sum(rejected.values()),
         "bans": dict(swarm.bans), "ignored": node.sync.ignoring(), "passed_over": node.matchmaker.passing_over(),
-        "blocked": swarm.blocking(),
+        "blocked": swarm.blocking(), "refused": dict(swarm.refused),
         "dropped": dict(swarm.dropped), "dropped_total": sum(swarm.drop_reasons.values()),
         "dropped_reasons": dict(swarm.drop_reasons), "internal_errors": st.internal_errors,
         "allreduce": {k: v for k, v in vars(node.allreducer.stats).items() if type(v) is int},

@@ -37,6 +37,8 @@ from p2pdiloco.net.statesync import StateSync, is_behind, newest_heads, runaway_
 from p2pdiloco.net.transport import Swarm
 
 from node.checkpoint import load_checkpoint, save_checkpoint
+from node.journal import FILE as JOURNAL_FILE
+from node.journal import Journal
 from node.setup import Setup
 from node.training import TrainingLoop
 
@@ -67,6 +69,7 @@ class RoundRecord:
     seconds: float
     committed: bool
     reason: str = ""
+    digest: str = ""  # the committed state's (12 hex), else ""
 
 
 @dataclass
@@ -91,6 +94,7 @@ class Node:
         self.setup, self.cfg, self.swarm = setup, setup.cfg, swarm
         self.committed: list[FragmentState] = list(setup.learner.global_states)
         self.stats = NodeStats()
+        self.journal = Journal(Path(self.cfg.data_dir) / JOURNAL_FILE if self.cfg.data_dir else None)
         out = self.cfg.outer
         self.grace = GraceWindow(tau=out.overlap, gamma=out.grace_gamma, minimum=out.grace_min, maximum=out.grace_max)
         # Learners that would exchange bytes must agree on everything that shapes them: model,
@@ -102,7 +106,8 @@ class Node:
         self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout,
                                      run_id=f"{self.cfg.swarm.run_id}/{tag}", outliers=trust.outliers,
                                      outlier_factor=trust.outlier_factor, poison=trust.poison)
-        self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed)
+        self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed,
+                              on_event=self.journal.record)
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
         self.training: TrainingLoop | None = None
@@ -137,6 +142,7 @@ class Node:
         if data_dir is not None and await asyncio.to_thread(load_checkpoint, data_dir, self.setup.learner) is not None:
             self.committed = list(self.setup.learner.global_states)
             self._resumed = True
+            self.journal.record("resumed", step=self.setup.learner.step)
         await self._catch_up(initial=True)
         deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
         self.training = self.setup.training_loop(self._dispatch, deadline)
@@ -231,6 +237,8 @@ class Node:
                 if len(group.members) > 1:  # every member held the anchor: a common ancestor
                     self.sync.shared(p, anchor.version)
                 fault = self._fault if self._fault[1] == self._allreduces and len(group.members) > 1 else ("", 0)
+                if fault[0] in ("kill-in-allreduce", "fail-last-stage"):
+                    self.journal.record("fault", fault=self.cfg.fault, fragment=p, version=anchor.version + 1)
                 if fault[0] == "kill-in-allreduce":  # contributions are on their way when it hits
                     self._loop.call_later(0.02, os.kill, os.getpid(), signal.SIGKILL)
                 merged = await self.allreducer.run(group, contrib)
@@ -246,7 +254,8 @@ class Node:
                     self.stats.rounds_alone += int(len(group.members) == 1)
                     # tokens are counted per fragment: a fragment carries 1/P of every token
                     self.stats.tokens_merged += contrib.tokens / len(self.committed)
-                    self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True))
+                    self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True,
+                                             digest=new.short()))
                     log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version,
                              len(group.members), time.monotonic() - t0, new.short())
                     self._publish_now.set()
@@ -328,6 +337,7 @@ class Node:
 
     def _record(self, rec: RoundRecord) -> None:
         self.stats.recent = [*self.stats.recent[-19:], rec]
+        self.journal.record("round", **{**vars(rec), "seconds": round(rec.seconds, 3)})
 
     # ---- catch-up and records ------------------------------------------------------------
     async def _records(self) -> dict[str, HeadsRecord]:
@@ -377,7 +387,9 @@ class Node:
                      if any(peer in records for peer in h.holders)]
             if steps:
                 self.setup.learner.step = max(steps)
-                log.info("joined at the swarm's inner step %d (inner lr %.6g)", max(steps), self.setup.learner.current_lr())
+                lr = self.setup.learner.current_lr()
+                log.info("joined at the swarm's inner step %d (inner lr %.6g)", max(steps), lr)
+                self.journal.record("joined", step=max(steps), lr=lr)
         if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
             self.stats.state = "training"
 
@@ -406,6 +418,8 @@ class Node:
         self.committed[p], self._round_ids[p] = state, made_by
         self.stats.catchups += 1
         self.stats.resyncs += state.version == old.version
+        self.journal.record("follow", fragment=p, from_version=old.version, version=state.version,
+                            digest=state.short(), ours=ours)
         log.info("followed fragment %d: v%d -> v%d (%s)%s", p, old.version, state.version, state.short(),
                  " with our contribution inside" if ours else "")
         if self.training is None:

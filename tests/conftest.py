@@ -8,17 +8,74 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import psutil
 import pytest
+
+POLL_S = 0.2  # seconds between two checks of a condition a test waits for
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str | Callable[[], str], *,
+             every: float = POLL_S, tick: Callable[[], object] | None = None):
+    """Check ``condition()`` every ``every`` seconds until it returns something truthy, and
+    return that; fail naming ``what`` (or the message it returns, built when it fails) after
+    ``timeout`` seconds. ``tick`` runs before each check (``Harness.track_daemons``, an
+    assertion that a process is still alive...)."""
+    end = time.monotonic() + timeout
+    while True:
+        if tick is not None:
+            tick()
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= end:
+            raise AssertionError(f"{what if isinstance(what, str) else what()}: not within {timeout:g} s")
+        time.sleep(every)
+
+
+async def until(condition: Callable[[], object | Awaitable[object]], timeout: float,
+                what: str | Callable[[], str], *, every: float = POLL_S) -> float:
+    """The asyncio form of :func:`wait_for`: ``condition()`` may return a value or an awaitable;
+    ``what`` may be a callable (a message built when it fails). Returns the seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 >= timeout:
+            raise AssertionError(f"{what if isinstance(what, str) else what()}: not within {timeout:g} s")
+        await asyncio.sleep(every)
+
+
+def running(procs) -> list[int]:
+    """PIDs of the ``psutil.Process`` objects given that still run (zombies excluded)."""
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p.pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
+
 
 # A model small enough for several nodes on 2 cores; real text, real sockets.
 TINY = {
@@ -57,13 +114,12 @@ class Harness:
         path = self.tmp / "bootstrap.txt"
         proc = self.spawn(["-m", "bootstrap", "--host", "127.0.0.1", "--port", "0", "--maddrs-file", str(path)],
                           self.tmp / "bootstrap.log")
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            if path.exists() and path.read_text().strip():
-                return path.read_text().split()[0]
+        def started() -> str | None:
             assert proc.poll() is None, (self.tmp / "bootstrap.log").read_text()
-            time.sleep(0.1)
-        raise AssertionError("bootstrap did not start")
+            text = path.read_text().strip() if path.exists() else ""
+            return text.split()[0] if text else None
+
+        return wait_for(started, 60, "the bootstrap peer's multiaddr", every=0.1)
 
     def node(self, maddr: str, name: str, settings: dict[str, str], *extra: str) -> tuple[subprocess.Popen, Path]:
         d = self.tmp / name
@@ -76,11 +132,11 @@ class Harness:
         return self.spawn(args, d / "node.log"), d
 
     def wait(self, proc: subprocess.Popen, timeout: float, log: Path) -> int:
-        end = time.monotonic() + timeout
-        while proc.poll() is None and time.monotonic() < end:
-            self.track_daemons()
-            time.sleep(0.5)
-        assert proc.poll() is not None, f"process did not finish in {timeout} s:\n{log.read_text()[-3000:]}"
+        try:
+            wait_for(lambda: proc.poll() is not None, timeout, "the process's exit", every=0.5,
+                     tick=self.track_daemons)
+        except AssertionError:
+            raise AssertionError(f"process did not finish in {timeout} s:\n{log.read_text()[-3000:]}") from None
         return proc.returncode
 
     def close(self) -> None:
@@ -110,9 +166,10 @@ def harness(tmp_path: Path):
         yield h
     finally:
         h.close()
-        time.sleep(0.5)
-        alive = [p.pid for p in h.daemons if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"p2pd daemons outlived the test: {alive}"
+        try:  # each p2pd exits with its node (its parent's death is its signal)
+            wait_for(lambda: not running(h.daemons), 5, "the test's p2pd daemons to exit")
+        except AssertionError:
+            raise AssertionError(f"p2pd daemons outlived the test: {running(h.daemons)}") from None
 
 
 @pytest.fixture
@@ -120,15 +177,14 @@ def no_daemon_left():
     """Every p2pd a test starts in this process (swarms, identity probes, publishers) is gone
     when it ends (waits up to 5 s for them to exit)."""
     yield
-    end = time.monotonic() + 5
-    left: list[psutil.Process] = []
-    while time.monotonic() < end:
-        left = [c for c in psutil.Process().children(recursive=True)
-                if c.name() == "p2pd" and c.status() != psutil.STATUS_ZOMBIE]
-        if not left:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"p2pd daemons outlived the test: {[c.pid for c in left]}")
+
+    def daemons() -> list[int]:
+        return running(c for c in psutil.Process().children(recursive=True) if _name(c) == "p2pd")
+
+    try:
+        wait_for(lambda: not daemons(), 5, "this process's p2pd daemons to exit", every=0.1)
+    except AssertionError:
+        pytest.fail(f"p2pd daemons outlived the test: {daemons()}")
 
 
 @contextlib.asynccontextmanager

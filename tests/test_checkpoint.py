@@ -51,3 +51,27 @@ def test_corrupt_checkpoint_is_set_aside_and_node_starts_fresh(tmp_path):
     assert load_checkpoint(tmp_path, b.learner) is None
     assert b.learner.step == 0
     assert (tmp_path / "checkpoint.pt.corrupt").exists() and not path.exists()
+
+
+def test_journal_appends_rotates_and_skips_a_torn_line(tmp_path):
+    from node.journal import Journal, read_journal
+
+    path = tmp_path / "events.jsonl"
+    j = Journal(path, max_bytes=200)
+    j.record("round", fragment=0, version=1, committed=True)
+    j.record("follow", fragment=1, from_version=0, version=3)
+    events = read_journal(path)
+    assert [(e["event"], e.get("version")) for e in events] == [("round", 1), ("follow", 3)]
+    assert all(isinstance(e["t"], float) for e in events)
+    size = path.stat().st_size
+    while path.stat().st_size >= size:  # past 200 bytes the file starts over; the old one is kept once
+        j.record("joined", step=7, lr=0.001)
+    assert read_journal(path.with_name("events.jsonl.1"))[:2] == events
+    assert [e["event"] for e in read_journal(path)] == ["joined"]
+    with open(path, "ab") as f:  # a process killed mid-line
+        f.write(b'{"t": 1.0, "event": "ro')
+    assert [e["event"] for e in read_journal(path)] == ["joined"]
+    Journal(path).record("resumed", step=7)  # the next process ends the torn line first
+    assert [e["event"] for e in read_journal(path)] == ["joined", "resumed"]
+    Journal(None).record("round")  # no data dir: nothing kept, nothing raised
+    assert read_journal(tmp_path / "missing.jsonl") == []

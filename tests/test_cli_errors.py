@@ -8,6 +8,7 @@ start with torch), then each test checks one case.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.conftest import wait_for
 
 # A valid peer ID: base58 of the sha2-256 multihash of b"p2pdiloco-test" (hivemind's PeerID
 # accepts it; test_wire_records checks it through check_peer_maddr).
@@ -46,6 +49,13 @@ class Result:
     def describe(self) -> str:
         return (f"argv: {' '.join(self.argv)}\nexit: {self.returncode} after {self.seconds:.1f} s\n"
                 f"stdout: {self.stdout[-2000:]}\nstderr: {self.stderr[-4000:]}")
+
+
+def _alive_pid(pid: int) -> bool:
+    try:
+        return _alive(psutil.Process(pid))
+    except psutil.Error:
+        return False
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -73,19 +83,25 @@ def run_command(args: list[str]) -> Result:
         t0 = time.monotonic()
         proc = subprocess.Popen(res.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        while proc.poll() is None and time.monotonic() - t0 < TIMEOUT:
+        def note_daemons() -> None:
             try:
                 res.daemons_seen |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)
                                      if c.name() == "p2pd"}
             except psutil.Error:
                 pass
-            time.sleep(0.05)
+
+        with contextlib.suppress(AssertionError):  # overran: killed below
+            wait_for(lambda: proc.poll() is not None, TIMEOUT, "the command", every=0.05, tick=note_daemons)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         res.seconds = time.monotonic() - t0
         res.returncode = None if res.seconds >= TIMEOUT else proc.returncode
-        time.sleep(0.3)  # a daemon that is exiting on its own gets a moment
+        def daemons_gone() -> bool:  # a daemon that is exiting on its own gets a moment
+            return not _session_daemons(proc.pid) and not any(_alive_pid(pid) for pid in res.daemons_seen)
+
+        with contextlib.suppress(AssertionError):  # the survivors are reported below
+            wait_for(daemons_gone, 1.0, "the command's daemons to exit", every=0.05)
         survivors = {p.pid: p for p in _session_daemons(proc.pid)}
         for pid in res.daemons_seen:
             try:

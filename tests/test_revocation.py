@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgpack
 import pytest
+
+from tests.conftest import until
 
 from p2pdiloco.cli import main as cli_main
 from p2pdiloco.net.revocation import (MAX_LIST_BYTES, RevocationWatch, parse_entry, publish_revocations,
@@ -88,15 +89,6 @@ async def swarms(memberships: list[Membership], identities: list[Identity],
         yield started
     finally:
         await asyncio.gather(*(s.shutdown() for s in started), return_exceptions=True)
-
-
-async def until(condition: Callable[[], Awaitable[bool]], timeout: float, what: str) -> float:
-    """Wait until ``condition()`` holds (checked every 0.2 s); seconds waited. Fails after ``timeout``."""
-    t0 = time.monotonic()
-    while not await condition():
-        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout} s"
-        await asyncio.sleep(0.2)
-    return time.monotonic() - t0
 
 
 def members(owner: SwarmKey, n: int,

@@ -7,6 +7,7 @@ One node serves the whole module (started once, about 15 s); the last test SIGKI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -32,14 +33,15 @@ from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError, NetworkError
 from p2pdiloco.trust.identity import Identity
 
-from tests.conftest import TINY, Harness
+from tests.conftest import TINY, Harness, wait_for
+from tests.conftest import running as running_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SNAPSHOT_FIELDS = {
     "name", "run_id", "peer_id", "maddrs", "reachability", "connections", "pid", "p2pd_pid", "state", "merging",
     "uptime_s", "step", "tokens", "tokens_per_s", "loss", "heldout_loss", "rounds_committed", "rounds_failed",
-    "rounds_late", "rounds_alone", "rounds_excluded", "catchups", "resyncs", "tokens_merged", "last_round", "recent_rounds", "bytes_out",
+    "rounds_late", "rounds_alone", "rounds_excluded", "refused", "catchups", "resyncs", "tokens_merged", "last_round", "recent_rounds", "bytes_out",
     "bytes_in", "rpc_calls", "rpc_failed", "rejected", "rejected_total", "fragments", "fragment_status", "swarm",
     "global_digest", "time", "control_socket", "metrics", "allreduce",
 }
@@ -56,13 +58,14 @@ def cli(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, f
     finally:
         _kill_session(proc)
     elapsed = time.monotonic() - t0
+    with contextlib.suppress(AssertionError):  # killed processes take a moment to be reaped
+        wait_for(lambda: not _session_members(proc.pid), 2.0, "the session to end", every=0.05)
     left = _session_members(proc.pid)
     assert not left, f"`p2pdiloco {' '.join(args)}` left processes behind: {left}"
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), elapsed
 
 
 def _session_members(sid: int) -> list[str]:
-    time.sleep(0.2)
     found = []
     for p in psutil.process_iter(["pid", "name", "status"]):
         try:
@@ -105,27 +108,30 @@ def running(tmp_path_factory):
         maddr = h.bootstrap()
         port = free_port()
         proc, d = h.node(maddr, "n0", TINY, "--duration", "600", "--set", f"metrics_port={port}")
-        end = time.monotonic() + 120  # about 10 s on an idle 2-core machine
         snap: dict = {}
-        while time.monotonic() < end:
+
+        def trained() -> bool:
+            nonlocal snap
             assert proc.poll() is None, (d / "node.log").read_text()[-3000:]
-            h.track_daemons()
             try:
                 snap = query(str(d / "control.sock"), timeout=2)
             except ControlUnreachable:
                 snap = {}
-            if snap.get("state") == "training" and snap.get("rounds_committed", 0) >= 2 and snap.get("swarm") \
-                    and snap.get("tokens_per_s", 0) > 0:
-                break
-            time.sleep(0.5)
-        else:
-            raise AssertionError(f"node not training with 2 rounds in 120 s: {snap}\n{(d / 'node.log').read_text()[-3000:]}")
+            return snap.get("state") == "training" and snap.get("rounds_committed", 0) >= 2 \
+                and bool(snap.get("swarm")) and snap.get("tokens_per_s", 0) > 0
+
+        try:  # about 10 s on an idle 2-core machine
+            wait_for(trained, 120, "training with 2 rounds", every=0.5, tick=h.track_daemons)
+        except AssertionError:
+            raise AssertionError(f"node not training with 2 rounds in 120 s: {snap}\n"
+                                 f"{(d / 'node.log').read_text()[-3000:]}") from None
         yield Running(h, maddr, proc, d, port)
     finally:
         h.close()
-        time.sleep(0.5)
-        alive = [p.pid for p in h.daemons if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"p2pd daemons outlived the test: {alive}"
+        try:
+            wait_for(lambda: not running_pids(h.daemons), 5, "the p2pd daemons to exit")
+        except AssertionError:
+            raise AssertionError(f"p2pd daemons outlived the test: {running_pids(h.daemons)}") from None
 
 
 # ---- against the running node ---------------------------------------------------------------
@@ -265,10 +271,13 @@ def test_hung_then_killed_node_is_reported_unreachable_fast(running):
         assert dead.returncode == 1 and elapsed < 20, dead
         assert dead.stdout == "" and dead.stderr.count("\n") == 1
         assert dead.stderr.startswith("p2pdiloco: the node is not running") and sock in dead.stderr
-    end = time.monotonic() + 10  # its daemon dies with it
-    while psutil.pid_exists(p2pd) and psutil.Process(p2pd).status() != psutil.STATUS_ZOMBIE and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not psutil.pid_exists(p2pd) or psutil.Process(p2pd).status() == psutil.STATUS_ZOMBIE
+    def daemon_gone() -> bool:
+        try:
+            return psutil.Process(p2pd).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_for(daemon_gone, 10, "its p2pd to exit with it")
 
 
 # ---- without a node ---------------------------------------------------------------------------

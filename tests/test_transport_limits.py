@@ -22,10 +22,11 @@ import msgpack
 import psutil
 import pytest
 from conftest import swarms
+from conftest import until as _until
 from hivemind.p2p import PeerID
 
 from p2pdiloco.errors import PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError
-from p2pdiloco.net import transport
+from p2pdiloco.net import framing, transport
 from p2pdiloco.net.transport import Header, Swarm, frame, read_header, read_payload
 from p2pdiloco.trust.certificates import Membership, SwarmKey
 from p2pdiloco.trust.errors import AccessDenied
@@ -40,13 +41,9 @@ MiB = 1 << 20
 
 
 
-async def until(condition: Callable[[], bool], timeout: float, what: str | Callable[[], str]) -> None:
-    """Wait until ``condition()`` holds, polling; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what if isinstance(what, str) else what()}")
-        await asyncio.sleep(0.02)
+def until(condition: Callable[[], object], timeout: float, what: str | Callable[[], str], *, every: float = 0.02):
+    """``conftest.until``, checked every 20 ms (these tests time the transport's deadlines)."""
+    return _until(condition, timeout, what, every=every)
 
 
 @contextlib.asynccontextmanager
@@ -109,10 +106,13 @@ async def test_outsider_huge_payload_refused_without_buffering():
                 refusal = await answer(reader, timeout=20)
                 assert refusal.get("denied") == "missing"
                 # the outsider keeps pushing until the server stops lingering and closes
-                deadline = time.monotonic() + transport.LINGER_TIMEOUT + 20
-                while not pumping.done() and time.monotonic() < deadline:
+                def pumped() -> bool:  # sampling the memory meanwhile
+                    nonlocal peak
                     peak = max(peak, proc.memory_info().rss)
-                    await asyncio.sleep(0.05)
+                    return pumping.done()
+
+                await until(pumped, transport.LINGER_TIMEOUT + 20, "the server to stop reading the outsider",
+                            every=0.05)
                 await until(lambda: a.open_streams() == 0, 20, "the server to close the outsider's stream")
             finally:
                 pumping.cancel()
@@ -231,7 +231,7 @@ async def test_a_silent_peer_is_caught_at_the_first_reply_deadline_not_the_whole
     PeerTimeout at ``timeout``; an answering handler is unaffected by the short deadline."""
     async with swarms(2) as (a, b):
         async def silent(peer: str, header: Header, payload: bytes) -> tuple[Header, bytes]:
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # never answers
             return {}, b""
 
         await a.add_handler("t.silent", silent, max_payload=0)
@@ -270,7 +270,7 @@ async def test_garbage_requests_dropped_and_counted():
     async with swarms(2) as (a, b):
         calls: list[int] = []
         await a.add_handler("t.echo", recorder(calls, lambda p: p), max_payload=MiB)
-        L = transport._LENGTH.pack
+        L = framing._LENGTH.pack
 
         def framed(raw_header: bytes) -> bytes:
             return L(len(raw_header)) + raw_header

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from conftest import swarms
+from conftest import swarms, until
 import torch
 
 from p2pdiloco.core.fragments import Fragment, TensorSlot
@@ -252,11 +252,8 @@ async def test_matchmaking_ignores_banned_peers():
         a.bans.clear()
         b.bans.clear()
         task = asyncio.create_task(mm_a.form_group(KEY, grace=3.0, quorum_timeout=3.0, expected=2))
-        seen, end = {}, time.monotonic() + 3
-        while not seen and time.monotonic() < end:
-            await asyncio.sleep(0.1)
-            seen = await mm_b.open_gatherings()
-        assert seen == {0: KEY}
+        await until(mm_b.open_gatherings, 3, "a's gathering announcement", every=0.1)
+        assert await mm_b.open_gatherings() == {0: KEY}
         assert not await b.store(mm_b.gathering_key, a.peer_id, {"g": [[0, 9, "f" * 64]]}, 30)
         assert await mm_b.open_gatherings() == {0: KEY}
         b.ban(a.peer_id, "test")
@@ -280,14 +277,10 @@ async def test_a_leader_admits_only_declared_joiners():
         # expected=3: with the stranger counted, the leader would close at once with three members
         leading = asyncio.create_task(mm_l.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=3))
         request = {"f": KEY.fragment, "v": KEY.version, "d": KEY.digest}
-        end = time.monotonic() + 10
-        while not (mm_l._gatherings.get(0) and mm_l._gatherings[0].key == KEY):  # the leader is gathering
-            assert time.monotonic() < end, "the leader never opened its gathering"
-            await asyncio.sleep(0.05)
+        gathering = lambda: mm_l._gatherings.get(0)  # noqa: E731
+        await until(lambda: gathering() and gathering().key == KEY, 10, "the leader's gathering", every=0.05)
         sneaking = asyncio.create_task(c.call(leader.peer_id, "mm.join", request, timeout=10.0))
-        while c.peer_id not in mm_l._gatherings[0].joiners:
-            assert time.monotonic() < end, "the stranger's join never reached the leader"
-            await asyncio.sleep(0.05)
+        await until(lambda: c.peer_id in gathering().joiners, 10, "the stranger's join at the leader", every=0.05)
         (outcome_l, group_l), (outcome_j, group_j) = await asyncio.gather(
             leading, mm_j.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=3))
         reply, _ = await sneaking

@@ -247,16 +247,16 @@ class AllReducer:
             RoundFailed: some reducer did not answer with a verified statement, or the
                 reducers' contributor sets have no member in common.
         """
-        if self.poison:
-            contrib = self._poison(contrib)
         frag, me, members = group.key.fragment, self.swarm.peer_id, group.members
-        if members == (me,):  # a lone round: nothing is sent, so nothing is quantised for the wire
+        if members == (me,):  # a lone round: nothing is sent, so nothing is quantised (nor poisoned)
             if not is_finite_contribution(contrib.delta):
                 self.stats.failed += 1
                 raise RoundFailed(f"round {group.round_id}: our own contribution is not finite")
             self.stats.rounds += 1
             self.last_contributors = (me,)
             return [t.detach().to("cpu", torch.float32).clone() for t in contrib.delta]
+        if self.poison:  # fault injection (benchmarks, tests): what is sent to the others
+            contrib = self._poison(contrib)
         parts = self._parts(frag, len(members))
         reducers = [r for r in range(len(members)) if parts[r]]
         base = {"round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,

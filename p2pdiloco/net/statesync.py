@@ -211,11 +211,14 @@ class StateSync:
         run_id: the run's name.
         fragments: the model's fragments.
         current: callable returning this node's committed global states (one per fragment).
+        on_event: called as ``on_event("download_failed", fragment=, version=, donor=, reason=)``
+            for each failed download (the node's journal); None: nothing is called.
     """
 
     def __init__(self, swarm: Swarm, run_id: str, fragments: Sequence[Fragment],
-                 current: Callable[[], Sequence[FragmentState]]):
+                 current: Callable[[], Sequence[FragmentState]], on_event: Callable[..., None] | None = None):
         self.swarm, self.run_id, self.fragments, self.current = swarm, run_id, tuple(fragments), current
+        self.on_event = on_event
         self.downloads = 0
         self.failed_downloads = 0
         self.refused_states = 0  # downloads refused as implausible (see the module docstring)
@@ -476,13 +479,13 @@ class StateSync:
                 self._strike(donor, f"did not deliver fragment {fragment} v{head.version}: {e}",
                              hard=isinstance(e, PeerTimeout) and not (isinstance(e, PeerSilent) and donor in self._donors))
                 last = str(e)
-                log.info("state download of fragment %d from %s failed: %s", fragment, donor[-8:], e)
+                self._failed(fragment, head.version, donor, e)
                 continue
             except (NetworkError, StateSyncError) as e:
                 self.failed_downloads += 1
                 self._strike(donor, f"did not deliver fragment {fragment} v{head.version}: {e}", hard=False)
                 last = str(e)
-                log.info("state download of fragment %d from %s failed: %s", fragment, donor[-8:], e)
+                self._failed(fragment, head.version, donor, e)
                 continue
             if (state.version, state.digest) == (head.version, head.digest):
                 self._delivered(donor)
@@ -503,6 +506,11 @@ class StateSync:
                                     "it claims", hard=False)
             last = f"{donor[-8:]} now holds v{state.version}, not v{head.version}"
         raise StateSyncError(f"fragment {fragment} v{head.version}: {last}")
+
+    def _failed(self, fragment: int, version: int, donor: str, e: Exception) -> None:
+        log.info("state download of fragment %d from %s failed: %s", fragment, donor[-8:], e)
+        if self.on_event is not None:
+            self.on_event("download_failed", fragment=fragment, version=version, donor=donor, reason=str(e))
 
     async def _fetch(self, donor: str, fragment: int, timeout: float, joining: bool) -> FragmentState:
         request = {"f": fragment, "join": True} if joining else {"f": fragment}  # "join": a node joining the swarm

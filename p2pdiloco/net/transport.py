@@ -11,21 +11,15 @@ connection closes, including on SIGKILL.
 
 RPCs (:meth:`Swarm.call`, :meth:`Swarm.add_handler`) run on hivemind's raw libp2p streams
 (``P2P.call_binary_stream_handler`` / ``P2P.add_binary_stream_handler``), one stream per call,
-with this framing for the request and for the reply alike::
-
-    offset 0   4 bytes   L: header length, unsigned big-endian, 1 <= L <= MAX_HEADER_BYTES (64 KiB)
-    offset 4   L bytes   header: a msgpack map with string keys; "_n" (int >= 0) = payload length
-    offset 4+L _n bytes  payload: opaque bytes (tensors, state), nothing after it
-
-Reserved header keys: ``_n`` (payload length), ``_cert`` (membership certificate, bin, in a
-private swarm); a reply with ``error`` (str) is a refusal, with ``denied`` (str) a membership
-refusal. Headers are decoded with msgpack's size limits (strings, bins, arrays and maps no
-larger than the header itself); anything that is not a map is a protocol error.
+each message framed as :mod:`p2pdiloco.net.framing` says (length-prefixed msgpack header with
+the payload length ``_n``, then the payload). Reserved header keys: ``_n``, ``_cert``
+(membership certificate, bin, in a private swarm); a reply with ``error`` (str) is a refusal,
+with ``denied`` (str) a membership refusal.
 
 A server never buffers what it has not decided to accept: it reads the header within
 ``HEADER_TIMEOUT`` seconds, checks the caller's membership and ``_n`` against the handler's
 ``max_payload`` *before* reading the payload, then reads the payload within
-``PAYLOAD_GRACE + _n / MIN_PAYLOAD_RATE`` seconds. At most ``MAX_STREAMS_PER_PEER`` inbound
+``framing.payload_deadline(_n)`` seconds. At most ``MAX_STREAMS_PER_PEER`` inbound
 streams per peer and ``MAX_STREAMS`` in all are served at once; the others are answered
 ``{"error": "busy"}`` without being read. After answering, the server waits up to
 ``LINGER_TIMEOUT`` seconds for the caller to close its end (closing first can reset the stream
@@ -57,7 +51,6 @@ import logging
 import os
 import random
 import signal
-import struct
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -67,13 +60,22 @@ from typing import Any
 import shutil
 from pathlib import Path
 
-import msgpack
 import psutil
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError
+from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_payload: re-exported)
+    Header,
+    close_stream,
+    frame,
+    payload_deadline,
+    read_header,
+    read_payload,
+    write_message,
+)
+from p2pdiloco.net.framing import short_error as _short
 from p2pdiloco.net.signed_records import SignedRecords
 from p2pdiloco.trust.certificates import Membership
 from p2pdiloco.trust.errors import AccessDenied, IdentityError
@@ -81,11 +83,7 @@ from p2pdiloco.trust.identity import Identity, is_peer_id
 
 log = logging.getLogger(__name__)
 
-MAX_HEADER_BYTES = 64 << 10  # bytes: largest msgpack header accepted (request or reply)
-CHUNK_BYTES = 1 << 20  # bytes: payloads are written and read in pieces of at most this size
 HEADER_TIMEOUT = 10.0  # seconds an inbound stream may take to deliver its request header
-PAYLOAD_GRACE = 30.0  # seconds granted to any payload, on top of its size at MIN_PAYLOAD_RATE
-MIN_PAYLOAD_RATE = 128 << 10  # bytes/second: slowest payload (request or reply) a peer may send us
 LINGER_TIMEOUT = 5.0  # seconds a server waits for the caller to close after the answer
 LINGER_DISCARD_BYTES = 8 << 20  # bytes a server reads and discards while it lingers, at most
 DROP_BUDGET = 50  # drops one peer may cause within DROP_WINDOW_S before it is blocked
@@ -100,9 +98,6 @@ MAX_STREAMS = 512  # inbound streams served at once in all
 DEFAULT_MAX_REPLY = 1 << 20  # bytes: reply payload a call accepts unless told otherwise
 MAX_DROP_PEERS = 1024  # peers remembered in Swarm.dropped (the smallest counts are evicted)
 
-_LENGTH = struct.Struct(">I")
-
-Header = dict[str, Any]
 Handler = Callable[[str, Header, bytes], Awaitable[tuple[Header, bytes]]]
 
 
@@ -114,115 +109,6 @@ class TrafficStats:
     bytes_in: int = 0
     calls_out: int = 0
     calls_failed: int = 0
-
-
-def pack(header: Header) -> bytes:
-    """Encode a header dict with msgpack (bytes)."""
-    return msgpack.packb(header, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Header:
-    """Decode a msgpack header of at most ``MAX_HEADER_BYTES``.
-
-    No string, bin, array or map inside may be longer than ``len(data)``.
-
-    Raises:
-        ProtocolError: ``data`` is too long, not one msgpack object, or not a map.
-    """
-    if len(data) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(data)} bytes (limit {MAX_HEADER_BYTES})")
-    limit = len(data)
-    try:
-        header = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=limit, max_str_len=limit,
-                                 max_array_len=limit, max_map_len=limit, max_ext_len=limit)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise ProtocolError(f"undecodable header: {_short(e)}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(f"header is a {type(header).__name__}, not a map")
-    return header
-
-
-def frame(header: Header, payload_size: int) -> bytes:
-    """The length prefix and header of a message whose payload has ``payload_size`` bytes
-    (the payload follows it on the stream; see the module docstring).
-
-    Raises:
-        ProtocolError: the encoded header exceeds ``MAX_HEADER_BYTES``.
-        TypeError: ``header`` holds something msgpack cannot encode.
-    """
-    head = pack(dict(header, _n=payload_size))
-    if len(head) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(head)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
-    return _LENGTH.pack(len(head)) + head
-
-
-async def read_header(reader: asyncio.StreamReader) -> tuple[Header, int]:
-    """Read one message's length prefix and header; returns (header without ``_n``, payload size
-    in bytes). Reads nothing of the payload. No deadline of its own: wrap it in one.
-
-    Raises:
-        ProtocolError: header length 0 or over ``MAX_HEADER_BYTES``, undecodable header, not a
-            map, or ``_n`` missing or not an int >= 0.
-        asyncio.IncompleteReadError: the stream ended first.
-    """
-    size = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))[0]
-    if not 0 < size <= MAX_HEADER_BYTES:
-        raise ProtocolError(f"header length {size} outside 1..{MAX_HEADER_BYTES}")
-    header = unpack(await reader.readexactly(size))
-    n = header.pop("_n", None)
-    if type(n) is not int or n < 0:
-        raise ProtocolError(f"bad payload length {n!r:.40}")
-    return header, n
-
-
-async def read_payload(reader: asyncio.StreamReader, n: int) -> bytes:
-    """Read exactly ``n`` bytes in pieces of at most ``CHUNK_BYTES``. No deadline of its own.
-
-    Raises:
-        asyncio.IncompleteReadError: the stream ended first.
-    """
-    if n <= CHUNK_BYTES:
-        return await reader.readexactly(n) if n else b""
-    parts, left = [], n
-    while left:
-        parts.append(await reader.readexactly(min(left, CHUNK_BYTES)))
-        left -= len(parts[-1])
-    return b"".join(parts)
-
-
-async def write_message(writer: asyncio.StreamWriter, header: Header, payload: bytes, *,
-                        stop_after: int | None = None) -> None:
-    """Write one framed message and drain; ``stop_after``: write only that many payload bytes.
-    No deadline of its own.
-
-    Raises:
-        ProtocolError / TypeError: as :func:`frame`.
-        ConnectionError: the stream broke.
-    """
-    writer.write(frame(header, len(payload)))
-    view = memoryview(payload)[: len(payload) if stop_after is None else stop_after]
-    for i in range(0, len(view), CHUNK_BYTES):
-        writer.write(view[i : i + CHUNK_BYTES])
-        await writer.drain()
-    await writer.drain()
-
-
-def payload_deadline(n: int) -> float:
-    """Seconds allowed to transfer a payload of ``n`` bytes (at MIN_PAYLOAD_RATE, plus PAYLOAD_GRACE)."""
-    return PAYLOAD_GRACE + n / MIN_PAYLOAD_RATE
-
-
-def _close(writer: asyncio.StreamWriter) -> None:
-    """Close a stream's socket now: unsent bytes are discarded (a peer that does not read
-    them must not keep the descriptor open). Never raises."""
-    try:
-        transport = writer.transport
-        if transport.get_write_buffer_size():
-            transport.abort()
-        else:
-            writer.close()
-    except Exception as e:  # already closed, loop shutting down
-        log.debug("closing a stream: %s", e)
 
 
 _BUSY = frame({"error": "busy"}, 0)
@@ -533,7 +419,7 @@ class Swarm:
             try:
                 remote = info.peer_id.to_base58()
             except Exception:  # the daemon always sends one; never let a stream leak
-                _close(writer)
+                close_stream(writer)
                 return
             if remote in self.bans:  # served (handlers refuse it with the reason), but every request counts
                 self.drop(remote, "banned")
@@ -547,7 +433,7 @@ class Swarm:
                         self._tarpit[remote] -= 1
                         if self._tarpit[remote] <= 0:
                             del self._tarpit[remote]
-                _close(writer)
+                close_stream(writer)
                 return
             if self._streams[remote] >= MAX_STREAMS_PER_PEER or self._streams_total >= MAX_STREAMS:
                 self.drop(remote, "busy")
@@ -555,7 +441,7 @@ class Swarm:
                     writer.write(_BUSY)  # a few bytes into an empty socket buffer: never blocks
                 except Exception as e:  # the stream is already gone
                     log.debug("busy answer to %s: %s", remote[-8:], e)
-                _close(writer)
+                close_stream(writer)
                 return
             self._streams[remote] += 1
             self._streams_total += 1
@@ -564,7 +450,7 @@ class Swarm:
             except Exception:  # a bug here must not reach asyncio's connection callback
                 log.exception("serving %s for %s failed", name, remote[-8:])
             finally:
-                _close(writer)
+                close_stream(writer)
                 self._streams_total -= 1
                 self._streams[remote] -= 1
                 if self._streams[remote] <= 0:
@@ -731,7 +617,7 @@ class Swarm:
                 if sent[0] is None:
                     self.stats.bytes_out += len(payload)
             if writer is not None:
-                _close(writer)
+                close_stream(writer)
         self.stats.bytes_in += len(body)
         if "error" in reply:
             if "denied" in reply:
@@ -780,7 +666,7 @@ async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: f
             async with asyncio.timeout(timeout):
                 _, _, writer = await probe.call_binary_stream_handler(PeerID.from_base58(peer_id),
                                                                       "p2pdiloco.identity-probe")
-                _close(writer)
+                close_stream(writer)
             return True  # nobody serves this name, but an answer means someone is there
         except Exception as e:
             text = str(e).lower()
@@ -812,7 +698,3 @@ def _no_peers_message(initial_peers: Sequence[str]) -> str:
     return (f"none of the initial peers answered ({', '.join(initial_peers)}); check the addresses, "
             "or start a new swarm with `p2pdiloco bootstrap` and join its printed multiaddr")
 
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[-1][:300] if text else type(e).__name__

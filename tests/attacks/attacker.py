@@ -437,7 +437,7 @@ async def stall(atk: Attacker, targets: Sequence[str], until: float) -> None:
 
     async def on_get(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
         atk.stats["state_requests_held"] += 1
-        await asyncio.sleep(3600)
+        await asyncio.Event().wait()  # never answers
         return {}, b""
 
     await atk.serve("state.get", on_get)

@@ -43,7 +43,7 @@ import psutil
 import pytest
 
 from tests.attacks.attacker import FOLLOW_LIMIT, Attacker, World, idle
-from tests.conftest import TINY, Harness
+from tests.conftest import TINY, Harness, running, wait_for
 
 RUN_ID = "test"  # tests.conftest.Harness starts every node with --run-id test
 SETTINGS = {**TINY, "data.num_shards": "2"}
@@ -144,16 +144,17 @@ class PublicSwarm:
         self.nodes = [h.node(maddr, f"n{i}", {**SETTINGS, "data.shard_index": str(i)}, "--duration", "7200")
                       for i in range(2)]
         self.world = World.from_settings(SETTINGS, RUN_ID, maddr)
-        end = time.monotonic() + 150
-        while True:
-            h.track_daemons()
+        statuses: list = []
+
+        def warm() -> bool:
+            nonlocal statuses
             statuses = [_read_status(d) for _, d in self.nodes]
-            if all(s and s.get("state") == "training" and s.get("rounds_committed", 0) >= WARM_ROUNDS for s in statuses):
-                break
             for proc, d in self.nodes:
                 assert proc.poll() is None, f"{d.name} exited while starting:\n{self.log_tail(d)}"
-            assert time.monotonic() < end, f"the swarm did not warm up: {statuses}"
-            time.sleep(0.5)
+            return all(s and s.get("state") == "training" and s.get("rounds_committed", 0) >= WARM_ROUNDS
+                       for s in statuses)
+
+        wait_for(warm, 150, lambda: f"the swarm warming up: {statuses}", every=0.5, tick=h.track_daemons)
         self.peer_ids = [s["peer_id"] for s in statuses]
         self.measure_baseline()
 
@@ -173,13 +174,8 @@ class PublicSwarm:
             return
         h, self.harness = self.harness, None
         h.close()
-        end = time.monotonic() + 5
-        while True:
-            alive = [p.pid for p in h.daemons if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-            if not alive or time.monotonic() > end:
-                break
-            time.sleep(0.2)
-        assert not alive, f"p2pd daemons outlived the attack suite's swarm: {alive}"
+        wait_for(lambda: not running(h.daemons), 5,
+                 lambda: f"p2pd daemons outlived the attack suite's swarm: {running(h.daemons)}")
 
     def ensure_ready(self) -> bool:
         """Start the swarm, or replace it when a previous attack crashed, took over or stalled

@@ -10,6 +10,7 @@ equal digests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.attacks.conftest import IGNORING, _keys  # noqa: F401
-from tests.conftest import TINY
+from tests.conftest import TINY, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -83,13 +84,13 @@ def test_8_revocation_reaches_running_members(harness, tmp_path: Path):
             proc, d = nodes[n]
             assert proc.poll() is None, f"{n} exited (code {proc.returncode}):\n{(d / 'node.log').read_text()[-3000:]}"
 
-    end = time.monotonic() + 150  # every member trains and has merged
-    while not all(_status(d).get("state") == "training" and _status(d).get("rounds_committed", 0) >= 10
-                  for _, d in nodes.values()):
-        harness.track_daemons()
-        alive()
-        assert time.monotonic() < end, {n: _status(d).get("state") for n, (_, d) in nodes.items()}
-        time.sleep(0.5)
+    def ticking(names=("m0", "m1", "m2")):
+        return lambda: (harness.track_daemons(), alive(names))
+
+    wait_for(lambda: all(_status(d).get("state") == "training" and _status(d).get("rounds_committed", 0) >= 10
+                         for _, d in nodes.values()), 150,
+             lambda: f"every member training with 10 rounds: {({n: _status(d).get('state') for n, (_, d) in nodes.items()})}",
+             every=0.5, tick=ticking())
     honest = [nodes["m0"][1], nodes["m1"][1]]
     revoked = peer_ids["m2"]
     before = [_status(d) for d in honest]
@@ -103,15 +104,16 @@ def test_8_revocation_reaches_running_members(harness, tmp_path: Path):
     published = time.monotonic() - t0
     assert r.returncode == 0, f"`p2pdiloco swarm revoke --publish` failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}"
 
-    deadline = time.monotonic() + REFUSE_WITHIN
     refused_at: dict[int, float] = {}
-    while len(refused_at) < 2 and time.monotonic() < deadline:
-        harness.track_daemons()
-        alive(("m0", "m1"))
+
+    def both_refuse() -> bool:
         for i, d in enumerate(honest):
             if i not in refused_at and _refuses(_status(d), revoked, before[i]):
                 refused_at[i] = time.monotonic() - t0
-        time.sleep(0.5)
+        return len(refused_at) == 2
+
+    with contextlib.suppress(AssertionError):  # who refused in time is asserted below
+        wait_for(both_refuse, REFUSE_WITHIN, "both members refusing", every=0.5, tick=ticking(("m0", "m1")))
     print(f"\n[attack-suite] revocation: published in {published:.1f} s; refused by "
           f"{ {f'm{i}': round(t, 1) for i, t in refused_at.items()} } s after the revoke command started", flush=True)
     assert len(refused_at) == 2, (
@@ -120,15 +122,16 @@ def test_8_revocation_reaches_running_members(harness, tmp_path: Path):
         f"{[{k: _status(d).get(k) for k in (*IGNORING, 'refused')} for d in honest]}")
 
     # the two remaining members keep training together: rounds go on, their digests agree
-    end = time.monotonic() + 30
-    while True:
-        alive(("m0", "m1"))
+    a, b = {}, {}
+
+    def agree() -> bool:
+        nonlocal a, b
         a, b = (_status(d) for d in honest)
-        if a.get("fragments") and a.get("fragments") == b.get("fragments") \
-                and abs(a.get("time", 0) - b.get("time", 0)) <= 1.5 \
-                and all(st.get("rounds_committed", 0) > r0 + 5 for st, r0 in zip((a, b), rounds_before)):
-            break
-        assert time.monotonic() < end, f"m0 and m1 did not train on with equal digests: {a.get('fragments')} " \
-                                       f"{b.get('fragments')}; bans {a.get('bans')} {b.get('bans')}; " \
-                                       f"ignored {a.get('ignored')} {b.get('ignored')}"
-        time.sleep(0.5)
+        return bool(a.get("fragments")) and a.get("fragments") == b.get("fragments") \
+            and abs(a.get("time", 0) - b.get("time", 0)) <= 1.5 \
+            and all(st.get("rounds_committed", 0) > r0 + 5 for st, r0 in zip((a, b), rounds_before))
+
+    wait_for(agree, 30, lambda: f"m0 and m1 training on with equal digests: {a.get('fragments')} "
+                                f"{b.get('fragments')}; bans {a.get('bans')} {b.get('bans')}; "
+                                f"ignored {a.get('ignored')} {b.get('ignored')}",
+             every=0.5, tick=lambda: alive(("m0", "m1")))

@@ -1,0 +1,83 @@
+"""The node's journal: what happened to it, one JSON object per line, in ``{data_dir}/events.jsonl``.
+
+A flight recorder for a run, read back by people (``jq``) and by the tests, which assert on
+it instead of on log wording. Every line is ``{"t": unix seconds, "event": KIND, ...fields}``:
+
+* ``round``: an outer round ended: ``fragment``, ``version`` (produced when committed, else the
+  anchor's), ``members`` (0 when none was formed), ``seconds``, ``committed``, ``reason``
+  (why not: "late", "no_quorum", "excluded", the failure), ``digest`` (12 hex, committed only);
+* ``follow``: a downloaded state was installed: ``fragment``, ``from_version``, ``version``,
+  ``digest``, ``ours`` (our contribution was inside it);
+* ``download_failed``: ``fragment``, ``version``, ``donor`` (peer ID), ``reason``;
+* ``resumed``: the local checkpoint was loaded: ``step``;
+* ``joined``: the node took the swarm's inner step on joining: ``step``, ``lr``;
+* ``fault``: an injected fault (``--set fault=...``) fired: ``fault``, and where.
+
+Bounded: past ``max_bytes`` the file is renamed to ``events.jsonl.1`` (replacing an older one)
+and a new one starts. Lines are appended whole and flushed; a reader skips a torn last line
+(a process killed mid-write).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FILE = "events.jsonl"
+MAX_BYTES = 8 * 2**20
+
+
+class Journal:
+    """Appends events to ``path`` (None: keeps nothing). One per node, written from its event
+    loop only (each line is one ``write`` on an unbuffered binary file)."""
+
+    def __init__(self, path: Path | None, max_bytes: int = MAX_BYTES):
+        self.path, self.max_bytes = path, max_bytes
+        self._size = path.stat().st_size if path is not None and path.exists() else 0
+        self._torn = self._size > 0 and _last_byte(path) != b"\n"  # a previous process died mid-line
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Append one event (fields JSON-able). Never raises: a full disk costs the journal, not the run."""
+        if self.path is None:
+            return
+        line = (json.dumps({"t": round(time.time(), 3), "event": event, **fields}, separators=(",", ":")) + "\n").encode()
+        if self._torn:  # end the torn line first, so that this one stays whole
+            line, self._torn = b"\n" + line, False
+        try:
+            if self._size + len(line) > self.max_bytes and self._size:
+                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                self._size = 0
+            with open(self.path, "ab", buffering=0) as f:
+                f.write(line)
+            self._size += len(line)
+        except OSError as e:
+            log.warning("journal %s: %s", self.path, e)
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """Every complete event in ``path`` (``events.jsonl``), oldest first; [] if it does not exist."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:  # a torn last line
+            continue
+        if isinstance(event, dict):
+            out.append(event)
+    return out
