@@ -247,7 +247,13 @@ class Node:
                 self.grace.t_sync.update(time.monotonic() - t1)
                 new = nesterov_outer_step(anchor, merged, out.lr, out.momentum)
                 self.matchmaker.group_succeeded(group)
-                if self.committed[p] is anchor:  # no catch-up replaced it meanwhile
+                if self.committed[p].digest != anchor.digest:  # another state was installed meanwhile
+                    self.stats.rounds_failed += 1
+                    self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, False,
+                                             "superseded"))
+                    log.warning("round f%d v%d merged, but fragment %d moved to v%d meanwhile: result dropped",
+                                p, new.version, p, self.committed[p].version)
+                else:
                     self.committed[p] = result = new
                     self._round_ids[p] = group.round_id
                     self.stats.rounds_committed += 1
