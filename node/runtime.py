@@ -249,6 +249,7 @@ class Node:
                 self.matchmaker.group_succeeded(group)
                 if self.committed[p].digest != anchor.digest:  # another state was installed meanwhile
                     self.stats.rounds_failed += 1
+                    self._failed_round[p] = group.round_id  # its result holds our progress: see _follow
                     self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, False,
                                              "superseded"))
                     log.warning("round f%d v%d merged, but fragment %d moved to v%d meanwhile: result dropped",

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgpack
@@ -26,7 +25,7 @@ from conftest import until as _until
 from hivemind.p2p import PeerID
 
 from p2pdiloco.errors import PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError
-from p2pdiloco.net import framing, transport
+from p2pdiloco.net import drops, framing, transport
 from p2pdiloco.net.transport import Header, Swarm, frame, read_header, read_payload
 from p2pdiloco.trust.certificates import Membership, SwarmKey
 from p2pdiloco.trust.errors import AccessDenied
@@ -144,7 +143,7 @@ async def test_idle_streams_bounded_per_peer(monkeypatch):
     the others answered "busy" at once; descriptors stay bounded and all are released."""
     monkeypatch.setattr(transport, "HEADER_TIMEOUT", 15.0)
     monkeypatch.setattr(transport, "LINGER_TIMEOUT", 1.0)
-    monkeypatch.setattr(transport, "DROP_BUDGET", 10_000)  # the stream cap alone (blocking: its own test)
+    monkeypatch.setattr(drops, "DROP_BUDGET", 10_000)  # the stream cap alone (blocking: its own test)
     limit = transport.MAX_STREAMS_PER_PEER
     async with swarms(3) as (a, b, c):
         await a.add_handler("t.echo", recorder([], lambda p: p), max_payload=MiB)
@@ -310,49 +309,44 @@ async def test_garbage_requests_dropped_and_counted():
         await until(lambda: a.open_streams() == 0, 10, "streams to close")
 
 
-def _bare_swarm() -> Swarm:
-    """A Swarm object without a daemon: the drop and block bookkeeping needs nothing else."""
-    swarm = Swarm.__new__(Swarm)
-    swarm.peer_id, swarm.dropped, swarm.drop_reasons = "me", Counter(), Counter()
-    swarm.blocked, swarm._blocks, swarm._drop_window = {}, {}, {}
-    return swarm
-
-
 def test_drop_accounting_is_bounded():
-    swarm = _bare_swarm()
+    ledger = drops.DropLedger("me")
     for _ in range(5):
-        swarm.drop("heavy", "busy")
-    for i in range(3 * transport.MAX_DROP_PEERS):
-        swarm.drop(f"p{i}", "bad_header")
-    assert len(swarm.dropped) <= transport.MAX_DROP_PEERS and swarm.dropped["heavy"] == 5
-    assert swarm.drop_reasons == {"busy": 5, "bad_header": 3 * transport.MAX_DROP_PEERS}
-    assert len(swarm._drop_window) <= transport.MAX_DROP_PEERS and not swarm.blocking()
+        ledger.drop("heavy", "busy")
+    for i in range(3 * drops.MAX_DROP_PEERS):
+        ledger.drop(f"p{i}", "bad_header")
+    assert len(ledger.dropped) <= drops.MAX_DROP_PEERS and ledger.dropped["heavy"] == 5
+    assert ledger.reasons == {"busy": 5, "bad_header": 3 * drops.MAX_DROP_PEERS}
+    assert ledger.windows() <= drops.MAX_DROP_PEERS and not ledger.blocking()
 
 
 def test_a_peer_over_its_drop_budget_is_blocked_for_a_doubling_while(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr(transport.time, "monotonic", lambda: now[0])
-    swarm = _bare_swarm()
-    for _ in range(transport.DROP_BUDGET - 1):
-        swarm.drop("flooder", "bad_header")
-    assert swarm.blocking() == {}
-    swarm.drop("flooder", "bad_header")
-    assert swarm.blocking() == {"flooder": transport.BLOCK_S}
-    now[0] += transport.BLOCK_S + 1
-    assert swarm.blocking() == {}
-    for _ in range(transport.DROP_BUDGET):  # blocked again: twice as long
-        swarm.drop("flooder", "bad_header")
-    assert swarm.blocking() == {"flooder": 2 * transport.BLOCK_S}
-    now[0] += transport.DROP_WINDOW_S + 1  # drops spread over more than the window do not add up
-    for _ in range(transport.DROP_BUDGET - 1):
-        swarm.drop("slow", "bad_header")
-        now[0] += transport.DROP_WINDOW_S / transport.DROP_BUDGET * 2
-    assert "slow" not in swarm.blocking()
+    monkeypatch.setattr(drops.time, "monotonic", lambda: now[0])
+    ledger = drops.DropLedger("me")
+    for _ in range(drops.DROP_BUDGET - 1):
+        ledger.drop("flooder", "bad_header")
+    assert ledger.blocking() == {} and not ledger.is_blocked("flooder")
+    ledger.drop("flooder", "bad_header")
+    assert ledger.blocking() == {"flooder": drops.BLOCK_S} and ledger.is_blocked("flooder")
+    now[0] += drops.BLOCK_S + 1
+    assert ledger.blocking() == {} and not ledger.is_blocked("flooder")
+    for _ in range(drops.DROP_BUDGET):  # blocked again: twice as long
+        ledger.drop("flooder", "bad_header")
+    assert ledger.blocking() == {"flooder": 2 * drops.BLOCK_S}
+    now[0] += drops.DROP_WINDOW_S + 1  # drops spread over more than the window do not add up
+    for _ in range(drops.DROP_BUDGET - 1):
+        ledger.drop("slow", "bad_header")
+        now[0] += drops.DROP_WINDOW_S / drops.DROP_BUDGET * 2
+    assert "slow" not in ledger.blocking()
+    for _ in range(2 * drops.DROP_BUDGET):  # this peer itself is never blocked
+        ledger.drop("me", "bad_header")
+    assert "me" not in ledger.blocking()
 
 
 @pytest.mark.asyncio
 async def test_blocked_peer_is_held_unanswered_then_closed_and_others_are_served(monkeypatch):
-    monkeypatch.setattr(transport, "DROP_BUDGET", 5)
+    monkeypatch.setattr(drops, "DROP_BUDGET", 5)
     monkeypatch.setattr(transport, "TARPIT_S", 3.0)
     async with swarms(3) as (a, b, c):
         await a.add_handler("t.echo", recorder([], lambda p: p), max_payload=16)

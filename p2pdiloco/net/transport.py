@@ -4,10 +4,8 @@ This package (``p2pdiloco.net``) is the only place that imports hivemind. Everyt
 wraps hivemind's public API (``hivemind.p2p.P2P``, ``hivemind.dht.DHTNode``) and translates
 its errors into :mod:`p2pdiloco.errors`.
 
-Lifecycle (measured with hivemind 1.1.12): hivemind's ``DHT`` class runs its node in a child process that
-keeps the daemon alive after its parent is SIGKILLed. We run ``DHTNode`` inside the caller's
-event loop instead, so the only child is p2pd, which exits as soon as its owner's control
-connection closes, including on SIGKILL.
+Lifecycle: :mod:`p2pdiloco.net.daemon` starts p2pd and an in-process ``DHTNode`` (so p2pd is
+the only child, and exits with its owner, SIGKILL included); :meth:`Swarm.shutdown` stops both.
 
 RPCs (:meth:`Swarm.call`, :meth:`Swarm.add_handler`) run on hivemind's raw libp2p streams
 (``P2P.call_binary_stream_handler`` / ``P2P.add_binary_stream_handler``), one stream per call,
@@ -25,15 +23,13 @@ streams per peer and ``MAX_STREAMS`` in all are served at once; the others are a
 ``LINGER_TIMEOUT`` seconds for the caller to close its end (closing first can reset the stream
 and lose the answer). The caller reads the reply while it still writes (a refusal arrives
 before the request is fully sent) and checks the reply's ``_n`` against its ``max_reply``.
-Every malformed, oversized, over-limit or late inbound message is counted by
-:meth:`Swarm.drop`; a peer with more than ``DROP_BUDGET`` drops within ``DROP_WINDOW_S``
-seconds is blocked: its streams are closed unread for ``BLOCK_S`` seconds, doubling with every
-further block (at most ``BLOCK_MAX_S``); up to ``TARPIT_PER_PEER`` of them (``TARPIT_MAX`` in
-all) are first held unanswered for ``TARPIT_S`` seconds, so that a caller that waits for its
-answers slows down instead of opening stream after stream. Every request of a banned peer
-counts as a drop (its handlers refuse it, with the reason), so a banned peer that keeps
-calling is blocked too. Every
-call has a deadline.
+Every malformed, oversized, over-limit or late inbound message is a drop
+(:class:`~p2pdiloco.net.drops.DropLedger`: a peer over its drop budget is blocked for a
+doubling while); a blocked peer's streams are closed unread, up to ``TARPIT_PER_PEER`` of them
+(``TARPIT_MAX`` in all) after being held unanswered for ``TARPIT_S`` seconds, so that a caller
+that waits for its answers slows down instead of opening stream after stream. Every request of
+a banned peer counts as a drop (its handlers refuse it, with the reason), so a banned peer
+that keeps calling is blocked too. Every call has a deadline.
 
 Trust (docs/trust.md): the daemon runs with the node's Ed25519 identity
 (:mod:`p2pdiloco.trust.identity`), so the peer ID libp2p authenticates on every connection
@@ -57,9 +53,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import shutil
-from pathlib import Path
-
 import psutil
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P, PeerID
@@ -75,6 +68,8 @@ from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_pay
     read_payload,
     write_message,
 )
+from p2pdiloco.net.daemon import identity_in_use, start_daemon, start_dht
+from p2pdiloco.net.drops import MAX_DROP_PEERS, DropLedger
 from p2pdiloco.net.framing import short_error as _short
 from p2pdiloco.net.signed_records import SignedRecords
 from p2pdiloco.trust.certificates import Membership
@@ -86,17 +81,12 @@ log = logging.getLogger(__name__)
 HEADER_TIMEOUT = 10.0  # seconds an inbound stream may take to deliver its request header
 LINGER_TIMEOUT = 5.0  # seconds a server waits for the caller to close after the answer
 LINGER_DISCARD_BYTES = 8 << 20  # bytes a server reads and discards while it lingers, at most
-DROP_BUDGET = 50  # drops one peer may cause within DROP_WINDOW_S before it is blocked
-DROP_WINDOW_S = 60.0
-BLOCK_S = 60.0  # seconds the first block lasts; doubles with each further block
-BLOCK_MAX_S = 900.0
 TARPIT_S = 10.0  # seconds a blocked peer's stream is held unanswered before it is closed ...
 TARPIT_PER_PEER = 16  # ... for this many of its streams at once (the others are closed at once)
 TARPIT_MAX = 256  # ... and this many in all
 MAX_STREAMS_PER_PEER = 16  # inbound streams served at once for one peer (mm.join holds one ~2 min)
 MAX_STREAMS = 512  # inbound streams served at once in all
 DEFAULT_MAX_REPLY = 1 << 20  # bytes: reply payload a call accepts unless told otherwise
-MAX_DROP_PEERS = 1024  # peers remembered in Swarm.dropped (the smallest counts are evicted)
 
 Handler = Callable[[str, Header, bytes], Awaitable[tuple[Header, bytes]]]
 
@@ -148,15 +138,12 @@ class Swarm:
         bans: peer ID -> reason, peers excluded for the rest of the run (a contribution
             of theirs failed verification); consulted by matchmaking and the all-reduce.
         refused: requests refused because the caller is not a member, by reason.
-        dropped: inbound RPC messages not served (malformed, oversized, over a stream limit,
-            too slow), by peer ID; at most ``MAX_DROP_PEERS`` peers. See :meth:`drop`.
-        drop_reasons: the same drops by reason (``busy``, ``header_timeout``, ``bad_header``,
-            ``bad_cert``, ``too_large``, ``payload_timeout``, ``truncated``, ``closed``,
-            ``reply_timeout``, ``reply_broken``; for our calls: ``bad_reply``,
-            ``reply_too_large``; ``blocked`` for streams of blocked or banned peers closed
-            unread; other modules add the records and messages they drop).
-        blocked: peer ID -> until when (monotonic s) its streams are closed unread (more than
-            ``DROP_BUDGET`` drops within ``DROP_WINDOW_S``); see :meth:`blocking`.
+        drops: the :class:`~p2pdiloco.net.drops.DropLedger` of inbound messages not served;
+            ``dropped`` (by peer), ``drop_reasons`` and ``blocked`` are its counters. Reasons
+            here: ``busy``, ``header_timeout``, ``bad_header``, ``bad_cert``, ``too_large``,
+            ``payload_timeout``, ``truncated``, ``closed``, ``reply_timeout``, ``reply_broken``;
+            for our calls ``bad_reply``, ``reply_too_large``; ``blocked`` for streams of
+            blocked or banned peers closed unread; other modules add the records they drop.
         stats: traffic counters (RPC payload bytes, both directions).
     """
 
@@ -168,11 +155,9 @@ class Swarm:
         self.identity, self.membership, self.records = identity, membership, records
         self.bans: dict[str, str] = {}
         self.refused: Counter[str] = Counter()
-        self.dropped: Counter[str] = Counter()  # inbound messages not served, by peer (see drop)
-        self.drop_reasons: Counter[str] = Counter()  # the same, by reason
-        self.blocked: dict[str, float] = {}  # peer -> its streams are closed unread until (monotonic s)
-        self._blocks: dict[str, int] = {}  # peer -> times it was blocked
-        self._drop_window: dict[str, tuple[float, int]] = {}  # peer -> (window start, drops in it)
+        self.drops = DropLedger(self.peer_id)
+        # the ledger's own counters, under the names status and the other modules read
+        self.dropped, self.drop_reasons, self.blocked = self.drops.dropped, self.drops.reasons, self.drops.blocked
         self._tarpit: Counter[str] = Counter()  # blocked peer -> its streams held unanswered now
         self._refused_peers: set[str] = set()  # refused at least once (logged at INFO once)
         self._streams: Counter[str] = Counter()  # inbound streams being served, by peer
@@ -236,41 +221,10 @@ class Swarm:
                     f"identity {identity.path} (peer ID {identity.peer_id}) is already used by a running node of "
                     "this swarm; a second node with the same identity would steal its connections. Stop the "
                     "other node, or give this one its own --data-dir (or trust.identity) to get a new identity")
-        key_file = identity.path if identity.path is not None else identity.write_temporary()
-        known = {c.pid for c in psutil.Process().children()}
-        try:
-            p2p = await P2P.create(
-                initial_peers=list(initial_peers) or None,
-                host_maddrs=list(host_maddrs),
-                announce_maddrs=list(announce_maddrs) or None,
-                identity_path=str(key_file),
-                check_if_identity_free=False,  # done above: hivemind's check reads RSA keys only
-                startup_timeout=startup_timeout,
-                idle_timeout=365 * 24 * 3600,  # quiet inner phases must not kill the daemon
-            )
-        except Exception as e:
-            if initial_peers and "bootstrap" in str(e):
-                raise NetworkError(_no_peers_message(initial_peers)) from None
-            raise NetworkError(f"the libp2p daemon did not start: {_short(e)}") from None
-        finally:
-            if identity.path is None:  # p2pd has read the temporary key file
-                shutil.rmtree(Path(key_file).parent, ignore_errors=True)
-        daemon = [c.pid for c in psutil.Process().children() if c.pid not in known and c.name() == "p2pd"]
+        p2p, daemon_pid = await start_daemon(identity, initial_peers, host_maddrs, announce_maddrs, startup_timeout)
         records = SignedRecords(identity, membership)
-        try:
-            dht = await DHTNode.create(
-                p2p=p2p,
-                initial_peers=list(initial_peers) or None,
-                bootstrap_timeout=bootstrap_timeout,
-                wait_timeout=3,
-                record_validator=records,
-            )
-        except Exception as e:
-            await p2p.shutdown()
-            if initial_peers:
-                raise NetworkError(_no_peers_message(initial_peers)) from None
-            raise NetworkError(f"the DHT did not start: {_short(e)}") from None
-        swarm = cls(p2p, dht, daemon[0] if daemon else None, identity, membership, records)
+        dht = await start_dht(p2p, initial_peers, bootstrap_timeout, records)
+        swarm = cls(p2p, dht, daemon_pid, identity, membership, records)
         if swarm.peer_id != identity.peer_id:  # p2pd must run with exactly our key
             await swarm.shutdown()
             raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
@@ -356,37 +310,12 @@ class Swarm:
     # ---- RPC ----------------------------------------------------------------------------
     def drop(self, peer: str, reason: str) -> None:
         """Count an inbound message from ``peer`` that was not served (malformed, oversized,
-        over a limit, too slow): ``dropped[peer]`` and ``drop_reasons[reason]`` grow by one.
-        ``dropped`` keeps the ``MAX_DROP_PEERS`` peers with the most drops at most. Logged
-        at DEBUG only (a flood must not flood the log). Never raises."""
-        self.dropped[peer] += 1
-        self.drop_reasons[reason] += 1
-        if len(self.dropped) > MAX_DROP_PEERS:
-            keep = MAX_DROP_PEERS * 3 // 4
-            for victim, _ in self.dropped.most_common()[keep:]:
-                del self.dropped[victim]
-        log.debug("dropped a message from %s: %s", peer[-8:], reason)
-        now = time.monotonic()
-        start, n = self._drop_window.get(peer, (now, 0))
-        if now - start > DROP_WINDOW_S:
-            start, n = now, 0
-        self._drop_window[peer] = (start, n + 1)
-        if n + 1 >= DROP_BUDGET and peer != self.peer_id:
-            del self._drop_window[peer]
-            k = self._blocks[peer] = self._blocks.get(peer, 0) + 1
-            seconds = min(BLOCK_MAX_S, BLOCK_S * 2 ** (k - 1))
-            self.blocked[peer] = now + seconds
-            log.warning("blocking %s for %.0f s: %d malformed or over-limit messages within %.0f s",
-                        peer[-8:], seconds, DROP_BUDGET, DROP_WINDOW_S)
-        if len(self._drop_window) > MAX_DROP_PEERS:  # bounded: forget the oldest windows
-            for victim in sorted(self._drop_window, key=lambda q: self._drop_window[q][0])[:MAX_DROP_PEERS // 4]:
-                del self._drop_window[victim]
+        over a limit, too slow), and block the peer past its budget (:class:`DropLedger`)."""
+        self.drops.drop(peer, reason)
 
     def blocking(self) -> dict[str, float]:
         """Peers whose streams are closed unread now, {peer ID: seconds left}."""
-        now = time.monotonic()
-        self.blocked = {p: t for p, t in self.blocked.items() if t > now}
-        return {p: round(t - now, 1) for p, t in self.blocked.items()}
+        return self.drops.blocking()
 
     def open_streams(self, peer: str | None = None) -> int:
         """Inbound RPC streams being served now: from ``peer``, or from everybody."""
@@ -423,7 +352,7 @@ class Swarm:
                 return
             if remote in self.bans:  # served (handlers refuse it with the reason), but every request counts
                 self.drop(remote, "banned")
-            if remote in self.blocked and self.blocked[remote] > time.monotonic():
+            if self.drops.is_blocked(remote):
                 self.drop_reasons["blocked"] += 1
                 if self._tarpit[remote] < TARPIT_PER_PEER and sum(self._tarpit.values()) < TARPIT_MAX:
                     self._tarpit[remote] += 1  # held unanswered: a caller that waits for answers slows down
@@ -650,38 +579,6 @@ class Swarm:
                 pass
 
 
-async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: float = 8.0) -> bool:
-    """Whether a running peer reachable through ``initial_peers`` already has ``peer_id``.
-
-    Starts a throwaway daemon with a random identity and asks libp2p's routing for the peer:
-    a connection that fails only at protocol negotiation means the peer is up ("routing:
-    not found" or a dial failure means it is not). The throwaway daemon is always shut down.
-    Any failure of the check itself counts as "not in use" (logged).
-    """
-    probe = None
-    try:
-        probe = await P2P.create(initial_peers=list(initial_peers), dht_mode="client", startup_timeout=15,
-                                 check_if_identity_free=False)
-        try:
-            async with asyncio.timeout(timeout):
-                _, _, writer = await probe.call_binary_stream_handler(PeerID.from_base58(peer_id),
-                                                                      "p2pdiloco.identity-probe")
-                close_stream(writer)
-            return True  # nobody serves this name, but an answer means someone is there
-        except Exception as e:
-            text = str(e).lower()
-            return "protocol" in text and "not supported" in text
-    except Exception as e:
-        log.info("could not check whether identity %s is in use: %s", peer_id[-8:], _short(e))
-        return False
-    finally:
-        if probe is not None:
-            try:
-                await asyncio.wait_for(probe.shutdown(), 10)
-            except Exception as e:
-                log.debug("probe shutdown: %s", e)
-
-
 async def _hold(reader: asyncio.StreamReader, seconds: float, discard: int = 1 << 20) -> None:
     """Wait until the caller closes its end (EOF), ``seconds`` pass, or it sent ``discard``
     bytes (read and thrown away), whichever comes first."""
@@ -692,9 +589,3 @@ async def _hold(reader: asyncio.StreamReader, seconds: float, discard: int = 1 <
                 got += len(chunk)
     except (TimeoutError, ConnectionError, OSError):
         pass
-
-
-def _no_peers_message(initial_peers: Sequence[str]) -> str:
-    return (f"none of the initial peers answered ({', '.join(initial_peers)}); check the addresses, "
-            "or start a new swarm with `p2pdiloco bootstrap` and join its printed multiaddr")
-

@@ -1,0 +1,80 @@
+"""Drop accounting and blocks for one peer's inbound traffic (``transport.Swarm.drops``).
+
+Every inbound message that is not served (malformed, oversized, over a limit, too slow) is a
+drop, counted by peer and by reason. A peer with ``DROP_BUDGET`` drops within
+``DROP_WINDOW_S`` seconds is blocked: the transport closes its streams unread for ``BLOCK_S``
+seconds, doubling with every further block (at most ``BLOCK_MAX_S``). Bounded: at most
+``MAX_DROP_PEERS`` peers are remembered (those with the fewest drops, and the oldest windows,
+are forgotten first). Drops are logged at DEBUG only: a flood must not flood the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+log = logging.getLogger(__name__)
+
+DROP_BUDGET = 50  # drops one peer may cause within DROP_WINDOW_S before it is blocked
+DROP_WINDOW_S = 60.0
+BLOCK_S = 60.0  # seconds the first block lasts; doubles with each further block
+BLOCK_MAX_S = 900.0
+MAX_DROP_PEERS = 1024  # peers remembered in DropLedger.dropped (the smallest counts are evicted)
+
+
+class DropLedger:
+    """Drops and blocks of one peer's transport; ``me`` (this peer's ID) is never blocked.
+
+    Attributes:
+        dropped: inbound messages not served, by peer ID (at most ``MAX_DROP_PEERS`` peers).
+        reasons: the same drops by reason (the transport's and other modules' reasons).
+        blocked: peer ID -> until when (``time.monotonic()`` seconds) its streams are closed unread.
+    """
+
+    def __init__(self, me: str):
+        self.me = me
+        self.dropped: Counter[str] = Counter()
+        self.reasons: Counter[str] = Counter()
+        self.blocked: dict[str, float] = {}
+        self._blocks: dict[str, int] = {}  # peer -> times it was blocked
+        self._window: dict[str, tuple[float, int]] = {}  # peer -> (window start, drops in it)
+
+    def drop(self, peer: str, reason: str) -> None:
+        """Count one message from ``peer`` that was not served; block the peer when it reaches
+        its budget (module docstring). Never raises."""
+        self.dropped[peer] += 1
+        self.reasons[reason] += 1
+        if len(self.dropped) > MAX_DROP_PEERS:
+            for victim, _ in self.dropped.most_common()[MAX_DROP_PEERS * 3 // 4:]:
+                del self.dropped[victim]
+        log.debug("dropped a message from %s: %s", peer[-8:], reason)
+        now = time.monotonic()
+        start, n = self._window.get(peer, (now, 0))
+        if now - start > DROP_WINDOW_S:
+            start, n = now, 0
+        self._window[peer] = (start, n + 1)
+        if n + 1 >= DROP_BUDGET and peer != self.me:
+            del self._window[peer]
+            k = self._blocks[peer] = self._blocks.get(peer, 0) + 1
+            seconds = min(BLOCK_MAX_S, BLOCK_S * 2 ** (k - 1))
+            self.blocked[peer] = now + seconds
+            log.warning("blocking %s for %.0f s: %d malformed or over-limit messages within %.0f s",
+                        peer[-8:], seconds, DROP_BUDGET, DROP_WINDOW_S)
+        if len(self._window) > MAX_DROP_PEERS:  # bounded: forget the oldest windows
+            for victim in sorted(self._window, key=lambda q: self._window[q][0])[:MAX_DROP_PEERS // 4]:
+                del self._window[victim]
+
+    def is_blocked(self, peer: str) -> bool:
+        return self.blocked.get(peer, 0.0) > time.monotonic()
+
+    def blocking(self) -> dict[str, float]:
+        """Peers blocked now, {peer ID: seconds left}; expired blocks are forgotten (in place)."""
+        now = time.monotonic()
+        for p in [p for p, t in self.blocked.items() if t <= now]:
+            del self.blocked[p]
+        return {p: round(t - now, 1) for p, t in self.blocked.items()}
+
+    def windows(self) -> int:
+        """Peers whose drop window is remembered now (bounded by ``MAX_DROP_PEERS``)."""
+        return len(self._window)
