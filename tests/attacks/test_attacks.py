@@ -69,7 +69,10 @@ def test_5_stall_by_unanswered_heads(public_swarm):
     """Every 3 s heads one version ahead with a new random digest; ``state.get`` never answered:
     each node loses one first-reply deadline (``StateSync.first_reply_s``, 0.5-1 s here) per
     fragment before it ignores the staller."""
-    public_swarm.attack("5 stall: unanswerable heads", A.stall, WINDOW, expect="ignore")
+    # ignored once a node asked it for a state; on a fast swarm the claim (one version ahead
+    # every 3 s) can be outrun before any node asks, and then it cost nothing to ignore
+    public_swarm.attack("5 stall: unanswerable heads", A.stall, WINDOW,
+                        expect=lambda st: "ignore" if st["state_requests_held"] else None)
 
 
 # ---- 6. memory before authentication ---------------------------------------------------------
