@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from p2pdiloco.core.grace import GraceWindow
+from p2pdiloco.core.learner import lr_at
 from p2pdiloco.core.outer import OUTER_STEP_RULE, FragmentState, nesterov_outer_step
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded
@@ -126,6 +127,7 @@ class Node:
             self.swarm.inject_kill_midway("state.get", self._fault[1], lambda header: header.get("join") is True)
         self._allreduces = 0
         self._resumed = False
+        self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self.done = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -141,7 +143,7 @@ class Node:
         data_dir = Path(self.cfg.data_dir) if self.cfg.data_dir else None
         if data_dir is not None and await asyncio.to_thread(load_checkpoint, data_dir, self.setup.learner) is not None:
             self.committed = list(self.setup.learner.global_states)
-            self._resumed = True
+            self._resumed = self._joined = True
             self.journal.record("resumed", step=self.setup.learner.step)
         await self._catch_up(initial=True)
         deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
@@ -388,15 +390,23 @@ class Node:
                 self.stats.state = "joining" if initial else "catching up"
                 if await self._follow(p, head, records, initial=initial):
                     followed.append(head)
-        if initial and followed and not self._resumed:
-            # the smallest step among the holders: one holder cannot push a joiner's schedule ahead
+        if followed and not self._joined:
+            # the first state this node adopts also gives it the swarm's place in the learning-rate
+            # schedule, whether that download came on joining or later (no holder was known at
+            # start, or the first donor failed): the smallest step among the holders, so that one
+            # holder cannot push a joiner's schedule ahead; never backwards
             steps = [min(records[peer].step for peer in h.holders if peer in records) for h in followed
                      if any(peer in records for peer in h.holders)]
             if steps:
-                self.setup.learner.step = max(steps)
-                lr = self.setup.learner.current_lr()
-                log.info("joined at the swarm's inner step %d (inner lr %.6g)", max(steps), lr)
-                self.journal.record("joined", step=max(steps), lr=lr)
+                self._joined = True
+                step = max(max(steps), self.setup.learner.step)
+                if self.training is None:
+                    self.setup.learner.step = step
+                else:
+                    self.training.advance_to(step)
+                lr = lr_at(step, self.setup.learner.inner)
+                log.info("joined at the swarm's inner step %d (inner lr %.6g)", step, lr)
+                self.journal.record("joined", step=step, lr=lr)
         if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
             self.stats.state = "training"
 

@@ -74,6 +74,7 @@ class TrainingLoop:
         self._inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         self.pending: set[int] = set()  # fragments handed out and not answered yet
         self._requested: set[int] = set()
+        self._advance = 0  # inner step to move to at the next boundary (advance_to)
         self._lock = threading.Lock()
 
     def request(self, p: int) -> None:
@@ -92,11 +93,21 @@ class TrainingLoop:
         since = [self.learner.counters(p)[1] for p in range(self.schedule.P)]
         return self.schedule.due(self.learner.step, since, requested)
 
+    def advance_to(self, step: int) -> None:
+        """Thread-safe: move this learner's inner step (its place in the learning-rate
+        schedule) forward to ``step`` at the next step boundary; never backwards."""
+        with self._lock:
+            self._advance = max(self._advance, step)
+
     def deliver(self, item: Delivery) -> None:
         """Thread-safe: a round or catch-up result for a fragment."""
         self._inbox.put(item)
 
     def _drain(self) -> None:
+        with self._lock:
+            advance, self._advance = self._advance, 0
+        if advance > self.learner.step:
+            self.learner.step = advance
         while True:
             try:
                 p, state, rebase = self._inbox.get_nowait()

@@ -75,3 +75,19 @@ def test_journal_appends_rotates_and_skips_a_torn_line(tmp_path):
     assert [e["event"] for e in read_journal(path)] == ["joined", "resumed"]
     Journal(None).record("round")  # no data dir: nothing kept, nothing raised
     assert read_journal(tmp_path / "missing.jsonl") == []
+
+
+def test_a_joiner_takes_the_swarms_inner_step_at_a_boundary_and_never_goes_back():
+    """``TrainingLoop.advance_to``: the node moves a running learner to the swarm's place in the
+    learning-rate schedule (its first download may come after training started). The move
+    happens between two inner steps, only forwards, and is not progress: the pseudo-gradients
+    sent afterwards count only the steps really taken."""
+    s = Setup.build(load_config(overrides={**TINY, "data.max_bytes": "50000", "max_steps": "53"}), "a", "QmPeer")
+    sent: list[tuple[int, int, int]] = []  # (fragment, steps in the contribution, learner step)
+    loop = s.training_loop(lambda p, contrib, anchor: sent.append((p, contrib.steps, s.learner.step)))
+    loop.advance_to(50)
+    loop.advance_to(20)  # behind the first request: ignored
+    loop.run()
+    assert s.learner.step == 53  # 50 adopted + 3 inner steps taken, then the budget of 53 was spent
+    assert loop.stats.step == 53
+    assert sorted(sent) == [(0, 3, 53), (1, 3, 53)]  # end-of-budget sends: 3 steps of progress each
