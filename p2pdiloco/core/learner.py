@@ -100,6 +100,7 @@ class Learner:
         self.step = 0
         self._tokens = [0] * len(self.fragments)
         self._steps = [0] * len(self.fragments)
+        self._since = [0] * len(self.fragments)  # anchor version at which each fragment's counters started
         self.global_states = [
             FragmentState.create(p, 0, ps, [torch.zeros(t.shape) for t in ps]) for p, ps in enumerate(self._params)]
 
@@ -148,6 +149,13 @@ class Learner:
         Raises ValueError on an unknown fragment."""
         return self._tokens[self._check(p)], self._steps[p]
 
+    def span(self, p: int) -> int:
+        """Rounds that merged fragment p while its current progress was made, the next one
+        included: anchor version − version at which the counters started + 1 (>= 1). More than
+        1 after following others' rounds with the progress rebased on top
+        (``round_fraction``'s input). Raises ValueError on an unknown fragment."""
+        return self.global_states[self._check(p)].version - self._since[p] + 1
+
     def pseudo_gradient(self, p: int) -> list[Tensor]:
         """Δ_p = anchor Θ_p − θ_p: new fp32 CPU tensors in slot shapes (positive along the
         direction of descent taken, like a gradient), never aliasing params or anchors.
@@ -172,6 +180,9 @@ class Learner:
                 q.copy_(new - (anchor - _cpu32(q)) if rebase else new)
         if not rebase:
             self._tokens[p] = self._steps[p] = 0
+            self._since[p] = state.version
+        else:
+            self._since[p] = min(self._since[p], state.version)
         self.global_states[p] = state
 
     def install_keeping_flight(self, state: FragmentState, sent: Sequence[Tensor], tokens: int, steps: int) -> None:
@@ -196,16 +207,17 @@ class Learner:
                 q.copy_(new + (_cpu32(q) - (anchor - d)))
         self._tokens[p] -= tokens
         self._steps[p] -= steps
+        self._since[p] = state.version
         self.global_states[p] = state
 
     def state_dict(self) -> dict:
         """A deep copy of everything needed to resume: model, optimizer, inner config, step,
-        counters, global states (tensors, versions, digests). The lr schedule is a pure
+        counters and the versions they started at, global states (tensors, versions, digests). The lr schedule is a pure
         function of ``step``, so restoring the step restores it."""
         return copy.deepcopy({
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "inner": asdict(self.inner), "step": self.step,
-            "tokens": list(self._tokens), "steps": list(self._steps),
+            "tokens": list(self._tokens), "steps": list(self._steps), "since": list(self._since),
             "global_states": [{"index": s.index, "version": s.version, "theta": list(s.theta),
                                "momentum": list(s.momentum), "digest": s.digest} for s in self.global_states],
         })
@@ -226,4 +238,6 @@ class Learner:
         self.optimizer.load_state_dict(d["optimizer"])
         self.step = int(d["step"])
         self._tokens, self._steps = [int(t) for t in d["tokens"]], [int(s) for s in d["steps"]]
+        # checkpoints written before "since" existed: counters as if they started at the anchor
+        self._since = [min(int(v), s.version) for v, s in zip(d.get("since", [s.version for s in states]), states)]
         self.global_states = states

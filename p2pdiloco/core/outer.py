@@ -3,6 +3,12 @@
 Source: DiLoCo (arXiv 2311.08105) outer optimizer, kept per fragment by Decoupled DiLoCo
 (arXiv 2604.21428): b ← μ·b + Δ; Θ ← Θ − lr·(Δ + μ·b), i.e. ``torch.optim.SGD(nesterov=True)``
 with Δ as the gradient. Θ and b stay fp32 on the CPU.
+
+A round may carry only part of an outer period's progress (a sub-group of the swarm, a node
+that merges alone while the others merge after it, an end-of-budget flush): it applies the
+step for its fraction f of a period (:func:`round_fraction`, :func:`nesterov_outer_step`), so
+the rounds of one period add up to about one step and a near-empty round moves Θ by almost
+nothing (invariant I9, docs/architecture.md "Partial rounds").
 The digest backs the swarm's invariant I1 (same version, same state; docs/architecture.md).
 """
 
@@ -18,7 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["FragmentState", "fragment_digest", "nesterov_outer_step"]
+from .merge import contribution_weight
+
+__all__ = ["FragmentState", "fragment_digest", "nesterov_outer_step", "round_fraction", "FRACTION_GRID", "MAX_SPAN"]
 
 
 def _fp32_cpu(t: Tensor) -> Tensor:
@@ -84,36 +92,79 @@ class FragmentState:
         return hash(self.digest)
 
 
-OUTER_STEP_RULE = "nesterov-unfused-1"  # changes when the outer step's rounding changes (protocol tag)
+OUTER_STEP_RULE = "nesterov-fractional-1"  # changes when the outer step's rounding changes (protocol tag)
+FRACTION_GRID = 1024  # a round's fraction is a multiple of 1/FRACTION_GRID (exact in fp32)
+MAX_SPAN = 64  # a contribution is counted as spread over at most this many rounds
+_DECAY_GRID = 2.0 ** 24  # μ^f is rounded to a multiple of 2^-24, so no libm's last bit matters
 
 
-def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: float, momentum: float) -> FragmentState:
-    """Apply one outer step with the merged pseudo-gradient Δ; returns the next version.
+def round_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) -> float:
+    """The share of one outer period's progress a round carries, f in [0, 1].
 
-    merged: one tensor per slot (slot shapes, converted to fp32). b ← μ·b + Δ;
-    Θ ← Θ − lr·(Δ + μ·b), into new tensors: the input state is never modified. Every
-    operation is one fp32 multiply or add by itself, each rounded once (IEEE 754), so the
-    result is bit-identical on every CPU kernel set (``ATEN_CPU_CAPABILITY`` default, avx2,
-    avx512) and equals a plain float32 NumPy computation; ``torch.optim.SGD``'s
-    ``add(alpha=)`` is a fused multiply-add in the vectorised kernels only, so it agrees with
-    this step to within rounding but not bit for bit (invariant I1, docs/architecture.md;
-    ``OUTER_STEP_RULE`` is part of the protocol tag). Source: DiLoCo (arXiv 2311.08105) outer
-    Nesterov, kept per fragment by Decoupled DiLoCo (arXiv 2604.21428).
-    Raises ValueError on a count/shape mismatch, lr < 0 or non-finite, μ outside [0, 1).
+    counters: one (tokens, steps, span) per contributor the round merged, as signed in its
+    contribution: tokens and inner steps since it last received the fragment, and span =
+    anchor version − version at which those counters started + 1 (>= 1; the rounds that
+    merged the fragment while this progress was made, this one included). sync_every: H,
+    inner steps per period. Each contributor's share is min(1, steps/H) / min(span,
+    MAX_SPAN): the part of a period it worked, spread over the rounds that period saw (two
+    learners merging one after the other each carry half a period; a flush after 3 steps
+    carries 3/H). f is the average share under the merge's own weights (tokens²/steps,
+    ``contribution_weight``), rounded to a multiple of 1/FRACTION_GRID, and at least one grid
+    step when any contributor took a step. Every member computes it from the same signed
+    counters, never from its own view of the swarm (invariant I9). A rule of this project
+    (docs/architecture.md "Partial rounds"); the published alternative is Delayed Nesterov
+    (Liu et al., arXiv 2401.09135), which needs the number of learners.
+    Raises ValueError on negative counters, span < 1 or sync_every < 1."""
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+    num = den = 0.0
+    for tokens, steps, span in counters:
+        if span < 1:
+            raise ValueError(f"span must be >= 1, got {span}")
+        w = contribution_weight(tokens, steps)
+        num += w * min(1.0, steps / sync_every) / min(span, MAX_SPAN)
+        den += w
+    if den == 0.0:
+        return 0.0
+    return max(1, min(FRACTION_GRID, round(num / den * FRACTION_GRID))) / FRACTION_GRID
+
+
+def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: float, momentum: float,
+                        fraction: float = 1.0) -> FragmentState:
+    """Apply the outer step for a fraction f of a period with the merged pseudo-gradient Δ;
+    returns the next version.
+
+    merged: one tensor per slot (slot shapes, converted to fp32). With a = μ^f:
+    b ← a·b + f·Δ; Θ ← Θ − (lr·f)·(Δ + μ·b), into new tensors: the input state is never
+    modified. f = 1 is DiLoCo's Nesterov step exactly (b ← μ·b + Δ; Θ ← Θ − lr·(Δ + μ·b));
+    f → 0 leaves Θ and b as they were; in steady state k rounds of f = 1/k move Θ at the same
+    rate per period as one full round (within 5 % at μ = 0.9), since the buffer decays by μ
+    per period however many rounds it saw (``round_fraction``, docs/architecture.md "Partial
+    rounds"). Every operation is one fp32 multiply or add by itself, each rounded once (IEEE
+    754), with a rounded to a multiple of 2^-24 and f to one of 1/FRACTION_GRID, so the result
+    is bit-identical on every CPU kernel set (``ATEN_CPU_CAPABILITY`` default, avx2, avx512);
+    ``torch.optim.SGD``'s ``add(alpha=)`` is a fused multiply-add in the vectorised kernels
+    only (invariant I1; ``OUTER_STEP_RULE`` is part of the protocol tag). Source: DiLoCo
+    (arXiv 2311.08105) outer Nesterov, kept per fragment by Decoupled DiLoCo (arXiv 2604.21428).
+    Raises ValueError on a count/shape mismatch, lr < 0 or non-finite, μ outside [0, 1), f
+    outside [0, 1] or off the grid.
     """
     if not (math.isfinite(lr) and lr >= 0):
         raise ValueError(f"outer lr must be finite and >= 0, got {lr}")
     if not 0 <= momentum < 1:
         raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
+    if not (0.0 <= fraction <= 1.0 and fraction * FRACTION_GRID == round(fraction * FRACTION_GRID)):
+        raise ValueError(f"fraction must be a multiple of 1/{FRACTION_GRID} in [0, 1], got {fraction}")
     if len(merged) != len(state.theta):
         raise ValueError(f"{len(merged)} merged tensors for {len(state.theta)} slots")
+    decay = momentum if fraction == 1.0 else round(momentum ** fraction * _DECAY_GRID) / _DECAY_GRID
     theta, buf = [], []
     for th, b, d in zip(state.theta, state.momentum, merged):
         if d.shape != th.shape:
             raise ValueError(f"merged shape {tuple(d.shape)} != slot shape {tuple(th.shape)}")
         d = d.detach().to("cpu", torch.float32)
-        nb = b.mul(momentum).add_(d)  # b ← μ·b + Δ
+        nb = b.mul(decay).add_(d.mul(fraction))  # b ← a·b + f·Δ
         u = nb.mul(momentum).add_(d)  # Δ + μ·b (no add(alpha=): that is fused on avx2/avx512 only)
-        theta.append(th.sub(u.mul_(lr)))  # Θ ← Θ − lr·u
+        theta.append(th.sub(u.mul_(lr * fraction)))  # Θ ← Θ − (lr·f)·u
         buf.append(nb)
     return FragmentState._seal(state.index, state.version + 1, theta, buf)

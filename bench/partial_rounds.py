@@ -1,0 +1,191 @@
+"""Partial rounds: an in-process replica of the swarm's outer-step math (no network).
+
+L learners (the project's own ``Learner``, model and data, each on its own data shard) train
+in lock-step; every H inner steps each one sends its pseudo-gradient of the model's one
+fragment. How the swarm groups those contributions is the scenario:
+
+* ``merged``: every period, all learners merge in one group (the reference);
+* ``split``: one period in three, the learners merge one after the other, each alone
+  (the first on the anchor, each next one after following the previous result with its
+  progress rebased on top, as a node that follows a newer head does), the others all together;
+* ``alone``: every period merges one learner at a time;
+* ``flush``: ``merged``, then one learner takes one more inner step and merges it alone (the
+  end-of-budget flush): the change of held-out loss that near-empty round causes.
+
+After each period every learner follows the newest state (rebased), as the catch-up loop
+does. Each scenario runs under two outer-step rules: ``full`` (every round is one DiLoCo
+Nesterov step, the rule before partial rounds were weighted) and ``fraction`` (the round
+applies the step for its fraction of a period, ``p2pdiloco.core.outer.round_fraction`` from
+its contributors' signed counters). The merge is ``merge_pseudo_gradients`` with the
+token weights, the outer step ``nesterov_outer_step``: the code the nodes run.
+
+Usage: python -m bench.partial_rounds [--learners 2 4] [--seeds 0 1 2] [--steps 2000]
+Writes docs/benchmarks/partial_rounds.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from bench.common import Doc, fmt, machine, verdict
+from node.setup import Setup
+from p2pdiloco.config import load_config
+from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction
+from p2pdiloco.data import evaluate
+
+# A small model, so that 3 seeds x 2000 steps x 6 learners x 5 runs fit on one CPU core in
+# about half an hour: 1 layer, 64 wide (70k parameters), 8 x 64 tokens per inner step.
+MODEL = {"model.n_layer": "1", "model.n_embd": "64", "model.n_head": "2", "model.block_size": "64",
+         "data.batch_size": "8", "data.max_bytes": "1000000", "data.eval_batches": "16", "threads": "1",
+         "inner.lr": "3e-3", "outer.lr": "0.7", "outer.momentum": "0.9", "outer.fragments": "1"}
+SCENARIOS = ("merged", "split", "alone")
+RULES = ("full", "fraction")
+
+
+class Replica:
+    """L learners on one fragment; ``step()`` runs one inner step on each."""
+
+    def __init__(self, learners: int, seed: int, steps: int, sync_every: int):
+        common = {**MODEL, "seed": str(seed), "data.num_shards": str(learners), "outer.sync_every": str(sync_every),
+                  "inner.warmup_steps": str(steps // 20), "inner.total_steps": str(steps)}
+        self.setups = [Setup.build(load_config(overrides={**common, "data.shard_index": str(i)}),
+                                   f"l{i}", f"replica-{seed}-{i}") for i in range(learners)]
+        self.H, self.out = sync_every, self.setups[0].cfg.outer
+        self.mask = [s.is_embedding for s in self.setups[0].fragments[0].slots]
+        self.fractions: list[float] = []
+
+    @property
+    def global_state(self) -> FragmentState:
+        return max((s.learner.global_states[0] for s in self.setups), key=lambda st: st.version)
+
+    def step(self) -> None:
+        for s in self.setups:
+            s.learner.inner_step(*s.sampler.next())
+
+    def _round(self, members: list[int], rule: str) -> None:
+        """One round of ``members`` on the newest state; every member installs the result."""
+        anchor = self.global_state
+        for i in members:  # follow the newest state first, progress rebased (as _follow does)
+            if self.setups[i].learner.global_states[0].digest != anchor.digest:
+                self.setups[i].learner.install(anchor, rebase=True)
+        learners = [self.setups[i].learner for i in members]
+        deltas = [ln.pseudo_gradient(0) for ln in learners]
+        counters = [(*ln.counters(0), ln.span(0)) for ln in learners]
+        merged = merge_pseudo_gradients(deltas, [contribution_weight(t, s) for t, s, _ in counters], self.mask)
+        f = round_fraction(counters, self.H) if rule == "fraction" else 1.0
+        self.fractions.append(f)
+        new = nesterov_outer_step(anchor, merged, self.out.lr, self.out.momentum, f)
+        for ln in learners:
+            ln.install(new)
+
+    def sync(self, grouping: str, rule: str) -> None:
+        everyone = list(range(len(self.setups)))
+        if grouping == "together":
+            self._round(everyone, rule)
+        else:
+            for i in everyone:
+                self._round([i], rule)
+        newest = self.global_state
+        for s in self.setups:  # the catch-up loop: everyone follows the newest state
+            if s.learner.global_states[0].digest != newest.digest:
+                s.learner.install(newest, rebase=True)
+
+    def heldout(self) -> float:
+        s = self.setups[0]
+        return evaluate(s.global_model([self.global_state]), s.heldout)
+
+
+def run(learners: int, seed: int, steps: int, sync_every: int, scenario: str, rule: str) -> dict[str, Any]:
+    rep = Replica(learners, seed, steps, sync_every)
+    t0 = time.monotonic()
+    for t in range(1, steps + 1):
+        rep.step()
+        if t % sync_every == 0:
+            period = t // sync_every
+            alone = scenario == "alone" or (scenario == "split" and period % 3 == 2)
+            rep.sync("alone" if alone else "together", rule)
+    out = {"learners": learners, "seed": seed, "scenario": scenario, "rule": rule, "heldout": rep.heldout(),
+           "version": rep.global_state.version, "fractions": list(rep.fractions), "seconds": time.monotonic() - t0}
+    if scenario == "merged":  # the end-of-budget flush: one more step by one learner, merged alone
+        first = rep.setups[0].learner
+        first.inner_step(*rep.setups[0].sampler.next())
+        before = first.state_dict()
+        for r in RULES:
+            rep._round([0], r)
+            out[f"flush_{r}"] = rep.heldout()
+            first.load_state_dict(before)  # undo: the next rule flushes from the same state
+    print(f"L={learners} seed={seed} {scenario:6s} {rule:8s} held-out {out['heldout']:.4f} "
+          f"({out['seconds']:.0f} s)", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--learners", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--sync-every", type=int, default=100)
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    a = ap.parse_args()
+    m, t0 = machine(), time.monotonic()
+    runs = [(L, seed, a.steps, a.sync_every, scenario, rule) for L in a.learners for seed in a.seeds
+            for scenario, rule in [("merged", "full"), *((s, r) for s in ("split", "alone") for r in RULES)]]
+    with ProcessPoolExecutor(a.jobs) as pool:
+        results = list(pool.map(run, *zip(*runs)))
+    if not a.no_write:
+        report(results, a, m, time.monotonic() - t0)
+
+
+def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, Any], seconds: float) -> None:
+    def pick(L: int, scenario: str, rule: str, key: str = "heldout") -> list[float]:
+        return [r[key] for r in results if r["learners"] == L and r["scenario"] == scenario
+                and (r["rule"] == rule or scenario == "merged")]
+
+    def steps_per_period(L: int, scenario: str, rule: str) -> str:
+        runs = [r for r in results if r["learners"] == L and r["scenario"] == scenario
+                and (r["rule"] == rule or scenario == "merged")]
+        return fmt(statistics.mean(sum(r["fractions"]) / (a.steps // a.sync_every) for r in runs), 2)
+
+    doc = Doc("partial_rounds", "Partial rounds: one period, one step",
+              "python -m bench.partial_rounds " + " ".join(
+                  [f"--learners {' '.join(map(str, a.learners))}", f"--seeds {' '.join(map(str, a.seeds))}",
+                   f"--steps {a.steps}", f"--sync-every {a.sync_every}"]))
+    doc.intro = [__doc__.split("\n\n")[1].replace("\n", " "),
+                 f"{a.steps} inner steps per learner, H = {a.sync_every}, outer lr 0.7, momentum 0.9, one fragment; "
+                 f"seeds {a.seeds}; held-out loss of the final global state, nats per byte (mean over seeds, "
+                 "then the relative change against `merged` of the same seeds)."]
+    rows, checks = [], []
+    for L in a.learners:
+        base = statistics.mean(pick(L, "merged", "full"))
+        rows.append([L, "merged", "either", fmt(base, 4), "", "", steps_per_period(L, "merged", "full")])
+        for scenario, bound in (("split", 0.01), ("alone", 0.05)):
+            for rule in RULES:
+                vals = pick(L, scenario, rule)
+                rel = statistics.mean(vals) / base - 1
+                worst = max(v / b - 1 for v, b in zip(vals, pick(L, "merged", "full")))
+                rows.append([L, scenario, rule, fmt(statistics.mean(vals), 4), f"{rel:+.2%}", f"{worst:+.2%}",
+                             steps_per_period(L, scenario, rule)])
+                if rule == "fraction":
+                    checks.append((f"L={L} {scenario}: within {bound:.0%} of merged", rel <= bound))
+        for rule in RULES:
+            flush = [r[f"flush_{rule}"] / r["heldout"] - 1 for r in results
+                     if r["learners"] == L and r["scenario"] == "merged"]
+            rows.append([L, "flush", rule, "", f"{statistics.mean(flush):+.3%}", f"{max(flush, key=abs):+.3%}", ""])
+            if rule == "fraction":
+                checks.append((f"L={L} flush: |change| < 0.2%", max(abs(x) for x in flush) < 0.002))
+    doc.table(["learners", "scenario", "rule", "held-out (mean)", "vs merged (mean)", "vs merged (worst seed)",
+               "outer steps per period"],
+              rows, "Held-out loss at the end (flush: change caused by the one near-empty round after the last)")
+    doc.text("Targets (issue: partial rounds): " + "; ".join(f"{name}: {verdict(ok)}" for name, ok in checks) + ".")
+    path = doc.write(m, seconds, {"results": results})
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
