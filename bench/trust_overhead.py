@@ -73,7 +73,8 @@ async def measure(rounds_per_fragment: int) -> dict:
             peers = await swarms[0].visible_maddrs() if swarms else []
             swarms.append(await Swarm.start(initial_peers=peers))
         mms = [Matchmaker(s, "bench/run", out.min_quorum) for s in swarms]
-        reducers = [AllReducer(s, fragments, out.wire_precision, out.liveness_timeout, run_id="bench/run",
+        reducers = [AllReducer(s, fragments, out.wire_precision, out.liveness_timeout, sync_every=out.sync_every,
+                               run_id="bench/run",
                                outliers=cfg.trust.outliers, outlier_factor=cfg.trust.outlier_factor) for s in swarms]
         for service in (*mms, *reducers):
             await service.start()

@@ -5,12 +5,14 @@ it instead of on log wording. Every line is ``{"t": unix seconds, "event": KIND,
 
 * ``round``: an outer round ended: ``fragment``, ``version`` (produced when committed, else the
   anchor's), ``members`` (0 when none was formed), ``seconds``, ``committed``, ``reason``
-  (why not: "late", "no_quorum", "excluded", the failure), ``digest`` (12 hex, committed only);
+  (why not: "late", "no_quorum", "excluded", the failure), ``digest`` (12 hex, committed only),
+  ``fraction`` (of an outer period, the step the round applied; committed only);
 * ``follow``: a downloaded state was installed: ``fragment``, ``from_version``, ``version``,
   ``digest``, ``ours`` (our contribution was inside it);
 * ``download_failed``: ``fragment``, ``version``, ``donor`` (peer ID), ``reason``;
 * ``resumed``: the local checkpoint was loaded: ``step``;
-* ``joined``: the node took the swarm's inner step on joining: ``step``, ``lr``;
+* ``joined``: the node took the swarm's inner step with the first state it downloaded:
+  ``step``, ``lr``;
 * ``fault``: an injected fault (``--set fault=...``) fired: ``fault``, and where.
 
 Bounded: past ``max_bytes`` the file is renamed to ``events.jsonl.1`` (replacing an older one)

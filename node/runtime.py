@@ -30,7 +30,7 @@ from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.learner import lr_at
 from p2pdiloco.core.outer import OUTER_STEP_RULE, FragmentState, nesterov_outer_step
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
-from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded
+from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.revocation import RevocationWatch
@@ -45,7 +45,7 @@ from node.training import TrainingLoop
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 1  # bump on any change of the RPC formats
+WIRE_VERSION = 2  # bump on any change of the RPC formats
 CATCHUP_SECONDS = 2.0
 PUBLISH_SECONDS = 5.0
 GATHER_POLL_SECONDS = 0.5
@@ -56,7 +56,7 @@ def protocol_tag(cfg) -> str:
     """A short hash of the settings every member of one group must share."""
     out = cfg.outer
     shared = (WIRE_VERSION, OUTER_STEP_RULE, repr(cfg.model), cfg.seed, out.fragments, out.wire_precision, out.lr,
-              out.momentum)
+              out.momentum, out.sync_every)
     return hashlib.sha256(repr(shared).encode()).hexdigest()[:10]
 
 
@@ -71,6 +71,7 @@ class RoundRecord:
     committed: bool
     reason: str = ""
     digest: str = ""  # the committed state's (12 hex), else ""
+    fraction: float = 0.0  # of an outer period, the step this round applied (round_fraction); committed only
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Node:
         self.matchmaker = Matchmaker(swarm, f"{self.cfg.swarm.run_id}/{tag}", out.min_quorum, len(setup.fragments))
         trust = self.cfg.trust  # signed contributions (run and tag in every signature), robust merge
         self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout,
-                                     run_id=f"{self.cfg.swarm.run_id}/{tag}", outliers=trust.outliers,
+                                     sync_every=out.sync_every, run_id=f"{self.cfg.swarm.run_id}/{tag}", outliers=trust.outliers,
                                      outlier_factor=trust.outlier_factor, poison=trust.poison)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed,
                               on_event=self.journal.record)
@@ -247,7 +248,7 @@ class Node:
                 if fault[0] == "fail-last-stage":
                     raise RoundFailed(f"injected fault {self.cfg.fault}: merge received, treated as lost")
                 self.grace.t_sync.update(time.monotonic() - t1)
-                new = nesterov_outer_step(anchor, merged, out.lr, out.momentum)
+                new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, merged.fraction)
                 self.matchmaker.group_succeeded(group)
                 if self.committed[p].digest != anchor.digest:  # another state was installed meanwhile
                     self.stats.rounds_failed += 1
@@ -264,7 +265,7 @@ class Node:
                     # tokens are counted per fragment: a fragment carries 1/P of every token
                     self.stats.tokens_merged += contrib.tokens / len(self.committed)
                     self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True,
-                                             digest=new.short()))
+                                             digest=new.short(), fraction=merged.fraction))
                     log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version,
                              len(group.members), time.monotonic() - t0, new.short())
                     self._publish_now.set()
@@ -331,7 +332,7 @@ class Node:
             return anchor, records
         return await self._follow(p, head, records) or anchor, records
 
-    def _trace(self, group, contrib: Contribution, merged, anchor: FragmentState, new: FragmentState) -> None:
+    def _trace(self, group, contrib: Contribution, merged: RoundResult, anchor: FragmentState, new: FragmentState) -> None:
         """Save one committed round (inputs and result) for offline checks; atomic write."""
         folder = Path(self.cfg.trace_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -339,7 +340,8 @@ class Node:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save({"fragment": new.index, "version": new.version, "round_id": group.round_id,
                     "members": group.members, "me": self.swarm.peer_id, "delta": contrib.delta,
-                    "tokens": contrib.tokens, "steps": contrib.steps, "merged": merged,
+                    "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
+                    "merged": merged.delta, "fraction": merged.fraction,
                     "anchor_digest": anchor.digest, "digest": new.digest,
                     "embedding_mask": [s.is_embedding for s in self.setup.fragments[new.index].slots]}, tmp)
         tmp.replace(path)

@@ -25,8 +25,8 @@ from p2pdiloco.model import ModelConfig, build_model
 inputs = torch.load(sys.argv[1])
 state = FragmentState.create(0, 0, inputs["theta"], [torch.zeros_like(t) for t in inputs["theta"]])
 digests = []
-for deltas in inputs["deltas"]:  # ten outer steps
-    state = nesterov_outer_step(state, deltas, 0.7, 0.9)
+for k, deltas in enumerate(inputs["deltas"]):  # ten outer steps, full and partial (fractions of a period)
+    state = nesterov_outer_step(state, deltas, 0.7, 0.9, (1.0, 0.5, 0.3330078125, 1 / 1024)[k % 4])
     digests.append(state.digest)
 merged = merge_pseudo_gradients(inputs["members"], inputs["weights"], inputs["embedding_mask"])
 robust = robust_merge(inputs["members"], inputs["weights"], inputs["embedding_mask"])

@@ -182,6 +182,7 @@ def test_state_dict_roundtrip_resumes_identically():
     pa, pb = _params(a.model), _params(b.model)
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
     assert [a.counters(p) for p in range(3)] == [b.counters(p) for p in range(3)]
+    assert [a.span(p) for p in range(3)] == [b.span(p) for p in range(3)]
 
     sd = a.state_dict()
     sd["global_states"][0]["theta"][0] += 1.0
@@ -226,3 +227,22 @@ def test_install_keeping_flight_keeps_only_post_send_progress():
     assert learner.counters(0) == (20, 2)
     assert learner.global_states[0] is new
     assert torch.allclose(learner.pseudo_gradient(0)[0], torch.full((2, 3), 0.25))
+
+
+def test_span_counts_the_rounds_the_progress_was_made_over():
+    """span = anchor version − version the counters started at + 1: 1 after an own round;
+    2 after following one other round with the progress rebased on top; back to 1 when a
+    result is installed (counters reset) or with the flight kept."""
+    a = _learner(seed=0)
+    x, y = _batches(1)[0]
+    a.inner_step(x, y)
+    assert a.span(0) == 1
+    v1 = nesterov_outer_step(a.global_states[0], a.pseudo_gradient(0), 0.7, 0.9)
+    a.install(v1)  # our own round: counters start at v1
+    a.inner_step(x, y)
+    v2 = nesterov_outer_step(v1, [torch.zeros_like(t) for t in v1.theta], 0.7, 0.9)  # someone else's round
+    a.install(v2, rebase=True)
+    assert a.span(0) == 2 and a.counters(0)[1] == 1
+    v3 = nesterov_outer_step(v2, a.pseudo_gradient(0), 0.7, 0.9)
+    a.install_keeping_flight(v3, a.pseudo_gradient(0), *a.counters(0))
+    assert a.span(0) == 1 and a.counters(0) == (0, 0)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from p2pdiloco.core.outer import FragmentState, fragment_digest, nesterov_outer_step
+from p2pdiloco.core.outer import FragmentState, fragment_digest, nesterov_outer_step, round_fraction
 
 
 def _state(seed=0, version=0):
@@ -57,6 +57,57 @@ def test_nesterov_hand_numbers_and_no_mutation():
     assert s.digest == before[2] == fragment_digest(0, 3, s.theta, s.momentum)
     assert torch.equal(d, torch.tensor([0.2, 0.4]))
     assert n.digest == fragment_digest(0, 4, n.theta, n.momentum)
+
+
+def test_fractional_step_hand_numbers():
+    """f = 0.5 of a period, μ = 0.81 (so a = μ^0.5 = 0.9 exactly), lr 0.5, the numbers above:
+    b' = 0.9·b + 0.5·Δ = [0.55, -0.7]; Δ + μ·b' = [0.2 + 0.4455, 0.4 − 0.567] = [0.6455, −0.167];
+    Θ' = Θ − (0.5·0.5)·(…) = [1 − 0.161375, 2 + 0.04175] = [0.838625, 2.04175]."""
+    s = FragmentState.create(0, 3, [torch.tensor([1.0, 2.0])], [torch.tensor([0.5, -1.0])])
+    n = nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], lr=0.5, momentum=0.81, fraction=0.5)
+    assert torch.allclose(n.momentum[0], torch.tensor([0.55, -0.7]), atol=1e-7)
+    assert torch.allclose(n.theta[0], torch.tensor([0.838625, 2.04175]), atol=1e-6)
+    # f = 1 is the plain Nesterov step bit for bit; f = 0 changes nothing but the version
+    full = nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], lr=0.5, momentum=0.9)
+    assert nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], 0.5, 0.9, 1.0).digest == full.digest
+    zero = nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], 0.5, 0.9, 0.0)
+    assert torch.equal(zero.theta[0], s.theta[0]) and torch.equal(zero.momentum[0], s.momentum[0])
+    with pytest.raises(ValueError, match="multiple of 1/1024"):
+        nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], 0.5, 0.9, 0.3)
+
+
+def test_k_rounds_of_one_kth_move_like_one_full_round_per_period():
+    """I9 in steady state: with a constant Δ, a period merged as one round and a period merged
+    as two half rounds move Θ at rates within 5 % of each other after many periods (μ = 0.9);
+    without the fraction, two rounds per period would move it twice as fast."""
+    s = FragmentState.create(0, 0, [torch.zeros(1)], [torch.zeros(1)])
+    one, two, twice = s, s, s
+    d = [torch.ones(1)]
+    for _ in range(200):
+        one = nesterov_outer_step(one, d, 0.1, 0.9)
+        two = nesterov_outer_step(nesterov_outer_step(two, d, 0.1, 0.9, 0.5), d, 0.1, 0.9, 0.5)
+        twice = nesterov_outer_step(nesterov_outer_step(twice, d, 0.1, 0.9), d, 0.1, 0.9)
+    rate = lambda st: -float(st.theta[0])  # noqa: E731
+    assert 0.95 < rate(two) / rate(one) < 1.0
+    assert rate(twice) / rate(one) > 1.99
+
+
+def test_round_fraction_hand_numbers():
+    """Shares min(1, steps/(H·span)) averaged with the merge weights tokens²/steps (H = 100)."""
+    assert round_fraction([(1000, 100, 1)], 100) == 1.0  # a whole period, one round
+    assert round_fraction([(1000, 100, 2)], 100) == 0.5  # the same progress, another round merged meanwhile
+    assert round_fraction([(1000, 100, 1), (1000, 100, 1)], 100) == 1.0
+    assert round_fraction([(30, 3, 1)], 100) == 31 / 1024  # a 3-step flush: 0.03 -> 30.72/1024 -> 31/1024
+    assert round_fraction([(1000, 250, 1)], 100) == 1.0  # more than a period: capped at one step
+    assert round_fraction([(2000, 200, 2)], 100) == 1.0  # left out of one round, offered at the next
+    # weights 1000²/100 = 10000 and 500²/50 = 5000; shares 1 and 0.5 -> 12500/15000
+    assert round_fraction([(1000, 100, 1), (500, 50, 1)], 100) == round(12500 / 15000 * 1024) / 1024
+    assert round_fraction([(1000, 1, 1000)], 100) == 1 / 1024  # any progress: at least one grid step
+    assert round_fraction([(0, 0, 1)], 100) == 0.0  # nothing to merge, nothing to move
+    assert round_fraction([(1000, 100, 10**9)], 100) == round(1024 / 64) / 1024  # span capped at MAX_SPAN
+    for bad in ([(1, 1, 0)], [(-1, 1, 1)]):
+        with pytest.raises(ValueError):
+            round_fraction(bad, 100)
 
 
 def test_digest_layout_reference():

@@ -20,9 +20,9 @@ import torch
 
 from p2pdiloco.core.fragments import Fragment, TensorSlot
 from p2pdiloco.core.merge import contribution_weight, robust_merge
-from p2pdiloco.core.outer import FragmentState
-from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded
+from p2pdiloco.core.outer import FragmentState, round_fraction
+from p2pdiloco.errors import ProtocolError, RoundFailed
+from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker, leader_rank
 from p2pdiloco.net.statesync import StateSync
 from p2pdiloco.net.transport import Swarm
@@ -61,8 +61,14 @@ class Resigned(AllReducer):
         elif self.mode == "other_key":  # signed by a key that is not its peer ID's
             fields = signing.contribution_fields(self.run_id, KEY.fragment, KEY.version, KEY.digest,
                                                  head["round"], head["members"], reducer, head["tokens"],
-                                                 head["steps"], signing.sha256(payload))
+                                                 head["steps"], head["span"], signing.sha256(payload))
             head["sig"], head["k"] = signing.sign(self.other, "ar.contrib", fields), self.other.public_key
+        elif self.mode == "two_spans":  # validly signed, but a different span for each reducer
+            head["span"] = 1 + reducer
+            fields = signing.contribution_fields(self.run_id, KEY.fragment, KEY.version, KEY.digest,
+                                                 head["round"], head["members"], reducer, head["tokens"],
+                                                 head["steps"], head["span"], signing.sha256(payload))
+            head["sig"] = signing.sign(self.swarm.identity, "ar.contrib", fields)
         return head, payload
 
 
@@ -98,8 +104,8 @@ async def test_faulty_and_malicious_members_are_rejected_and_honest_members_agre
         for s in sw:
             mode = {badsig: "bad_signature", otherkey: "other_key"}.get(s.peer_id)
             cls_kwargs = dict(run_id="run/tag", outliers="drop", outlier_factor=4.0)
-            reducers[s.peer_id] = (Resigned(s, [FRAGMENT], "fp32", 4.0, mode=mode, **cls_kwargs) if mode
-                                   else AllReducer(s, [FRAGMENT], "fp32", 4.0, **cls_kwargs))
+            reducers[s.peer_id] = (Resigned(s, [FRAGMENT], "fp32", 4.0, sync_every=10, mode=mode, **cls_kwargs) if mode
+                                   else AllReducer(s, [FRAGMENT], "fp32", 4.0, sync_every=10, **cls_kwargs))
             await reducers[s.peer_id].start()
         contribs = {p: Contribution(delta(i), 1000 + 100 * i, 10 + i) for i, p in enumerate(ids)}
         poisoned = list(contribs[nan].delta)
@@ -111,12 +117,15 @@ async def test_faulty_and_malicious_members_are_rejected_and_honest_members_agre
         results = await run_round(reducers, contribs)
 
         expected = expected_merge([contribs[p] for p in sorted(honest)])
+        # the step's fraction of a period, from the honest counters only (H = 10, spans 1)
+        fraction = round_fraction([(c.tokens, c.steps, c.span) for c in (contribs[p] for p in sorted(honest))], 10)
         for p in honest:
-            merged = results[p]
-            assert isinstance(merged, list), merged
-            assert all(torch.isfinite(t).all() for t in merged)
-            assert all(torch.equal(a, b) for a, b in zip(merged, expected)), "not the clean merge of the honest"
-            assert set(reducers[p].last_contributors) == set(honest)
+            result = results[p]
+            assert isinstance(result, RoundResult), result
+            assert all(torch.isfinite(t).all() for t in result.delta)
+            assert all(torch.equal(a, b) for a, b in zip(result.delta, expected)), "not the clean merge of the honest"
+            assert set(result.contributors) == set(honest)
+            assert result.fraction == fraction == 1.0
         for p in (nan, huge, badsig, otherkey):
             assert isinstance(results[p], ContributionExcluded), results[p]
         rejected = sum((r.stats.rejected for r in reducers.values()), start=Counter())
@@ -132,7 +141,7 @@ async def test_faulty_and_malicious_members_are_rejected_and_honest_members_agre
 @pytest.mark.asyncio
 async def test_clip_policy_keeps_a_scaled_contribution_bounded():
     async with swarms(3) as sw:
-        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, run_id="run", outliers="clip", outlier_factor=4.0)
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run", outliers="clip", outlier_factor=4.0)
                     for s in sw}
         for r in reducers.values():
             await r.start()
@@ -142,10 +151,45 @@ async def test_clip_policy_keeps_a_scaled_contribution_bounded():
         expected = expected_merge([contribs[p] for p in ids], policy="clip")
         plain = expected_merge([contribs[p] for p in ids], policy="off")
         for p in ids:
-            assert all(torch.equal(a, b) for a, b in zip(results[p], expected))
+            assert all(torch.equal(a, b) for a, b in zip(results[p].delta, expected))
         honest_norm = max(float(t.norm()) for p in ids[1:] for t in contribs[p].delta)
         assert max(float(t.norm()) for t in expected) < 4 * 4 * honest_norm < max(float(t.norm()) for t in plain)
         assert sum(r.stats.clipped for r in reducers.values()) == len(SHAPES)
+
+
+@pytest.mark.asyncio
+async def test_fractions_come_from_signed_counters_and_a_member_signing_two_versions_fails_the_round():
+    """Three members; the round's fraction of a period is computed by each reducer from the
+    counters it accepted and stated under its signature. Honest counters: every member gets
+    the same fraction (H = 10: one member worked a whole period over one round, one half a
+    period, one a whole period spread over two rounds). A member that signs a different span
+    for each reducer makes their statements differ: nobody commits."""
+    async with swarms(3) as sw:
+        ids = sorted(s.peer_id for s in sw)
+        counters = {ids[0]: (1000, 10, 1), ids[1]: (500, 5, 1), ids[2]: (1000, 10, 2)}
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run", outlier_factor=4.0)
+                    for s in sw}
+        for r in reducers.values():
+            await r.start()
+        contribs = {p: Contribution(delta(i), *counters[p]) for i, p in enumerate(ids)}
+        results = await run_round(reducers, contribs)
+        # weights tokens²/steps: 100000, 50000, 100000; shares 1, 0.5, 0.5 -> 175000/250000 = 0.7
+        assert {r.fraction for r in results.values()} == {round(0.7 * 1024) / 1024}
+
+    async with swarms(3) as sw:
+        ids = sorted(s.peer_id for s in sw)
+        two = sw[0].peer_id
+        reducers = {s.peer_id: (Resigned(s, [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run", mode="two_spans")
+                                if s.peer_id == two else AllReducer(s, [FRAGMENT], "fp32", 4.0, sync_every=10,
+                                                                    run_id="run"))
+                    for s in sw}
+        for r in reducers.values():
+            await r.start()
+        results = await run_round(reducers, {p: Contribution(delta(i), 1000, 10) for i, p in enumerate(ids)})
+        # the same contributor set everywhere (no phase 2), yet no result: the fractions differ
+        assert all(isinstance(r, RoundFailed) and not isinstance(r, ContributionExcluded) for r in results.values()), \
+            results
+        assert all(r.stats.reconciled == 0 and r.stats.failed == 1 for r in reducers.values())
 
 
 @pytest.mark.asyncio
@@ -156,8 +200,8 @@ async def test_a_reducer_answer_that_fails_verification_fails_the_round():
             return head, body[:-4] + b"\0\0\0\0"  # bytes no longer match the signed digest
 
     async with swarms(2) as sw:
-        good = AllReducer(sw[0], [FRAGMENT], "fp32", 4.0, run_id="run")
-        bad = ForgingReducer(sw[1], [FRAGMENT], "fp32", 4.0, run_id="run")
+        good = AllReducer(sw[0], [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run")
+        bad = ForgingReducer(sw[1], [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run")
         for r in (good, bad):
             await r.start()
         results = await run_round({sw[0].peer_id: good, sw[1].peer_id: bad},
@@ -203,7 +247,7 @@ async def test_private_swarm_refuses_non_members_and_members_carry_on():
     expired = Membership(owner.public_key, owner.admit(ids[3].public_key, valid_for=60, now=now - 3600))
     async with swarms(4, [*members, None, expired], ids) as (a, b, outsider, lapsed):
         name = f"private swarm {fingerprint(owner.public_key)}"
-        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, run_id="run", outlier_factor=4.0) for s in (a, b)}
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run", outlier_factor=4.0) for s in (a, b)}
         zeros = tuple(torch.zeros(s) for s in SHAPES)
         start = [FragmentState.create(0, 0, zeros, zeros)]
         sync_a = StateSync(a, "run", [FRAGMENT], lambda: start)
@@ -232,7 +276,7 @@ async def test_private_swarm_refuses_non_members_and_members_carry_on():
         contribs = {p: Contribution(delta(i), 100, 5) for i, p in enumerate(sorted(reducers))}
         results = await run_round(reducers, contribs)
         expected = expected_merge([contribs[p] for p in sorted(reducers)], policy="clip")
-        assert all(all(torch.equal(x, y) for x, y in zip(r, expected)) for r in results.values())
+        assert all(all(torch.equal(x, y) for x, y in zip(r.delta, expected)) for r in results.values())
 
 
 @pytest.mark.asyncio
@@ -316,15 +360,16 @@ async def test_a_lone_round_returns_the_contribution_unquantised_and_refuses_a_n
     from p2pdiloco.net import wire
 
     async with swarms(1) as (s,):
-        reducer = AllReducer(s, [FRAGMENT], "int4", 4.0, run_id="run")
+        reducer = AllReducer(s, [FRAGMENT], "int4", 4.0, sync_every=10, run_id="run")
         await reducer.start()
         group = Group("lone", KEY, (s.peer_id,), 0.0)
         mine = delta(7)
-        merged = await reducer.run(group, Contribution(mine, 1000, 10))
-        assert all(torch.equal(m, d) and m.dtype == torch.float32 for m, d in zip(merged, mine))
+        merged = await reducer.run(group, Contribution(mine, 1000, 5, span=2))
+        assert all(torch.equal(m, d) and m.dtype == torch.float32 for m, d in zip(merged.delta, mine))
+        assert merged.fraction == 0.25  # 5 of H = 10 steps, spread over 2 rounds
         coded = wire.decode(wire.encode(list(mine), "int4"), SHAPES, "int4")
         assert not all(torch.equal(c, d) for c, d in zip(coded, mine))  # what a wire round trip gives
-        assert reducer.last_contributors == (s.peer_id,) and reducer.stats.rounds == 1
+        assert merged.contributors == (s.peer_id,) and reducer.stats.rounds == 1
         bad = tuple(t.clone() for t in mine)
         bad[1][0] = float("nan")
         with pytest.raises(RoundFailed, match="not finite"):

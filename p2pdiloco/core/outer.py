@@ -105,10 +105,11 @@ def round_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) ->
     contribution: tokens and inner steps since it last received the fragment, and span =
     anchor version − version at which those counters started + 1 (>= 1; the rounds that
     merged the fragment while this progress was made, this one included). sync_every: H,
-    inner steps per period. Each contributor's share is min(1, steps/H) / min(span,
-    MAX_SPAN): the part of a period it worked, spread over the rounds that period saw (two
+    inner steps per period. Each contributor's share is min(1, steps / (H·min(span,
+    MAX_SPAN))): the steps it worked per round merged meanwhile, as a part of a period (two
     learners merging one after the other each carry half a period; a flush after 3 steps
-    carries 3/H). f is the average share under the merge's own weights (tokens²/steps,
+    carries 3/H; progress left out of one round and offered at the next, 2H steps over 2
+    rounds, a whole one). f is the average share under the merge's own weights (tokens²/steps,
     ``contribution_weight``), rounded to a multiple of 1/FRACTION_GRID, and at least one grid
     step when any contributor took a step. Every member computes it from the same signed
     counters, never from its own view of the swarm (invariant I9). A rule of this project
@@ -122,7 +123,7 @@ def round_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) ->
         if span < 1:
             raise ValueError(f"span must be >= 1, got {span}")
         w = contribution_weight(tokens, steps)
-        num += w * min(1.0, steps / sync_every) / min(span, MAX_SPAN)
+        num += w * min(1.0, steps / (sync_every * min(span, MAX_SPAN)))
         den += w
     if den == 0.0:
         return 0.0

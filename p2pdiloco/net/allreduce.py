@@ -8,7 +8,7 @@ merge is computed by exactly one peer, and everyone receives the same bytes.
 
 Signed updates (docs/trust.md). Each ``ar.reduce`` request carries the author's Ed25519
 signature (``signing.message("ar.contrib", ...)``: run, fragment, version, state digest,
-round id, member list, reducer index, tokens, steps, sha256 of the exact slice bytes) and
+round id, member list, reducer index, tokens, steps, span, sha256 of the exact slice bytes) and
 the author's public key (``k``). The reducer verifies it against the key inlined in the
 sender's authenticated peer ID before it decodes anything. A slice that fails (``banned``,
 ``wrong_key``, ``bad_signature``, ``bad_counters``, ``malformed``, ``non_finite``) is
@@ -17,9 +17,11 @@ rejected: the round goes on without it, the sender is banned for the rest of the
 The reducer merges what it accepted with :func:`p2pdiloco.core.merge.robust_merge`
 (norm outliers clipped or dropped, reason ``outlier``; tensors pointing against the group's
 median direction left out, or their member dropped, reason ``misaligned``) and answers every member with the same
-statement: the contributor set it used (member indices), the merged bytes, and its
-signature over ``signing.message("ar.merged", [..., reducer index, phase, contributors,
-sha256(merged bytes)])``. Members verify that signature before using the bytes.
+statement: the contributor set it used (member indices), the round's fraction of a period
+(``core.outer.round_fraction`` over those contributors' signed counters), the merged bytes,
+and its signature over ``signing.message("ar.merged", [..., reducer index, phase,
+contributors, fraction, sha256(merged bytes)])``. Members verify that signature before using
+the bytes, and apply the outer step for that fraction (invariant I9).
 
 Agreement (invariants I1, I2: every member reaches the same result or none). A reducer
 answers once every member's slice is accepted or rejected, or ``timeout`` seconds after the
@@ -35,7 +37,8 @@ so every member that hears from every reducer sees the same statements:
   phase 2 clips outliers but never drops, so its set is exactly S.
 
 A member commits only when every reducer answered with a verified statement over the same
-S; a member outside S raises :class:`ContributionExcluded` (its progress was not merged: it
+S and the same fraction (a member that signed different counters for different reducers makes
+the fractions differ: the round fails); a member outside S raises :class:`ContributionExcluded` (its progress was not merged: it
 must not reset its counters, and follows the others through the records). Anything else
 (no answer, an unverifiable answer, an empty S) is :class:`RoundFailed` and nothing is
 committed. What remains trusted: a reducer computes its tensors alone, so a malicious
@@ -54,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.core.fragments import Fragment, assign_parts
+from p2pdiloco.core.outer import FRACTION_GRID, round_fraction
 from p2pdiloco.core.merge import (
     DEFAULT_OUTLIER_FACTOR,
     OUTLIER_POLICIES,
@@ -94,11 +98,31 @@ class Contribution:
         delta: pseudo-gradient Θ_p(anchor) − θ_p, fp32, one tensor per fragment slot.
         tokens: tokens processed since the fragment was last received.
         steps: inner steps since the fragment was last received.
+        span: rounds this progress spans (``Learner.span``: anchor version − version the
+            counters started at + 1, >= 1).
     """
 
     delta: tuple[torch.Tensor, ...]
     tokens: int
     steps: int
+    span: int = 1
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a completed round gives its members.
+
+    Attributes:
+        delta: the merged pseudo-gradient, fp32, one tensor per fragment slot,
+            bit-identical on every member.
+        fraction: the round's fraction of an outer period, a multiple of 1/FRACTION_GRID in
+            [0, 1] (``core.outer.round_fraction``), the same on every member.
+        contributors: peer IDs whose contributions it merges.
+    """
+
+    delta: list[torch.Tensor]
+    fraction: float
+    contributors: tuple[str, ...]
 
 
 @dataclass
@@ -114,7 +138,7 @@ class _Round:
     slots: tuple[int, ...]  # fragment slots this reducer merges
     creator: str = ""  # the member whose slice created this round here
     created: float = field(default_factory=time.monotonic)
-    parts: dict[str, tuple[list[torch.Tensor], int, int]] = field(default_factory=dict)
+    parts: dict[str, tuple[list[torch.Tensor], int, int, int]] = field(default_factory=dict)  # tensors, counters
     rejected: dict[str, str] = field(default_factory=dict)
     decided: asyncio.Event = field(default_factory=asyncio.Event)
     contributors: tuple[int, ...] = ()
@@ -159,6 +183,8 @@ class AllReducer:
         fragments: the model's fragments (identical on every member).
         precision: wire precision of pseudo-gradient slices and merged slices.
         timeout: liveness timeout (seconds): how long a reducer waits for missing members.
+        sync_every: H, inner steps per outer period (``round_fraction``); equal on every
+            member (protocol tag).
         run_id: the run's name (with its protocol tag), part of every signature.
         outliers: robust-merge policy for norms far above the round's median: ``clip``,
             ``drop`` or ``off`` (non-finite contributions are always dropped).
@@ -169,7 +195,7 @@ class AllReducer:
     """
 
     def __init__(self, swarm: Swarm, fragments: Sequence[Fragment], precision: str, timeout: float, *,
-                 run_id: str = "", outliers: str = "clip", outlier_factor: float = DEFAULT_OUTLIER_FACTOR,
+                 sync_every: int, run_id: str = "", outliers: str = "clip", outlier_factor: float = DEFAULT_OUTLIER_FACTOR,
                  poison: str = ""):
         wire.wire_dtype(precision)
         if outliers not in OUTLIER_POLICIES:
@@ -177,13 +203,13 @@ class AllReducer:
         if poison not in POISONS:
             raise ValueError(f"unknown poison {poison!r}; choose one of {POISONS}")
         self.swarm, self.fragments, self.precision, self.timeout = swarm, tuple(fragments), precision, timeout
+        self.sync_every = sync_every
         self.run_id, self.outliers, self.outlier_factor = run_id, outliers, outlier_factor
         self.poison, self._poisoned = poison, 0
         if poison:
             log.warning("this node sends POISONED pseudo-gradients (trust.poison=%s): benchmarks and tests only", poison)
         self._rounds: dict[str, _Round] = {}
         self.stats = AllReduceStats()
-        self.last_contributors: tuple[str, ...] = ()  # peers merged in our last completed round
 
     async def start(self) -> None:
         biggest = max(wire.wire_nbytes([s.shape for s in f.slots], self.precision) for f in self.fragments)
@@ -226,22 +252,25 @@ class AllReducer:
         return h
 
     def _merged_fields(self, rnd: _Round | Group, reducer: int, phase: int, contributors: Sequence[int],
-                       h: bytes) -> list:
+                       fraction: int, h: bytes) -> list:
         if isinstance(rnd, Group):
             frag, version, digest, round_id = rnd.key.fragment, rnd.key.version, rnd.key.digest, rnd.round_id
         else:
             frag, version, digest, round_id = rnd.fragment, rnd.version, rnd.digest, rnd.round_id
-        return signing.merged_fields(self.run_id, frag, version, digest, round_id, reducer, phase, contributors, h)
+        return signing.merged_fields(self.run_id, frag, version, digest, round_id, reducer, phase, contributors,
+                                     fraction, h)
+
+    def _fraction(self, counters: Sequence[tuple[int, int, int]]) -> int:
+        """``round_fraction`` of these (tokens, steps, span), in 1/FRACTION_GRID units."""
+        return round(round_fraction(counters, self.sync_every) * FRACTION_GRID)
 
     # ---- member side -----------------------------------------------------------------------
-    async def run(self, group: Group, contrib: Contribution) -> list[torch.Tensor]:
-        """Merge ``contrib`` with the other members' and return the merged pseudo-gradient.
-
-        Returns:
-            fp32 tensors, one per fragment slot, bit-identical on every member that gets a
-            result; :attr:`last_contributors` holds the peers whose contributions it merges.
-            A group of this node alone returns its Δ unchanged in fp32 (the merge of one
-            contribution is itself, arXiv 2604.21428), never passed through the wire codec.
+    async def run(self, group: Group, contrib: Contribution) -> RoundResult:
+        """Merge ``contrib`` with the other members' and return the merged pseudo-gradient
+        and the round's fraction of a period, the same on every member that gets a result.
+        A group of this node alone returns its Δ unchanged in fp32 (the merge of one
+        contribution is itself, arXiv 2604.21428), never passed through the wire codec, with
+        its own fraction.
         Raises:
             ContributionExcluded: the round merged without our contribution.
             RoundFailed: some reducer did not answer with a verified statement, or the
@@ -253,21 +282,21 @@ class AllReducer:
                 self.stats.failed += 1
                 raise RoundFailed(f"round {group.round_id}: our own contribution is not finite")
             self.stats.rounds += 1
-            self.last_contributors = (me,)
-            return [t.detach().to("cpu", torch.float32).clone() for t in contrib.delta]
+            fraction = self._fraction([(contrib.tokens, contrib.steps, contrib.span)]) / FRACTION_GRID
+            return RoundResult([t.detach().to("cpu", torch.float32).clone() for t in contrib.delta], fraction, (me,))
         if self.poison:  # fault injection (benchmarks, tests): what is sent to the others
             contrib = self._poison(contrib)
         parts = self._parts(frag, len(members))
         reducers = [r for r in range(len(members)) if parts[r]]
         base = {"round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,
-                "members": list(members), "tokens": contrib.tokens, "steps": contrib.steps,
+                "members": list(members), "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
                 "k": self.swarm.identity.public_key}
 
-        async def phase1(r: int) -> tuple[int, tuple[int, ...], bytes, bytes]:
+        async def phase1(r: int) -> tuple[int, tuple[int, ...], int, bytes, bytes]:
             payload = wire.encode([contrib.delta[i] for i in parts[r]], self.precision)
             fields = signing.contribution_fields(self.run_id, frag, group.key.version, group.key.digest,
                                                  group.round_id, members, r, contrib.tokens, contrib.steps,
-                                                 self._digest(payload, signing_side=True))
+                                                 contrib.span, self._digest(payload, signing_side=True))
             head, payload = self._outgoing(r, dict(base, r=r, sig=self._sign("ar.contrib", fields)), payload)
             if members[r] == me:
                 reply, body = await self._receive(me, head, payload)
@@ -276,11 +305,11 @@ class AllReducer:
             else:
                 reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload, timeout=self.timeout + 5,
                                                     max_reply=len(payload))
-            contributors = self._check_answer(group, r, 1, reply, body)
-            return r, contributors, reply["sig"], body
+            contributors, fraction = self._check_answer(group, r, 1, reply, body)
+            return r, contributors, fraction, reply["sig"], body
 
         answers = await self._each_reducer(group, reducers, phase1, "")
-        sets = {c for c, _, _ in answers.values()}
+        sets = {c for c, _, _, _ in answers.values()}
         if len(sets) == 1:
             common = next(iter(sets))
         else:
@@ -296,8 +325,12 @@ class AllReducer:
                                        f"contribution (contributor sets {sorted(sets)})")
         if len(sets) > 1:
             answers = await self._phase2(group, reducers, answers, common)
+        fractions = {f for _, f, _, _ in answers.values()}
+        if len(fractions) != 1:  # same contributors, different counters: someone signed two versions
+            self.stats.failed += 1
+            raise RoundFailed(f"round {group.round_id}: reducers stated different fractions {sorted(fractions)}")
         merged: list[torch.Tensor | None] = [None] * len(self.fragments[frag].slots)
-        for r, (_, _, body) in answers.items():
+        for r, (_, _, _, body) in answers.items():
             try:
                 tensors = wire.decode(body, self._shapes(frag, parts[r]), self.precision)
             except ProtocolError as e:  # signed, so the reducer sent these wrong bytes
@@ -306,30 +339,31 @@ class AllReducer:
             for i, t in zip(parts[r], tensors):
                 merged[i] = t
         self.stats.rounds += 1
-        self.last_contributors = tuple(members[i] for i in common)
-        return [t for t in merged if t is not None]
+        return RoundResult([t for t in merged if t is not None], fractions.pop() / FRACTION_GRID,
+                           tuple(members[i] for i in common))
 
     async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
         """Ask every reducer to merge over ``common``, proving the sets with their statements."""
-        statements = [[r, list(c), self._digest(body, signing_side=False), sig] for r, (c, sig, body) in answers.items()]
+        statements = [[r, list(c), f, self._digest(body, signing_side=False), sig]
+                      for r, (c, f, sig, body) in answers.items()]
         me = self.swarm.peer_id
 
-        async def final(r: int) -> tuple[int, tuple[int, ...], bytes, bytes]:
+        async def final(r: int) -> tuple[int, tuple[int, ...], int, bytes, bytes]:
             head = {"round": group.round_id, "r": r, "st": statements}
             if group.members[r] == me:
                 reply, body = await self._finalize(me, head)
             else:
                 reply, body = await self.swarm.call(group.members[r], "ar.final", head, timeout=self.timeout + 5,
                                                     max_reply=self._slice_bytes(group, r))
-            contributors = self._check_answer(group, r, 2, reply, body)
+            contributors, fraction = self._check_answer(group, r, 2, reply, body)
             if contributors != common:
                 raise RoundFailed(f"reducer {group.members[r][-8:]} merged over {list(contributors)}, not {list(common)}")
-            return r, contributors, reply["sig"], body
+            return r, contributors, fraction, reply["sig"], body
 
         return await self._each_reducer(group, reducers, final, " in phase 2")
 
     async def _each_reducer(self, group: Group, reducers: list[int], ask, phase: str) -> dict:
-        """Run ``ask(r)`` for every reducer at once: {r: (contributors, signature, merged bytes)}.
+        """Run ``ask(r)`` for every reducer at once: {r: (contributors, fraction, signature, merged bytes)}.
         Raises RoundFailed (counted) as soon as one of them fails."""
         try:
             async with asyncio.TaskGroup() as tg:
@@ -338,10 +372,11 @@ class AllReducer:
             self.stats.failed += 1
             raise RoundFailed(f"round {group.round_id} of fragment {group.key.fragment} failed{phase}: "
                               f"{eg.exceptions[0]}") from None
-        return {r: (c, sig, body) for r, c, sig, body in (t.result() for t in tasks)}
+        return {r: (c, f, sig, body) for r, c, f, sig, body in (t.result() for t in tasks)}
 
-    def _check_answer(self, group: Group, r: int, phase: int, reply: Header, body: bytes) -> tuple[int, ...]:
-        """The contributor set of reducer r's signed statement; RoundFailed if it does not verify."""
+    def _check_answer(self, group: Group, r: int, phase: int, reply: Header, body: bytes) -> tuple[tuple[int, ...], int]:
+        """The contributor set and fraction of reducer r's signed statement; RoundFailed if it
+        does not verify."""
         if "error" in reply:
             raise RoundFailed(f"reducer {group.members[r][-8:]}: {str(reply['error'])[:200]}")
         try:
@@ -349,12 +384,13 @@ class AllReducer:
         except ProtocolError as e:
             self.swarm.drop(group.members[r], "reducer_statement")
             raise RoundFailed(f"reducer {group.members[r][-8:]} sent a malformed statement: {e}") from None
-        fields = self._merged_fields(group, r, phase, statement.contributors, self._digest(body, signing_side=False))
+        fields = self._merged_fields(group, r, phase, statement.contributors, statement.fraction,
+                                     self._digest(body, signing_side=False))
         if not self._verify(group.members[r], "ar.merged", fields, statement.signature):
             self.stats.rejected["bad_result"] += 1
             self.swarm.ban(group.members[r], f"merged slice with a bad signature in round {group.round_id}")
             raise RoundFailed(f"reducer {group.members[r][-8:]}'s merged slice failed signature verification")
-        return statement.contributors
+        return statement.contributors, statement.fraction
 
     def _poison(self, contrib: Contribution) -> Contribution:
         kind = self.poison if self.poison != "mix" else ("scale", "flip", "nan")[self._poisoned % 3]
@@ -364,7 +400,7 @@ class AllReducer:
                           if d.numel() else d for d in contrib.delta)
         else:
             delta = tuple(d * (1000.0 if kind == "scale" else -1.0) for d in contrib.delta)
-        return Contribution(delta, contrib.tokens, contrib.steps)
+        return Contribution(delta, contrib.tokens, contrib.steps, contrib.span)
 
     def _outgoing(self, reducer: int, head: Header, payload: bytes) -> tuple[Header, bytes]:
         """The request about to be sent to ``reducer`` (index); tests override this to act
@@ -428,7 +464,7 @@ class AllReducer:
                 raise ProtocolError("duplicate slice")
             reason, tensors = self._check_slice(peer, rnd, req, payload)
             if reason is None:
-                rnd.parts[peer] = (tensors, req.tokens, req.steps)
+                rnd.parts[peer] = (tensors, req.tokens, req.steps, req.span)
             else:
                 self._reject(rnd, peer, reason)
             if len(rnd.parts) + len(rnd.rejected) == len(rnd.members):
@@ -446,11 +482,11 @@ class AllReducer:
         except ValueError:  # not an Ed25519 peer ID: it cannot sign
             return "wrong_key", []
         fields = signing.contribution_fields(self.run_id, rnd.fragment, rnd.version, rnd.digest, rnd.round_id,
-                                             rnd.members, rnd.index, req.tokens, req.steps,
+                                             rnd.members, rnd.index, req.tokens, req.steps, req.span,
                                              self._digest(payload, signing_side=False))
         if not self._verify(peer, "ar.contrib", fields, req.signature):
             return "bad_signature", []
-        if req.tokens < 0 or req.steps < 0:
+        if req.tokens < 0 or req.steps < 0 or req.span < 1:
             return "bad_counters", []
         try:
             tensors = wire.decode(payload, self._shapes(rnd.fragment, rnd.slots), self.precision)
@@ -481,9 +517,9 @@ class AllReducer:
     def _merge(self, rnd: _Round, contributors: Sequence[int], policy: str):
         """Robust merge of the given members' slices (indices into rnd.members, sorted)."""
         order = [rnd.parts[rnd.members[i]] for i in contributors]
-        weights = [contribution_weight(tok, st) for _, tok, st in order]
+        weights = [contribution_weight(tok, st) for _, tok, st, _ in order]
         mask = [self.fragments[rnd.fragment].slots[i].is_embedding for i in rnd.slots]
-        out = robust_merge([ts for ts, _, _ in order], weights, mask, policy=policy, factor=self.outlier_factor)
+        out = robust_merge([ts for ts, _, _, _ in order], weights, mask, policy=policy, factor=self.outlier_factor)
         self.stats.clipped += len(out.clipped)
         self.stats.misaligned += len(out.misaligned)
         if out.clipped or out.misaligned:
@@ -495,8 +531,10 @@ class AllReducer:
 
     def _statement(self, rnd: _Round, phase: int, contributors: Sequence[int], merged) -> tuple[Header, bytes]:
         body = wire.encode(merged, self.precision)
-        fields = self._merged_fields(rnd, rnd.index, phase, contributors, self._digest(body, signing_side=True))
-        head = {"c": list(contributors), "sig": self._sign("ar.merged", fields),
+        fraction = self._fraction([rnd.parts[rnd.members[i]][1:] for i in contributors])
+        fields = self._merged_fields(rnd, rnd.index, phase, contributors, fraction,
+                                     self._digest(body, signing_side=True))
+        head = {"c": list(contributors), "fq": fraction, "sig": self._sign("ar.merged", fields),
                 "rej": {p[-8:]: why for p, why in rnd.rejected.items()}}  # informational, unsigned
         return head, body
 
@@ -530,17 +568,17 @@ class AllReducer:
             raise ProtocolError("unknown or expired round")
         await rnd.decided.wait()
         reducers = [r for r, slots in enumerate(self._parts(rnd.fragment, len(rnd.members))) if slots]
-        statements = {r: (c, h, sig) for r, c, h, sig in req.statements}
+        statements = {r: (c, f, h, sig) for r, c, f, h, sig in req.statements}
         if sorted(statements) != reducers or len(req.statements) != len(reducers):
             raise ProtocolError("phase-2 request does not hold one statement per reducer")
-        for r, (c, h, sig) in statements.items():
+        for r, (c, f, h, sig) in statements.items():
             if not all(i < len(rnd.members) for i in c):
                 raise ProtocolError("malformed statement")
-            if not self._verify(rnd.members[r], "ar.merged", self._merged_fields(rnd, r, 1, c, h), sig):
+            if not self._verify(rnd.members[r], "ar.merged", self._merged_fields(rnd, r, 1, c, f, h), sig):
                 raise ProtocolError(f"statement of reducer {rnd.members[r][-8:]} does not verify")
         if statements[rnd.index][0] != rnd.contributors:
             raise ProtocolError("our own statement differs from the one presented")
-        common = tuple(sorted(set.intersection(*(set(c) for c, _, _ in statements.values()))))
+        common = tuple(sorted(set.intersection(*(set(c) for c, _, _, _ in statements.values()))))
         if not common:
             raise ProtocolError("the reducers' contributor sets have no member in common")
         if rnd.final is None:

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from p2pdiloco.core.outer import FRACTION_GRID
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.trust.identity import is_peer_id
 
@@ -297,7 +298,9 @@ class ReduceRequest:
         round: round ID; fragment, version, digest: the group's key; members: the group;
         reducer: index of the addressed reducer in ``members``; tokens, steps: the
         member's counters (signed; negative values parse, so that the reducer can reject
-        the signed slice as ``bad_counters`` and ban its author); key: its raw Ed25519 public key (32 bytes);
+        the signed slice as ``bad_counters`` and ban its author); span: rounds its progress
+        spans (``Learner.span``; signed; values < 1 parse, rejected as ``bad_counters``
+        too); key: its raw Ed25519 public key (32 bytes);
         signature: 64 bytes over ``signing.contribution_fields``.
     """
 
@@ -309,6 +312,7 @@ class ReduceRequest:
     reducer: int
     tokens: int
     steps: int
+    span: int
     key: bytes
     signature: bytes
 
@@ -319,15 +323,19 @@ def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
     return ReduceRequest(
         round_id(h.get("round")), fragment(h.get("f"), num_fragments), version(h.get("v")), digest(h.get("d")),
         group, _int(h.get("r"), "reducer", 0, len(group) - 1), _int(h.get("tokens"), "tokens", -MAX_COUNT),
-        _int(h.get("steps"), "steps", -MAX_COUNT), _bytes(h.get("k"), "key", 32), _bytes(h.get("sig"), "signature", 64))
+        _int(h.get("steps"), "steps", -MAX_COUNT), _int(h.get("span"), "span", -MAX_COUNT),
+        _bytes(h.get("k"), "key", 32), _bytes(h.get("sig"), "signature", 64))
 
 
 @dataclass(frozen=True)
 class ReducerStatement:
-    """A reducer's answer: the member indices it merged (sorted, distinct) and its signature
-    over them and the merged bytes."""
+    """A reducer's answer: the member indices it merged (sorted, distinct), the round's
+    fraction of a period as a multiple of 1/``FRACTION_GRID`` (``fraction``, an integer in
+    [0, FRACTION_GRID]; ``core.outer.round_fraction`` over those contributors' counters) and
+    its signature over them and the merged bytes."""
 
     contributors: tuple[int, ...]
+    fraction: int
     signature: bytes
 
 
@@ -339,17 +347,19 @@ def parse_statement(header: Any, group_size: int) -> ReducerStatement:
     contributors = tuple(_int(i, "contributor", 0, group_size - 1) for i in c)
     if list(contributors) != sorted(set(contributors)):
         raise ProtocolError("reducer statement: contributors not sorted and distinct")
-    return ReducerStatement(contributors, _bytes(h.get("sig"), "signature", 64))
+    return ReducerStatement(contributors, _int(h.get("fq"), "fraction", 0, FRACTION_GRID),
+                            _bytes(h.get("sig"), "signature", 64))
 
 
 @dataclass(frozen=True)
 class FinalRequest:
     """``ar.final`` (phase 2): the round, the addressed reducer, and every reducer's signed
-    phase-1 statement as (reducer index, contributors, sha256 of its merged bytes, signature)."""
+    phase-1 statement as (reducer index, contributors, fraction, sha256 of its merged bytes,
+    signature)."""
 
     round: str
     reducer: int
-    statements: tuple[tuple[int, tuple[int, ...], bytes, bytes], ...]
+    statements: tuple[tuple[int, tuple[int, ...], int, bytes, bytes], ...]
 
 
 def parse_final_request(header: Any) -> FinalRequest:
@@ -359,12 +369,13 @@ def parse_final_request(header: Any) -> FinalRequest:
         raise ProtocolError("final request: wrong statement list")
     out = []
     for item in st:
-        if not isinstance(item, list) or len(item) != 4 or not isinstance(item[1], list) \
+        if not isinstance(item, list) or len(item) != 5 or not isinstance(item[1], list) \
                 or len(item[1]) > MAX_GROUP:
-            raise ProtocolError("final request: a statement is not [reducer, contributors, hash, signature]")
+            raise ProtocolError("final request: a statement is not [reducer, contributors, fraction, hash, signature]")
         r = _int(item[0], "reducer", 0, MAX_GROUP - 1)
         contributors = tuple(_int(i, "contributor", 0, MAX_GROUP - 1) for i in item[1])
-        out.append((r, contributors, _bytes(item[2], "hash", 32), _bytes(item[3], "signature", 64)))
+        out.append((r, contributors, _int(item[2], "fraction", 0, FRACTION_GRID), _bytes(item[3], "hash", 32),
+                    _bytes(item[4], "signature", 64)))
     return FinalRequest(round_id(h.get("round")), _int(h.get("r"), "reducer", 0, MAX_GROUP - 1), tuple(out))
 
 

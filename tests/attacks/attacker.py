@@ -240,15 +240,15 @@ class Attacker:
 
     # ---- contributions --------------------------------------------------------------------
     def reduce_request(self, round_id: str, p: int, version: int, digest: str, members: Sequence[str],
-                       reducer: int, *, tokens: int = 1000, steps: int = 10) -> tuple[dict, bytes]:
+                       reducer: int, *, tokens: int = 1000, steps: int = 10, span: int = 1) -> tuple[dict, bytes]:
         """A properly signed ``ar.reduce`` request (header, payload) from this attacker."""
         slots = self.world.slots(p, len(members))[reducer]
         shapes = [self.world.shapes[p][i] for i in slots]
         payload = wire.encode([torch.zeros(s) for s in shapes], self.world.cfg.outer.wire_precision)
         fields = signing.contribution_fields(self.world.run, p, version, digest, round_id, list(members), reducer,
-                                             tokens, steps, signing.sha256(payload))
+                                             tokens, steps, span, signing.sha256(payload))
         header = {"round": round_id, "f": p, "v": version, "d": digest, "members": list(members),
-                  "tokens": tokens, "steps": steps, "k": self.swarm.identity.public_key, "r": reducer,
+                  "tokens": tokens, "steps": steps, "span": span, "k": self.swarm.identity.public_key, "r": reducer,
                   "sig": signing.sign(self.swarm.identity, "ar.contrib", fields)}
         return header, payload
 
