@@ -15,8 +15,9 @@ fragment. How the swarm groups those contributions is the scenario:
 After each period every learner follows the newest state (rebased), as the catch-up loop
 does. Each scenario runs under two outer-step rules: ``full`` (every round is one DiLoCo
 Nesterov step, the rule before partial rounds were weighted) and ``fraction`` (the round
-applies the step for its fraction of a period, ``p2pdiloco.core.outer.round_fraction`` from
-its contributors' signed counters). The merge is ``merge_pseudo_gradients`` with the
+applies the step for its fraction of a period: ``p2pdiloco.core.outer.round_fraction`` from
+the fragment state's ledger and the round's tokens and schedule position, with
+``span_fraction`` in the first period). The merge is ``merge_pseudo_gradients`` with the
 token weights, the outer step ``nesterov_outer_step``: the code the nodes run.
 
 Usage: python -m bench.partial_rounds [--learners 2 4] [--seeds 0 1 2] [--steps 2000]
@@ -35,7 +36,7 @@ from bench.common import Doc, fmt, machine, verdict
 from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients
-from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, span_fraction
 from p2pdiloco.data import evaluate
 
 # A small model, so that 3 seeds x 2000 steps x 6 learners x 5 runs fit on one CPU core in
@@ -77,9 +78,12 @@ class Replica:
         deltas = [ln.pseudo_gradient(0) for ln in learners]
         counters = [(*ln.counters(0), ln.span(0)) for ln in learners]
         merged = merge_pseudo_gradients(deltas, [contribution_weight(t, s) for t, s, _ in counters], self.mask)
-        f = round_fraction(counters, self.H) if rule == "fraction" else 1.0
+        f, ledger = 1.0, anchor.ledger
+        if rule == "fraction":  # what the node does: node/runtime.py, Node._round
+            f, ledger = round_fraction(anchor.ledger, sum(t for t, _, _ in counters), max(ln.step for ln in learners),
+                                       self.H, span_fraction(counters, self.H))
         self.fractions.append(f)
-        new = nesterov_outer_step(anchor, merged, self.out.lr, self.out.momentum, f)
+        new = nesterov_outer_step(anchor, merged, self.out.lr, self.out.momentum, f, ledger)
         for ln in learners:
             ln.install(new)
 

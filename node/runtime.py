@@ -28,7 +28,7 @@ import torch
 
 from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.learner import lr_at
-from p2pdiloco.core.outer import OUTER_STEP_RULE, FragmentState, nesterov_outer_step
+from p2pdiloco.core.outer import OUTER_STEP_RULE, FragmentState, nesterov_outer_step, round_fraction
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
@@ -248,7 +248,9 @@ class Node:
                 if fault[0] == "fail-last-stage":
                     raise RoundFailed(f"injected fault {self.cfg.fault}: merge received, treated as lost")
                 self.grace.t_sync.update(time.monotonic() - t1)
-                new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, merged.fraction)
+                fraction, ledger = round_fraction(anchor.ledger, merged.tokens, merged.position, out.sync_every,
+                                                  merged.first)
+                new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, fraction, ledger)
                 self.matchmaker.group_succeeded(group)
                 if self.committed[p].digest != anchor.digest:  # another state was installed meanwhile
                     self.stats.rounds_failed += 1
@@ -265,12 +267,12 @@ class Node:
                     # tokens are counted per fragment: a fragment carries 1/P of every token
                     self.stats.tokens_merged += contrib.tokens / len(self.committed)
                     self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True,
-                                             digest=new.short(), fraction=merged.fraction))
+                                             digest=new.short(), fraction=fraction))
                     log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version,
                              len(group.members), time.monotonic() - t0, new.short())
                     self._publish_now.set()
                     if self.cfg.trace_dir:
-                        await asyncio.to_thread(self._trace, group, contrib, merged, anchor, new)
+                        await asyncio.to_thread(self._trace, group, contrib, merged, fraction, anchor, new)
             else:
                 if outcome == "late":
                     self.stats.rounds_late += 1
@@ -332,7 +334,7 @@ class Node:
             return anchor, records
         return await self._follow(p, head, records) or anchor, records
 
-    def _trace(self, group, contrib: Contribution, merged: RoundResult, anchor: FragmentState, new: FragmentState) -> None:
+    def _trace(self, group, contrib: Contribution, merged: RoundResult, fraction: float, anchor: FragmentState, new: FragmentState) -> None:
         """Save one committed round (inputs and result) for offline checks; atomic write."""
         folder = Path(self.cfg.trace_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -340,8 +342,8 @@ class Node:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save({"fragment": new.index, "version": new.version, "round_id": group.round_id,
                     "members": group.members, "me": self.swarm.peer_id, "delta": contrib.delta,
-                    "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
-                    "merged": merged.delta, "fraction": merged.fraction,
+                    "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span, "position": contrib.position,
+                    "merged": merged.delta, "fraction": fraction, "first": merged.first, "ledger": anchor.ledger,
                     "anchor_digest": anchor.digest, "digest": new.digest,
                     "embedding_mask": [s.is_embedding for s in self.setup.fragments[new.index].slots]}, tmp)
         tmp.replace(path)

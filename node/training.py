@@ -180,7 +180,8 @@ class TrainingLoop:
         if p in self.pending:
             return  # its previous round is still in flight: keep accumulating
         tokens, steps = self.learner.counters(p)
-        contrib = Contribution(tuple(self.learner.pseudo_gradient(p)), tokens, steps, self.learner.span(p))
+        contrib = Contribution(tuple(self.learner.pseudo_gradient(p)), tokens, steps, self.learner.span(p),
+                               self.learner.step)
         self.pending.add(p)
         self._sent[p] = contrib
         self.dispatch(p, contrib, self.learner.global_states[p])

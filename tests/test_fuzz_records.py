@@ -43,11 +43,11 @@ VALID: dict[str, Any] = {
     "join_request": {"f": 1, "v": 3, "d": D},
     "join_answer": {"members": PEERS, "round": "abcd", "t": 0.5},
     "state_request": {"f": 1, "join": True},
-    "state_answer": {"v": 3, "d": D},
+    "state_answer": {"v": 3, "d": D, "l": [200, 4096, 8192.0]},
     "reduce_request": {"round": "abcd", "f": 1, "v": 3, "d": D, "members": PEERS, "r": 1, "tokens": 100,
-                       "steps": 4, "span": 2, "k": b"k" * 32, "sig": b"s" * 64},
-    "statement": {"c": [0, 2], "fq": 512, "sig": b"s" * 64, "rej": {}},
-    "final_request": {"round": "abcd", "r": 0, "st": [[0, [0, 1], 1024, b"h" * 32, b"s" * 64]]},
+                       "steps": 4, "span": 2, "pos": 120, "k": b"k" * 32, "sig": b"s" * 64},
+    "statement": {"c": [0, 2], "n": [2048, 120, 512], "sig": b"s" * 64, "rej": {}},
+    "final_request": {"round": "abcd", "r": 0, "st": [[0, [0, 1], [2048, 120, 1024], b"h" * 32, b"s" * 64]]},
 }
 DECODERS: dict[str, Callable[[Any], Any]] = {
     "heads": lambda v: rec.parse_heads(v, P),

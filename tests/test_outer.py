@@ -1,11 +1,12 @@
 import hashlib
+import math
 import struct
 
 import numpy as np
 import pytest
 import torch
 
-from p2pdiloco.core.outer import FragmentState, fragment_digest, nesterov_outer_step, round_fraction
+from p2pdiloco.core.outer import FragmentState, Ledger, fragment_digest, nesterov_outer_step, round_fraction, span_fraction
 
 
 def _state(seed=0, version=0):
@@ -92,22 +93,48 @@ def test_k_rounds_of_one_kth_move_like_one_full_round_per_period():
     assert rate(twice) / rate(one) > 1.99
 
 
-def test_round_fraction_hand_numbers():
+def test_round_fraction_follows_the_ledger_over_periods():
+    """H = 100, 1000 tokens per learner per period. Period 1 (no rate yet): the first round
+    takes the span fraction it is given. Period 2 (positions 200): two learners merge one
+    after the other, alone: the rate is period 1's 2000 tokens, so each carries 1000/2000.
+    Period 3 (position 300): both together, 2000 tokens: one step; the completed period 2 had
+    2000 tokens too (rate 0.5·2000 + 0.5·2000). A 1-step flush at position 301, in period 3:
+    10/2000 -> 5.12/1024 -> 5/1024. A position under H/2 past the period start stays in it."""
+    led = Ledger()
+    f, led = round_fraction(led, 2000, 100, 100, first=1.0)
+    assert (f, led) == (1.0, Ledger(100, 2000, 0.0))
+    f, led = round_fraction(led, 1000, 200, 100, first=1.0)
+    assert (f, led) == (0.5, Ledger(200, 1000, 2000.0))
+    f, led = round_fraction(led, 1000, 201, 100, first=0.5)
+    assert (f, led) == (0.5, Ledger(200, 2000, 2000.0))
+    f, led = round_fraction(led, 2000, 300, 100, first=1.0)
+    assert (f, led) == (1.0, Ledger(300, 2000, 2000.0))
+    f, flushed = round_fraction(led, 10, 301, 100, first=0.01)
+    assert (f, flushed) == (5 / 1024, Ledger(300, 2010, 2000.0))
+    # a period counts at most 4x the previous rate; a claimed position moves the start at most 2H
+    f, led = round_fraction(Ledger(300, 10**9, 2000.0), 2000, 10**12, 100, first=1.0)
+    assert (f, led) == (round(2000 / 5000 * 1024) / 1024, Ledger(500, 2000, 0.5 * 2000 + 0.5 * 8000))
+    assert round_fraction(led, 0, 501, 100, first=0.0)[0] == 0.0
+    with pytest.raises(ValueError):
+        round_fraction(led, -1, 501, 100, first=0.5)
+
+
+def test_span_fraction_hand_numbers():
     """Shares min(1, steps/(H·span)) averaged with the merge weights tokens²/steps (H = 100)."""
-    assert round_fraction([(1000, 100, 1)], 100) == 1.0  # a whole period, one round
-    assert round_fraction([(1000, 100, 2)], 100) == 0.5  # the same progress, another round merged meanwhile
-    assert round_fraction([(1000, 100, 1), (1000, 100, 1)], 100) == 1.0
-    assert round_fraction([(30, 3, 1)], 100) == 31 / 1024  # a 3-step flush: 0.03 -> 30.72/1024 -> 31/1024
-    assert round_fraction([(1000, 250, 1)], 100) == 1.0  # more than a period: capped at one step
-    assert round_fraction([(2000, 200, 2)], 100) == 1.0  # left out of one round, offered at the next
+    assert span_fraction([(1000, 100, 1)], 100) == 1.0  # a whole period, one round
+    assert span_fraction([(1000, 100, 2)], 100) == 0.5  # the same progress, another round merged meanwhile
+    assert span_fraction([(1000, 100, 1), (1000, 100, 1)], 100) == 1.0
+    assert span_fraction([(30, 3, 1)], 100) == 31 / 1024  # a 3-step flush: 0.03 -> 30.72/1024 -> 31/1024
+    assert span_fraction([(1000, 250, 1)], 100) == 1.0  # more than a period: capped at one step
+    assert span_fraction([(2000, 200, 2)], 100) == 1.0  # left out of one round, offered at the next
     # weights 1000²/100 = 10000 and 500²/50 = 5000; shares 1 and 0.5 -> 12500/15000
-    assert round_fraction([(1000, 100, 1), (500, 50, 1)], 100) == round(12500 / 15000 * 1024) / 1024
-    assert round_fraction([(1000, 1, 1000)], 100) == 1 / 1024  # any progress: at least one grid step
-    assert round_fraction([(0, 0, 1)], 100) == 0.0  # nothing to merge, nothing to move
-    assert round_fraction([(1000, 100, 10**9)], 100) == round(1024 / 64) / 1024  # span capped at MAX_SPAN
+    assert span_fraction([(1000, 100, 1), (500, 50, 1)], 100) == round(12500 / 15000 * 1024) / 1024
+    assert span_fraction([(1000, 1, 1000)], 100) == 1 / 1024  # any progress: at least one grid step
+    assert span_fraction([(0, 0, 1)], 100) == 0.0  # nothing to merge, nothing to move
+    assert span_fraction([(1000, 100, 10**9)], 100) == round(1024 / 64) / 1024  # span capped at MAX_SPAN
     for bad in ([(1, 1, 0)], [(-1, 1, 1)]):
         with pytest.raises(ValueError):
-            round_fraction(bad, 100)
+            span_fraction(bad, 100)
 
 
 def test_digest_layout_reference():
@@ -117,9 +144,14 @@ def test_digest_layout_reference():
     for shape, vals in [((1, 2), [1.0, -2.0]), ((), [3.5]), ((1, 2), [0.0, 0.25]), ((), [-1.0])]:
         h.update(struct.pack("<I", len(shape)) + b"".join(struct.pack("<q", d) for d in shape))
         h.update(b"".join(struct.pack("<f", v) for v in vals))
-    assert fragment_digest(7, 11, theta, mom) == h.hexdigest()
-    s = FragmentState.create(7, 11, theta, mom)
-    assert s.digest == h.hexdigest() and s.short() == h.hexdigest()[:12]
+    h.update(struct.pack("<qqd", 300, 4096, 8192.5))  # the ledger: period start, period tokens, rate
+    ledger = Ledger(300, 4096, 8192.5)
+    assert fragment_digest(7, 11, theta, mom, ledger) == h.hexdigest()
+    s = FragmentState.create(7, 11, theta, mom, ledger)
+    assert s.digest == h.hexdigest() and s.short() == h.hexdigest()[:12] and s.ledger == ledger
+    assert FragmentState.create(7, 11, theta, mom).digest != s.digest  # the ledger is part of the state
+    with pytest.raises(ValueError, match="ledger"):
+        FragmentState.create(7, 11, theta, mom, Ledger(0, 0, math.inf))
 
 
 def test_digest_sensitivity_and_equality():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2pdiloco.core.merge import contribution_weight, robust_merge
-from p2pdiloco.core.outer import round_fraction
+from p2pdiloco.core.outer import round_fraction, span_fraction
 
 from tests.conftest import TINY, read_report
 
@@ -43,8 +43,12 @@ def test_three_nodes_merge_like_one_process(harness):
         # the node's default robust merge (trust.outliers = clip, factor 2): a learner with over
         # twice the median steps since its last merge has its weight capped
         expected = robust_merge([t["delta"] for t in rounds], weights, rounds[0]["embedding_mask"]).merged
-        # every member applies the step for the same fraction of a period, from the signed counters
-        fraction = round_fraction([(t["tokens"], t["steps"], t["span"]) for t in rounds], int(TINY["outer.sync_every"]))
+        # every member applies the step for the same fraction of a period: from the anchor's ledger
+        # and the round's signed counters (tokens, largest position, span fraction for the first period)
+        H = int(TINY["outer.sync_every"])
+        first = span_fraction([(t["tokens"], t["steps"], t["span"]) for t in rounds], H)
+        fraction, _ = round_fraction(rounds[0]["ledger"], sum(t["tokens"] for t in rounds),
+                                     max(t["position"] for t in rounds), H, first)
         for t in rounds:  # the distributed merge equals the one-process merge, bit for bit
             assert all(torch.equal(a, b) for a, b in zip(t["merged"], expected))
             assert t["fraction"] == fraction
@@ -65,7 +69,8 @@ def test_lone_node_applies_its_own_outer_step(harness):
     for t in traces:  # I5: a lone learner's merge is its own pseudo-gradient, not zeros
         assert t["members"] == (t["me"],)
         assert all(torch.equal(m, x) for m, x in zip(t["merged"], t["delta"]))
-        assert t["fraction"] == round_fraction([(t["tokens"], t["steps"], t["span"])], int(TINY["outer.sync_every"]))
-        assert t["fraction"] > 0
+        first = span_fraction([(t["tokens"], t["steps"], t["span"])], int(TINY["outer.sync_every"]))
+        fraction, _ = round_fraction(t["ledger"], t["tokens"], t["position"], int(TINY["outer.sync_every"]), first)
+        assert t["fraction"] == fraction > 0
         assert any(x.abs().sum() > 0 for x in t["delta"])
         assert t["digest"] != t["anchor_digest"]

@@ -76,7 +76,7 @@ def test_identity_file_problems_are_clear(tmp_path: Path) -> None:
 
 def test_signed_message_layout_and_verification() -> None:
     ident = Identity.generate()
-    fields = signing.contribution_fields("run/tag", 2, 7, "ab" * 32, "r1", ["A", "B"], 1, 1000, 10, 1,
+    fields = signing.contribution_fields("run/tag", 2, 7, "ab" * 32, "r1", ["A", "B"], 1, 1000, 10, 1, 120,
                                          signing.sha256(b"payload"))
     assert signing.message("ar.contrib", fields) == (
         b"p2pdiloco/v1/ar.contrib\0" + msgpack.packb(fields, use_bin_type=True))

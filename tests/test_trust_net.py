@@ -20,7 +20,7 @@ import torch
 
 from p2pdiloco.core.fragments import Fragment, TensorSlot
 from p2pdiloco.core.merge import contribution_weight, robust_merge
-from p2pdiloco.core.outer import FragmentState, round_fraction
+from p2pdiloco.core.outer import FragmentState, span_fraction
 from p2pdiloco.errors import ProtocolError, RoundFailed
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker, leader_rank
@@ -61,13 +61,13 @@ class Resigned(AllReducer):
         elif self.mode == "other_key":  # signed by a key that is not its peer ID's
             fields = signing.contribution_fields(self.run_id, KEY.fragment, KEY.version, KEY.digest,
                                                  head["round"], head["members"], reducer, head["tokens"],
-                                                 head["steps"], head["span"], signing.sha256(payload))
+                                                 head["steps"], head["span"], head["pos"], signing.sha256(payload))
             head["sig"], head["k"] = signing.sign(self.other, "ar.contrib", fields), self.other.public_key
         elif self.mode == "two_spans":  # validly signed, but a different span for each reducer
             head["span"] = 1 + reducer
             fields = signing.contribution_fields(self.run_id, KEY.fragment, KEY.version, KEY.digest,
                                                  head["round"], head["members"], reducer, head["tokens"],
-                                                 head["steps"], head["span"], signing.sha256(payload))
+                                                 head["steps"], head["span"], head["pos"], signing.sha256(payload))
             head["sig"] = signing.sign(self.swarm.identity, "ar.contrib", fields)
         return head, payload
 
@@ -117,15 +117,17 @@ async def test_faulty_and_malicious_members_are_rejected_and_honest_members_agre
         results = await run_round(reducers, contribs)
 
         expected = expected_merge([contribs[p] for p in sorted(honest)])
-        # the step's fraction of a period, from the honest counters only (H = 10, spans 1)
-        fraction = round_fraction([(c.tokens, c.steps, c.span) for c in (contribs[p] for p in sorted(honest))], 10)
+        # the round's counters, from the honest contributions only (H = 10, spans 1)
+        clean = [contribs[p] for p in sorted(honest)]
+        counters = (sum(c.tokens for c in clean), max(c.position for c in clean),
+                    span_fraction([(c.tokens, c.steps, c.span) for c in clean], 10))
         for p in honest:
             result = results[p]
             assert isinstance(result, RoundResult), result
             assert all(torch.isfinite(t).all() for t in result.delta)
             assert all(torch.equal(a, b) for a, b in zip(result.delta, expected)), "not the clean merge of the honest"
             assert set(result.contributors) == set(honest)
-            assert result.fraction == fraction == 1.0
+            assert (result.tokens, result.position, result.first) == counters
         for p in (nan, huge, badsig, otherkey):
             assert isinstance(results[p], ContributionExcluded), results[p]
         rejected = sum((r.stats.rejected for r in reducers.values()), start=Counter())
@@ -159,14 +161,15 @@ async def test_clip_policy_keeps_a_scaled_contribution_bounded():
 
 @pytest.mark.asyncio
 async def test_fractions_come_from_signed_counters_and_a_member_signing_two_versions_fails_the_round():
-    """Three members; the round's fraction of a period is computed by each reducer from the
-    counters it accepted and stated under its signature. Honest counters: every member gets
-    the same fraction (H = 10: one member worked a whole period over one round, one half a
-    period, one a whole period spread over two rounds). A member that signs a different span
-    for each reducer makes their statements differ: nobody commits."""
+    """Three members; the round's counters (tokens summed, largest schedule position, span
+    fraction) are computed by each reducer from the counters it accepted and stated under its
+    signature. Honest counters: every member gets the same (H = 10: one member worked a whole
+    period over one round, one half a period, one a whole period spread over two rounds). A
+    member that signs a different span for each reducer makes their statements differ: nobody
+    commits."""
     async with swarms(3) as sw:
         ids = sorted(s.peer_id for s in sw)
-        counters = {ids[0]: (1000, 10, 1), ids[1]: (500, 5, 1), ids[2]: (1000, 10, 2)}
+        counters = {ids[0]: (1000, 10, 1, 40), ids[1]: (500, 5, 1, 35), ids[2]: (1000, 10, 2, 41)}
         reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run", outlier_factor=4.0)
                     for s in sw}
         for r in reducers.values():
@@ -174,7 +177,7 @@ async def test_fractions_come_from_signed_counters_and_a_member_signing_two_vers
         contribs = {p: Contribution(delta(i), *counters[p]) for i, p in enumerate(ids)}
         results = await run_round(reducers, contribs)
         # weights tokens²/steps: 100000, 50000, 100000; shares 1, 0.5, 0.5 -> 175000/250000 = 0.7
-        assert {r.fraction for r in results.values()} == {round(0.7 * 1024) / 1024}
+        assert {(r.tokens, r.position, r.first) for r in results.values()} == {(2500, 41, round(0.7 * 1024) / 1024)}
 
     async with swarms(3) as sw:
         ids = sorted(s.peer_id for s in sw)
@@ -186,7 +189,7 @@ async def test_fractions_come_from_signed_counters_and_a_member_signing_two_vers
         for r in reducers.values():
             await r.start()
         results = await run_round(reducers, {p: Contribution(delta(i), 1000, 10) for i, p in enumerate(ids)})
-        # the same contributor set everywhere (no phase 2), yet no result: the fractions differ
+        # the same contributor set everywhere (no phase 2), yet no result: the stated counters differ
         assert all(isinstance(r, RoundFailed) and not isinstance(r, ContributionExcluded) for r in results.values()), \
             results
         assert all(r.stats.reconciled == 0 and r.stats.failed == 1 for r in reducers.values())
@@ -364,9 +367,9 @@ async def test_a_lone_round_returns_the_contribution_unquantised_and_refuses_a_n
         await reducer.start()
         group = Group("lone", KEY, (s.peer_id,), 0.0)
         mine = delta(7)
-        merged = await reducer.run(group, Contribution(mine, 1000, 5, span=2))
+        merged = await reducer.run(group, Contribution(mine, 1000, 5, span=2, position=77))
         assert all(torch.equal(m, d) and m.dtype == torch.float32 for m, d in zip(merged.delta, mine))
-        assert merged.fraction == 0.25  # 5 of H = 10 steps, spread over 2 rounds
+        assert (merged.tokens, merged.position, merged.first) == (1000, 77, 0.25)  # 5 of H = 10 steps over 2 rounds
         coded = wire.decode(wire.encode(list(mine), "int4"), SHAPES, "int4")
         assert not all(torch.equal(c, d) for c, d in zip(coded, mine))  # what a wire round trip gives
         assert merged.contributors == (s.peer_id,) and reducer.stats.rounds == 1

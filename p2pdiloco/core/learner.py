@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .fragments import Fragment
-from .outer import FragmentState
+from .outer import FragmentState, Ledger
 
 __all__ = ["InnerConfig", "Learner", "lr_at"]
 
@@ -219,7 +219,9 @@ class Learner:
             "inner": asdict(self.inner), "step": self.step,
             "tokens": list(self._tokens), "steps": list(self._steps), "since": list(self._since),
             "global_states": [{"index": s.index, "version": s.version, "theta": list(s.theta),
-                               "momentum": list(s.momentum), "digest": s.digest} for s in self.global_states],
+                               "momentum": list(s.momentum), "digest": s.digest,
+                               "ledger": [s.ledger.period_start, s.ledger.period_tokens, s.ledger.rate]}
+                              for s in self.global_states],
         })
 
     def load_state_dict(self, d: dict) -> None:
@@ -228,7 +230,8 @@ class Learner:
         P = len(self.fragments)
         if len(d["global_states"]) != P or len(d["tokens"]) != P or len(d["steps"]) != P:
             raise ValueError(f"checkpoint has a different number of fragments (expected {P})")
-        states = [FragmentState.create(g["index"], g["version"], g["theta"], g["momentum"]) for g in d["global_states"]]
+        states = [FragmentState.create(g["index"], g["version"], g["theta"], g["momentum"],
+                                       Ledger(*g.get("ledger", (-1, 0, 0.0)))) for g in d["global_states"]]
         for p, (s, g) in enumerate(zip(states, d["global_states"])):
             if s.index != p or s.digest != g["digest"]:
                 raise ValueError(f"checkpoint global state of fragment {p} is corrupt (digest mismatch)")

@@ -26,7 +26,37 @@ from torch import Tensor
 
 from .merge import contribution_weight
 
-__all__ = ["FragmentState", "fragment_digest", "nesterov_outer_step", "round_fraction", "FRACTION_GRID", "MAX_SPAN"]
+__all__ = ["FragmentState", "Ledger", "fragment_digest", "nesterov_outer_step", "span_fraction", "round_fraction",
+           "FRACTION_GRID", "MAX_SPAN", "RATE_DECAY"]
+
+FRACTION_GRID = 1024  # a round's fraction is a multiple of 1/FRACTION_GRID (exact in fp32)
+MAX_SPAN = 64  # a contribution is counted as spread over at most this many rounds
+RATE_DECAY = 0.5  # weight of the previous estimate when a period completes (Ledger.rate)
+RATE_GROWTH = 4.0  # a completed period counts at most this many times the previous rate
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Fragment p's account of how much the swarm merges per outer period: part of its global
+    state and covered by its digest, so every holder of a version computes the same fraction
+    for the next round (``round_fraction``; invariant I9).
+
+    Attributes:
+        period_start: schedule position (an inner step: the largest ``position`` among the
+            contributors) of the current period's first round; -1 before any round.
+        period_tokens: tokens merged into p by the current period's rounds so far.
+        rate: tokens the swarm merges into p per period: over completed periods, new =
+            RATE_DECAY·old + (1 − RATE_DECAY)·period (the first: the period itself), each
+            period counted at most RATE_GROWTH times the old rate; 0.0 while unknown.
+    """
+
+    period_start: int = -1
+    period_tokens: int = 0
+    rate: float = 0.0
+
+    def pack(self) -> bytes:
+        """``<qqd`` little-endian: period_start, period_tokens, rate (the digest's tail)."""
+        return struct.pack("<qqd", self.period_start, self.period_tokens, self.rate)
 
 
 def _fp32_cpu(t: Tensor) -> Tensor:
@@ -35,18 +65,21 @@ def _fp32_cpu(t: Tensor) -> Tensor:
     return out.copy_(t.detach())
 
 
-def fragment_digest(index: int, version: int, theta: Sequence[Tensor], momentum: Sequence[Tensor]) -> str:
+def fragment_digest(index: int, version: int, theta: Sequence[Tensor], momentum: Sequence[Tensor],
+                    ledger: Ledger = Ledger()) -> str:
     """Hex sha256 of a fragment's global state.
 
     Byte layout (all integers little-endian): ``<qqII`` index, version, len(theta),
     len(momentum); then for each tensor of theta followed by momentum: ``<I`` ndim, ``<q`` per
-    dimension, and the tensor's elements as contiguous little-endian fp32 (row-major).
+    dimension, and the tensor's elements as contiguous little-endian fp32 (row-major); then
+    the ledger, ``Ledger.pack``.
     """
     h = hashlib.sha256(struct.pack("<qqII", index, version, len(theta), len(momentum)))
     for t in (*theta, *momentum):
         h.update(struct.pack(f"<I{t.dim()}q", t.dim(), *t.shape))
         a = t.detach().to("cpu", torch.float32).contiguous().numpy()
         h.update((a.byteswap() if sys.byteorder == "big" else a).data)
+    h.update(ledger.pack())
     return h.hexdigest()
 
 
@@ -56,8 +89,9 @@ class FragmentState:
 
     index: fragment index; version: number of outer steps applied (0 = initial weights);
     theta: Θ_p, fp32 CPU, one tensor per slot in slot shapes; momentum: Nesterov buffer b_p,
-    same shapes; digest: ``fragment_digest`` of the above. Two states are equal iff their
-    digests are equal.
+    same shapes; digest: ``fragment_digest`` of the above; ledger: the swarm's merged tokens
+    per period as this state's rounds saw them (:class:`Ledger`). Two states are equal iff
+    their digests are equal.
     """
 
     index: int
@@ -65,21 +99,28 @@ class FragmentState:
     theta: tuple[Tensor, ...]
     momentum: tuple[Tensor, ...]
     digest: str
+    ledger: Ledger = Ledger()
 
     @classmethod
-    def create(cls, index: int, version: int, theta: Sequence[Tensor], momentum: Sequence[Tensor]) -> FragmentState:
+    def create(cls, index: int, version: int, theta: Sequence[Tensor], momentum: Sequence[Tensor],
+               ledger: Ledger = Ledger()) -> FragmentState:
         """Copy theta and momentum to new fp32 contiguous CPU tensors and compute the digest.
-        Raises ValueError on negative index/version or mismatched counts or shapes."""
-        return cls._seal(index, version, [_fp32_cpu(t) for t in theta], [_fp32_cpu(t) for t in momentum])
+        Raises ValueError on negative index/version, mismatched counts or shapes, or a
+        ledger out of range."""
+        return cls._seal(index, version, [_fp32_cpu(t) for t in theta], [_fp32_cpu(t) for t in momentum], ledger)
 
     @classmethod
-    def _seal(cls, index: int, version: int, theta: Sequence[Tensor], momentum: Sequence[Tensor]) -> FragmentState:
+    def _seal(cls, index: int, version: int, theta: Sequence[Tensor], momentum: Sequence[Tensor],
+              ledger: Ledger) -> FragmentState:
         """Wrap tensors that are already private fp32 contiguous CPU copies."""
         if index < 0 or version < 0:
             raise ValueError(f"index and version must be >= 0, got {index}, {version}")
         if len(theta) != len(momentum) or any(a.shape != b.shape for a, b in zip(theta, momentum)):
             raise ValueError("theta and momentum must have the same number of tensors and shapes")
-        return cls(index, version, tuple(theta), tuple(momentum), fragment_digest(index, version, theta, momentum))
+        if ledger.period_start < -1 or ledger.period_tokens < 0 or not (math.isfinite(ledger.rate) and ledger.rate >= 0):
+            raise ValueError(f"ledger out of range: {ledger}")
+        return cls(index, version, tuple(theta), tuple(momentum),
+                   fragment_digest(index, version, theta, momentum, ledger), ledger)
 
     def short(self) -> str:
         """First 12 hex characters of the digest (for logs)."""
@@ -92,14 +133,55 @@ class FragmentState:
         return hash(self.digest)
 
 
-OUTER_STEP_RULE = "nesterov-fractional-1"  # changes when the outer step's rounding changes (protocol tag)
-FRACTION_GRID = 1024  # a round's fraction is a multiple of 1/FRACTION_GRID (exact in fp32)
-MAX_SPAN = 64  # a contribution is counted as spread over at most this many rounds
+OUTER_STEP_RULE = "nesterov-fractional-2"  # changes when the outer step or its fraction changes (protocol tag)
 _DECAY_GRID = 2.0 ** 24  # μ^f is rounded to a multiple of 2^-24, so no libm's last bit matters
 
 
-def round_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) -> float:
-    """The share of one outer period's progress a round carries, f in [0, 1].
+def _grid(f: float, any_progress: bool) -> float:
+    """f in [0, 1] rounded to a multiple of 1/FRACTION_GRID, at least one step with progress."""
+    if not any_progress:
+        return 0.0
+    return max(1, min(FRACTION_GRID, round(f * FRACTION_GRID))) / FRACTION_GRID
+
+
+def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
+                   first: float) -> tuple[float, Ledger]:
+    """The fraction f in [0, 1] of an outer period a round's step is for, and the ledger its
+    result carries.
+
+    ledger: the anchor state's; tokens: the tokens the round merges (sum over its
+    contributors); position: the largest schedule position (inner step, ``Learner.step`` at
+    sending) among them; sync_every: H; first: the fraction to use while the ledger knows no
+    rate yet (:func:`span_fraction`). A round at a position at least H/2 past the current
+    period's first round starts a new period (the start moves at most 2H at once), completing
+    the old one into ``rate``; any other round adds its tokens to the current period. Then
+    f = min(1, tokens / rate): the share of a period's merged tokens this round carries.
+    Learners that merge one after the other in one period, each alone, each carry their
+    share, and the period adds up to one step; a near-empty round (an end-of-budget flush)
+    moves Θ by almost nothing; a slower learner's rounds, behind the schedule, count in the
+    period they arrive in. Computed by every member from the anchor's ledger and the counters
+    the reducers state under their signatures, never from a node's own view of the swarm
+    (invariant I9; docs/architecture.md "Partial rounds"). Raises ValueError on negative
+    tokens or position, sync_every < 1 or ``first`` outside [0, 1]."""
+    if tokens < 0 or position < 0 or sync_every < 1 or not 0.0 <= first <= 1.0:
+        raise ValueError(f"bad round counters: tokens={tokens} position={position} H={sync_every} first={first}")
+    if ledger.period_start < 0 or position >= ledger.period_start + sync_every // 2:  # a new period begins
+        rate = ledger.rate
+        if ledger.period_start >= 0:
+            done = float(ledger.period_tokens) if rate == 0 else min(ledger.period_tokens, RATE_GROWTH * rate)
+            rate = done if rate == 0 else RATE_DECAY * rate + (1 - RATE_DECAY) * done
+        start = position if ledger.period_start < 0 else min(position, ledger.period_start + 2 * sync_every)
+        new = Ledger(start, tokens, rate)
+    else:
+        new = Ledger(ledger.period_start, ledger.period_tokens + tokens, ledger.rate)
+    f = min(1.0, tokens / new.rate) if new.rate > 0 else first
+    return _grid(f, tokens > 0), new
+
+
+def span_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) -> float:
+    """The share of one outer period's progress a round carries, from its contributors'
+    counters alone, f in [0, 1]: ``round_fraction``'s rule until a fragment's ledger knows
+    the swarm's rate (its first period).
 
     counters: one (tokens, steps, span) per contributor the round merged, as signed in its
     contribution: tokens and inner steps since it last received the fragment, and span =
@@ -112,9 +194,8 @@ def round_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) ->
     rounds, a whole one). f is the average share under the merge's own weights (tokens²/steps,
     ``contribution_weight``), rounded to a multiple of 1/FRACTION_GRID, and at least one grid
     step when any contributor took a step. Every member computes it from the same signed
-    counters, never from its own view of the swarm (invariant I9). A rule of this project
-    (docs/architecture.md "Partial rounds"); the published alternative is Delayed Nesterov
-    (Liu et al., arXiv 2401.09135), which needs the number of learners.
+    counters (invariant I9; docs/architecture.md "Partial rounds"). It cannot tell that a
+    learner merging first and alone will be followed by others in the same period.
     Raises ValueError on negative counters, span < 1 or sync_every < 1."""
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
@@ -125,15 +206,13 @@ def round_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) ->
         w = contribution_weight(tokens, steps)
         num += w * min(1.0, steps / (sync_every * min(span, MAX_SPAN)))
         den += w
-    if den == 0.0:
-        return 0.0
-    return max(1, min(FRACTION_GRID, round(num / den * FRACTION_GRID))) / FRACTION_GRID
+    return _grid(num / den, True) if den > 0.0 else 0.0
 
 
 def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: float, momentum: float,
-                        fraction: float = 1.0) -> FragmentState:
+                        fraction: float = 1.0, ledger: Ledger | None = None) -> FragmentState:
     """Apply the outer step for a fraction f of a period with the merged pseudo-gradient Δ;
-    returns the next version.
+    returns the next version, carrying ``ledger`` (default: the state's own).
 
     merged: one tensor per slot (slot shapes, converted to fp32). With a = μ^f:
     b ← a·b + f·Δ; Θ ← Θ − (lr·f)·(Δ + μ·b), into new tensors: the input state is never
@@ -168,4 +247,4 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
         u = nb.mul(momentum).add_(d)  # Δ + μ·b (no add(alpha=): that is fused on avx2/avx512 only)
         theta.append(th.sub(u.mul_(lr * fraction)))  # Θ ← Θ − (lr·f)·u
         buf.append(nb)
-    return FragmentState._seal(state.index, state.version + 1, theta, buf)
+    return FragmentState._seal(state.index, state.version + 1, theta, buf, state.ledger if ledger is None else ledger)

@@ -17,11 +17,13 @@ rejected: the round goes on without it, the sender is banned for the rest of the
 The reducer merges what it accepted with :func:`p2pdiloco.core.merge.robust_merge`
 (norm outliers clipped or dropped, reason ``outlier``; tensors pointing against the group's
 median direction left out, or their member dropped, reason ``misaligned``) and answers every member with the same
-statement: the contributor set it used (member indices), the round's fraction of a period
-(``core.outer.round_fraction`` over those contributors' signed counters), the merged bytes,
-and its signature over ``signing.message("ar.merged", [..., reducer index, phase,
-contributors, fraction, sha256(merged bytes)])``. Members verify that signature before using
-the bytes, and apply the outer step for that fraction (invariant I9).
+statement: the contributor set it used (member indices), the round's counters over those
+contributors (their tokens summed, their largest schedule position, and the fraction of a
+period ``core.outer.span_fraction`` gives their signed tokens, steps and spans), the merged
+bytes, and its signature over ``signing.message("ar.merged", [..., reducer index, phase,
+contributors, counters, sha256(merged bytes)])``. Members verify that signature before using
+the bytes; they compute the round's fraction of a period from those counters and their
+anchor's ledger (``core.outer.round_fraction``, invariant I9).
 
 Agreement (invariants I1, I2: every member reaches the same result or none). A reducer
 answers once every member's slice is accepted or rejected, or ``timeout`` seconds after the
@@ -37,8 +39,8 @@ so every member that hears from every reducer sees the same statements:
   phase 2 clips outliers but never drops, so its set is exactly S.
 
 A member commits only when every reducer answered with a verified statement over the same
-S and the same fraction (a member that signed different counters for different reducers makes
-the fractions differ: the round fails); a member outside S raises :class:`ContributionExcluded` (its progress was not merged: it
+S and the same counters (a member that signed different counters for different reducers makes
+them differ: the round fails); a member outside S raises :class:`ContributionExcluded` (its progress was not merged: it
 must not reset its counters, and follows the others through the records). Anything else
 (no answer, an unverifiable answer, an empty S) is :class:`RoundFailed` and nothing is
 committed. What remains trusted: a reducer computes its tensors alone, so a malicious
@@ -48,6 +50,7 @@ reducer can return a wrong merge of its part; its signature makes that attributa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -57,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.core.fragments import Fragment, assign_parts
-from p2pdiloco.core.outer import FRACTION_GRID, round_fraction
+from p2pdiloco.core.outer import FRACTION_GRID, span_fraction
 from p2pdiloco.core.merge import (
     DEFAULT_OUTLIER_FACTOR,
     OUTLIER_POLICIES,
@@ -100,12 +103,14 @@ class Contribution:
         steps: inner steps since the fragment was last received.
         span: rounds this progress spans (``Learner.span``: anchor version − version the
             counters started at + 1, >= 1).
+        position: the learner's schedule position when it sent this (``Learner.step``).
     """
 
     delta: tuple[torch.Tensor, ...]
     tokens: int
     steps: int
     span: int = 1
+    position: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,13 +120,18 @@ class RoundResult:
     Attributes:
         delta: the merged pseudo-gradient, fp32, one tensor per fragment slot,
             bit-identical on every member.
-        fraction: the round's fraction of an outer period, a multiple of 1/FRACTION_GRID in
-            [0, 1] (``core.outer.round_fraction``), the same on every member.
+        tokens: tokens merged (sum over the contributors).
+        position: the largest schedule position among the contributors.
+        first: ``core.outer.span_fraction`` of the contributors' counters, a multiple of
+            1/FRACTION_GRID in [0, 1].
         contributors: peer IDs whose contributions it merges.
+        All the same on every member (``core.outer.round_fraction``'s inputs).
     """
 
     delta: list[torch.Tensor]
-    fraction: float
+    tokens: int
+    position: int
+    first: float
     contributors: tuple[str, ...]
 
 
@@ -138,7 +148,7 @@ class _Round:
     slots: tuple[int, ...]  # fragment slots this reducer merges
     creator: str = ""  # the member whose slice created this round here
     created: float = field(default_factory=time.monotonic)
-    parts: dict[str, tuple[list[torch.Tensor], int, int, int]] = field(default_factory=dict)  # tensors, counters
+    parts: dict[str, tuple[list[torch.Tensor], int, int, int, int]] = field(default_factory=dict)  # tensors, counters
     rejected: dict[str, str] = field(default_factory=dict)
     decided: asyncio.Event = field(default_factory=asyncio.Event)
     contributors: tuple[int, ...] = ()
@@ -252,25 +262,26 @@ class AllReducer:
         return h
 
     def _merged_fields(self, rnd: _Round | Group, reducer: int, phase: int, contributors: Sequence[int],
-                       fraction: int, h: bytes) -> list:
+                       counters: Sequence[int], h: bytes) -> list:
         if isinstance(rnd, Group):
             frag, version, digest, round_id = rnd.key.fragment, rnd.key.version, rnd.key.digest, rnd.round_id
         else:
             frag, version, digest, round_id = rnd.fragment, rnd.version, rnd.digest, rnd.round_id
         return signing.merged_fields(self.run_id, frag, version, digest, round_id, reducer, phase, contributors,
-                                     fraction, h)
+                                     counters, h)
 
-    def _fraction(self, counters: Sequence[tuple[int, int, int]]) -> int:
-        """``round_fraction`` of these (tokens, steps, span), in 1/FRACTION_GRID units."""
-        return round(round_fraction(counters, self.sync_every) * FRACTION_GRID)
+    def _counters(self, contributions: Sequence[tuple[int, int, int, int]]) -> tuple[int, int, int]:
+        """(tokens summed, largest position, ``span_fraction`` in 1/FRACTION_GRID units) of
+        these (tokens, steps, span, position)."""
+        first = span_fraction([c[:3] for c in contributions], self.sync_every)
+        return sum(c[0] for c in contributions), max(c[3] for c in contributions), round(first * FRACTION_GRID)
 
     # ---- member side -----------------------------------------------------------------------
     async def run(self, group: Group, contrib: Contribution) -> RoundResult:
         """Merge ``contrib`` with the other members' and return the merged pseudo-gradient
-        and the round's fraction of a period, the same on every member that gets a result.
-        A group of this node alone returns its Δ unchanged in fp32 (the merge of one
-        contribution is itself, arXiv 2604.21428), never passed through the wire codec, with
-        its own fraction.
+        and the round's counters, the same on every member that gets a result. A group of
+        this node alone returns its Δ unchanged in fp32 (the merge of one contribution is
+        itself, arXiv 2604.21428), never passed through the wire codec, with its own counters.
         Raises:
             ContributionExcluded: the round merged without our contribution.
             RoundFailed: some reducer did not answer with a verified statement, or the
@@ -282,21 +293,23 @@ class AllReducer:
                 self.stats.failed += 1
                 raise RoundFailed(f"round {group.round_id}: our own contribution is not finite")
             self.stats.rounds += 1
-            fraction = self._fraction([(contrib.tokens, contrib.steps, contrib.span)]) / FRACTION_GRID
-            return RoundResult([t.detach().to("cpu", torch.float32).clone() for t in contrib.delta], fraction, (me,))
+            tokens, position, first = self._counters([(contrib.tokens, contrib.steps, contrib.span, contrib.position)])
+            return RoundResult([t.detach().to("cpu", torch.float32).clone() for t in contrib.delta], tokens, position,
+                               first / FRACTION_GRID, (me,))
         if self.poison:  # fault injection (benchmarks, tests): what is sent to the others
             contrib = self._poison(contrib)
         parts = self._parts(frag, len(members))
         reducers = [r for r in range(len(members)) if parts[r]]
         base = {"round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,
                 "members": list(members), "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
-                "k": self.swarm.identity.public_key}
+                "pos": contrib.position, "k": self.swarm.identity.public_key}
 
-        async def phase1(r: int) -> tuple[int, tuple[int, ...], int, bytes, bytes]:
+        async def phase1(r: int) -> tuple[int, tuple[int, ...], tuple[int, int, int], bytes, bytes]:
             payload = wire.encode([contrib.delta[i] for i in parts[r]], self.precision)
             fields = signing.contribution_fields(self.run_id, frag, group.key.version, group.key.digest,
                                                  group.round_id, members, r, contrib.tokens, contrib.steps,
-                                                 contrib.span, self._digest(payload, signing_side=True))
+                                                 contrib.span, contrib.position,
+                                                 self._digest(payload, signing_side=True))
             head, payload = self._outgoing(r, dict(base, r=r, sig=self._sign("ar.contrib", fields)), payload)
             if members[r] == me:
                 reply, body = await self._receive(me, head, payload)
@@ -305,8 +318,8 @@ class AllReducer:
             else:
                 reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload, timeout=self.timeout + 5,
                                                     max_reply=len(payload))
-            contributors, fraction = self._check_answer(group, r, 1, reply, body)
-            return r, contributors, fraction, reply["sig"], body
+            contributors, counters = self._check_answer(group, r, 1, reply, body)
+            return r, contributors, counters, reply["sig"], body
 
         answers = await self._each_reducer(group, reducers, phase1, "")
         sets = {c for c, _, _, _ in answers.values()}
@@ -325,10 +338,10 @@ class AllReducer:
                                        f"contribution (contributor sets {sorted(sets)})")
         if len(sets) > 1:
             answers = await self._phase2(group, reducers, answers, common)
-        fractions = {f for _, f, _, _ in answers.values()}
-        if len(fractions) != 1:  # same contributors, different counters: someone signed two versions
+        stated = {n for _, n, _, _ in answers.values()}
+        if len(stated) != 1:  # same contributors, different counters: someone signed two versions
             self.stats.failed += 1
-            raise RoundFailed(f"round {group.round_id}: reducers stated different fractions {sorted(fractions)}")
+            raise RoundFailed(f"round {group.round_id}: reducers stated different counters {sorted(stated)}")
         merged: list[torch.Tensor | None] = [None] * len(self.fragments[frag].slots)
         for r, (_, _, _, body) in answers.items():
             try:
@@ -339,31 +352,32 @@ class AllReducer:
             for i, t in zip(parts[r], tensors):
                 merged[i] = t
         self.stats.rounds += 1
-        return RoundResult([t for t in merged if t is not None], fractions.pop() / FRACTION_GRID,
+        tokens, position, first = stated.pop()
+        return RoundResult([t for t in merged if t is not None], tokens, position, first / FRACTION_GRID,
                            tuple(members[i] for i in common))
 
     async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
         """Ask every reducer to merge over ``common``, proving the sets with their statements."""
-        statements = [[r, list(c), f, self._digest(body, signing_side=False), sig]
-                      for r, (c, f, sig, body) in answers.items()]
+        statements = [[r, list(c), list(n), self._digest(body, signing_side=False), sig]
+                      for r, (c, n, sig, body) in answers.items()]
         me = self.swarm.peer_id
 
-        async def final(r: int) -> tuple[int, tuple[int, ...], int, bytes, bytes]:
+        async def final(r: int) -> tuple[int, tuple[int, ...], tuple[int, int, int], bytes, bytes]:
             head = {"round": group.round_id, "r": r, "st": statements}
             if group.members[r] == me:
                 reply, body = await self._finalize(me, head)
             else:
                 reply, body = await self.swarm.call(group.members[r], "ar.final", head, timeout=self.timeout + 5,
                                                     max_reply=self._slice_bytes(group, r))
-            contributors, fraction = self._check_answer(group, r, 2, reply, body)
+            contributors, counters = self._check_answer(group, r, 2, reply, body)
             if contributors != common:
                 raise RoundFailed(f"reducer {group.members[r][-8:]} merged over {list(contributors)}, not {list(common)}")
-            return r, contributors, fraction, reply["sig"], body
+            return r, contributors, counters, reply["sig"], body
 
         return await self._each_reducer(group, reducers, final, " in phase 2")
 
     async def _each_reducer(self, group: Group, reducers: list[int], ask, phase: str) -> dict:
-        """Run ``ask(r)`` for every reducer at once: {r: (contributors, fraction, signature, merged bytes)}.
+        """Run ``ask(r)`` for every reducer at once: {r: (contributors, counters, signature, merged bytes)}.
         Raises RoundFailed (counted) as soon as one of them fails."""
         try:
             async with asyncio.TaskGroup() as tg:
@@ -374,8 +388,9 @@ class AllReducer:
                               f"{eg.exceptions[0]}") from None
         return {r: (c, f, sig, body) for r, c, f, sig, body in (t.result() for t in tasks)}
 
-    def _check_answer(self, group: Group, r: int, phase: int, reply: Header, body: bytes) -> tuple[tuple[int, ...], int]:
-        """The contributor set and fraction of reducer r's signed statement; RoundFailed if it
+    def _check_answer(self, group: Group, r: int, phase: int, reply: Header,
+                      body: bytes) -> tuple[tuple[int, ...], tuple[int, int, int]]:
+        """The contributor set and counters of reducer r's signed statement; RoundFailed if it
         does not verify."""
         if "error" in reply:
             raise RoundFailed(f"reducer {group.members[r][-8:]}: {str(reply['error'])[:200]}")
@@ -384,13 +399,13 @@ class AllReducer:
         except ProtocolError as e:
             self.swarm.drop(group.members[r], "reducer_statement")
             raise RoundFailed(f"reducer {group.members[r][-8:]} sent a malformed statement: {e}") from None
-        fields = self._merged_fields(group, r, phase, statement.contributors, statement.fraction,
+        fields = self._merged_fields(group, r, phase, statement.contributors, statement.counters,
                                      self._digest(body, signing_side=False))
         if not self._verify(group.members[r], "ar.merged", fields, statement.signature):
             self.stats.rejected["bad_result"] += 1
             self.swarm.ban(group.members[r], f"merged slice with a bad signature in round {group.round_id}")
             raise RoundFailed(f"reducer {group.members[r][-8:]}'s merged slice failed signature verification")
-        return statement.contributors, statement.fraction
+        return statement.contributors, statement.counters
 
     def _poison(self, contrib: Contribution) -> Contribution:
         kind = self.poison if self.poison != "mix" else ("scale", "flip", "nan")[self._poisoned % 3]
@@ -400,7 +415,7 @@ class AllReducer:
                           if d.numel() else d for d in contrib.delta)
         else:
             delta = tuple(d * (1000.0 if kind == "scale" else -1.0) for d in contrib.delta)
-        return Contribution(delta, contrib.tokens, contrib.steps, contrib.span)
+        return dataclasses.replace(contrib, delta=delta)
 
     def _outgoing(self, reducer: int, head: Header, payload: bytes) -> tuple[Header, bytes]:
         """The request about to be sent to ``reducer`` (index); tests override this to act
@@ -464,7 +479,7 @@ class AllReducer:
                 raise ProtocolError("duplicate slice")
             reason, tensors = self._check_slice(peer, rnd, req, payload)
             if reason is None:
-                rnd.parts[peer] = (tensors, req.tokens, req.steps, req.span)
+                rnd.parts[peer] = (tensors, req.tokens, req.steps, req.span, req.position)
             else:
                 self._reject(rnd, peer, reason)
             if len(rnd.parts) + len(rnd.rejected) == len(rnd.members):
@@ -482,11 +497,11 @@ class AllReducer:
         except ValueError:  # not an Ed25519 peer ID: it cannot sign
             return "wrong_key", []
         fields = signing.contribution_fields(self.run_id, rnd.fragment, rnd.version, rnd.digest, rnd.round_id,
-                                             rnd.members, rnd.index, req.tokens, req.steps, req.span,
+                                             rnd.members, rnd.index, req.tokens, req.steps, req.span, req.position,
                                              self._digest(payload, signing_side=False))
         if not self._verify(peer, "ar.contrib", fields, req.signature):
             return "bad_signature", []
-        if req.tokens < 0 or req.steps < 0 or req.span < 1:
+        if req.tokens < 0 or req.steps < 0 or req.span < 1 or req.position < 0:
             return "bad_counters", []
         try:
             tensors = wire.decode(payload, self._shapes(rnd.fragment, rnd.slots), self.precision)
@@ -517,9 +532,9 @@ class AllReducer:
     def _merge(self, rnd: _Round, contributors: Sequence[int], policy: str):
         """Robust merge of the given members' slices (indices into rnd.members, sorted)."""
         order = [rnd.parts[rnd.members[i]] for i in contributors]
-        weights = [contribution_weight(tok, st) for _, tok, st, _ in order]
+        weights = [contribution_weight(tok, st) for _, tok, st, _, _ in order]
         mask = [self.fragments[rnd.fragment].slots[i].is_embedding for i in rnd.slots]
-        out = robust_merge([ts for ts, _, _, _ in order], weights, mask, policy=policy, factor=self.outlier_factor)
+        out = robust_merge([ts for ts, *_ in order], weights, mask, policy=policy, factor=self.outlier_factor)
         self.stats.clipped += len(out.clipped)
         self.stats.misaligned += len(out.misaligned)
         if out.clipped or out.misaligned:
@@ -531,10 +546,10 @@ class AllReducer:
 
     def _statement(self, rnd: _Round, phase: int, contributors: Sequence[int], merged) -> tuple[Header, bytes]:
         body = wire.encode(merged, self.precision)
-        fraction = self._fraction([rnd.parts[rnd.members[i]][1:] for i in contributors])
-        fields = self._merged_fields(rnd, rnd.index, phase, contributors, fraction,
+        counters = self._counters([rnd.parts[rnd.members[i]][1:] for i in contributors])
+        fields = self._merged_fields(rnd, rnd.index, phase, contributors, counters,
                                      self._digest(body, signing_side=True))
-        head = {"c": list(contributors), "fq": fraction, "sig": self._sign("ar.merged", fields),
+        head = {"c": list(contributors), "n": list(counters), "sig": self._sign("ar.merged", fields),
                 "rej": {p[-8:]: why for p, why in rnd.rejected.items()}}  # informational, unsigned
         return head, body
 
@@ -568,13 +583,13 @@ class AllReducer:
             raise ProtocolError("unknown or expired round")
         await rnd.decided.wait()
         reducers = [r for r, slots in enumerate(self._parts(rnd.fragment, len(rnd.members))) if slots]
-        statements = {r: (c, f, h, sig) for r, c, f, h, sig in req.statements}
+        statements = {r: (c, n, h, sig) for r, c, n, h, sig in req.statements}
         if sorted(statements) != reducers or len(req.statements) != len(reducers):
             raise ProtocolError("phase-2 request does not hold one statement per reducer")
-        for r, (c, f, h, sig) in statements.items():
+        for r, (c, n, h, sig) in statements.items():
             if not all(i < len(rnd.members) for i in c):
                 raise ProtocolError("malformed statement")
-            if not self._verify(rnd.members[r], "ar.merged", self._merged_fields(rnd, r, 1, c, f, h), sig):
+            if not self._verify(rnd.members[r], "ar.merged", self._merged_fields(rnd, r, 1, c, n, h), sig):
                 raise ProtocolError(f"statement of reducer {rnd.members[r][-8:]} does not verify")
         if statements[rnd.index][0] != rnd.contributors:
             raise ProtocolError("our own statement differs from the one presented")

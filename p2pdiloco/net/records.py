@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from p2pdiloco.core.outer import FRACTION_GRID
+from p2pdiloco.core.outer import FRACTION_GRID, Ledger
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.trust.identity import is_peer_id
 
@@ -279,15 +279,25 @@ def parse_state_request(header: Any, num_fragments: int) -> StateRequest:
 
 @dataclass(frozen=True)
 class StateAnswer:
-    """The header of a ``state.get`` answer: the version and digest of the state in its body."""
+    """The header of a ``state.get`` answer: the version, digest and ledger
+    (``core.outer.Ledger``, covered by the digest) of the state in its body."""
 
     version: int
     digest: str
+    ledger: Ledger
 
 
 def parse_state_answer(header: Any) -> StateAnswer:
     h = _map(header, "state answer")
-    return StateAnswer(version(h.get("v")), digest(h.get("d")))
+    led = h.get("l")
+    if not isinstance(led, list) or len(led) != 3:
+        raise ProtocolError("state answer: ledger is not [period start, period tokens, rate]")
+    rate = led[2]
+    if not isinstance(rate, float) or not math.isfinite(rate) or not 0 <= rate <= MAX_COUNT:
+        raise ProtocolError("state answer: ledger rate is not a finite float in range")
+    return StateAnswer(version(h.get("v")), digest(h.get("d")),
+                       Ledger(_int(led[0], "period start", -1, MAX_COUNT), _int(led[1], "period tokens", 0, MAX_COUNT),
+                              rate))
 
 
 @dataclass(frozen=True)
@@ -300,7 +310,8 @@ class ReduceRequest:
         member's counters (signed; negative values parse, so that the reducer can reject
         the signed slice as ``bad_counters`` and ban its author); span: rounds its progress
         spans (``Learner.span``; signed; values < 1 parse, rejected as ``bad_counters``
-        too); key: its raw Ed25519 public key (32 bytes);
+        too); position: its schedule position (``Learner.step``; signed; negative values
+        parse, rejected as ``bad_counters``); key: its raw Ed25519 public key (32 bytes);
         signature: 64 bytes over ``signing.contribution_fields``.
     """
 
@@ -313,6 +324,7 @@ class ReduceRequest:
     tokens: int
     steps: int
     span: int
+    position: int
     key: bytes
     signature: bytes
 
@@ -324,18 +336,17 @@ def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
         round_id(h.get("round")), fragment(h.get("f"), num_fragments), version(h.get("v")), digest(h.get("d")),
         group, _int(h.get("r"), "reducer", 0, len(group) - 1), _int(h.get("tokens"), "tokens", -MAX_COUNT),
         _int(h.get("steps"), "steps", -MAX_COUNT), _int(h.get("span"), "span", -MAX_COUNT),
-        _bytes(h.get("k"), "key", 32), _bytes(h.get("sig"), "signature", 64))
+        _int(h.get("pos"), "position", -MAX_COUNT), _bytes(h.get("k"), "key", 32), _bytes(h.get("sig"), "signature", 64))
 
 
 @dataclass(frozen=True)
 class ReducerStatement:
     """A reducer's answer: the member indices it merged (sorted, distinct), the round's
-    fraction of a period as a multiple of 1/``FRACTION_GRID`` (``fraction``, an integer in
-    [0, FRACTION_GRID]; ``core.outer.round_fraction`` over those contributors' counters) and
-    its signature over them and the merged bytes."""
+    counters over them (tokens summed, largest schedule position, ``span_fraction`` as an
+    integer in [0, FRACTION_GRID]) and its signature over them and the merged bytes."""
 
     contributors: tuple[int, ...]
-    fraction: int
+    counters: tuple[int, int, int]
     signature: bytes
 
 
@@ -347,19 +358,26 @@ def parse_statement(header: Any, group_size: int) -> ReducerStatement:
     contributors = tuple(_int(i, "contributor", 0, group_size - 1) for i in c)
     if list(contributors) != sorted(set(contributors)):
         raise ProtocolError("reducer statement: contributors not sorted and distinct")
-    return ReducerStatement(contributors, _int(h.get("fq"), "fraction", 0, FRACTION_GRID),
-                            _bytes(h.get("sig"), "signature", 64))
+    return ReducerStatement(contributors, round_counters(h.get("n")), _bytes(h.get("sig"), "signature", 64))
+
+
+def round_counters(value: Any) -> tuple[int, int, int]:
+    """[tokens, position, span fraction in 1/FRACTION_GRID] of a reducer's statement."""
+    if not isinstance(value, list) or len(value) != 3:
+        raise ProtocolError("round counters: not [tokens, position, fraction]")
+    return (_int(value[0], "tokens", 0, MAX_COUNT), _int(value[1], "position", 0, MAX_COUNT),
+            _int(value[2], "fraction", 0, FRACTION_GRID))
 
 
 @dataclass(frozen=True)
 class FinalRequest:
     """``ar.final`` (phase 2): the round, the addressed reducer, and every reducer's signed
-    phase-1 statement as (reducer index, contributors, fraction, sha256 of its merged bytes,
+    phase-1 statement as (reducer index, contributors, counters, sha256 of its merged bytes,
     signature)."""
 
     round: str
     reducer: int
-    statements: tuple[tuple[int, tuple[int, ...], int, bytes, bytes], ...]
+    statements: tuple[tuple[int, tuple[int, ...], tuple[int, int, int], bytes, bytes], ...]
 
 
 def parse_final_request(header: Any) -> FinalRequest:
@@ -371,10 +389,10 @@ def parse_final_request(header: Any) -> FinalRequest:
     for item in st:
         if not isinstance(item, list) or len(item) != 5 or not isinstance(item[1], list) \
                 or len(item[1]) > MAX_GROUP:
-            raise ProtocolError("final request: a statement is not [reducer, contributors, fraction, hash, signature]")
+            raise ProtocolError("final request: a statement is not [reducer, contributors, counters, hash, signature]")
         r = _int(item[0], "reducer", 0, MAX_GROUP - 1)
         contributors = tuple(_int(i, "contributor", 0, MAX_GROUP - 1) for i in item[1])
-        out.append((r, contributors, _int(item[2], "fraction", 0, FRACTION_GRID), _bytes(item[3], "hash", 32),
+        out.append((r, contributors, round_counters(item[2]), _bytes(item[3], "hash", 32),
                     _bytes(item[4], "signature", 64)))
     return FinalRequest(round_id(h.get("round")), _int(h.get("r"), "reducer", 0, MAX_GROUP - 1), tuple(out))
 

@@ -530,10 +530,10 @@ class StateSync:
             raise StateSyncError(f"malformed state from {donor[-8:]}: {e}") from None
         n = len(shapes)
         theta, momentum = tensors[:n], tensors[n:]
-        if fragment_digest(fragment, answer.version, theta, momentum) != answer.digest:
+        if fragment_digest(fragment, answer.version, theta, momentum, answer.ledger) != answer.digest:
             self.swarm.ban(donor, f"state answer for fragment {fragment} does not match the digest it states")
             raise StateSyncError(f"state from {donor[-8:]} does not match its digest")
-        return FragmentState.create(fragment, answer.version, theta, momentum)
+        return FragmentState.create(fragment, answer.version, theta, momentum, answer.ledger)
 
     async def _on_get(self, peer: str, header: Header, __: bytes) -> tuple[Header, bytes]:
         try:
@@ -543,7 +543,8 @@ class StateSync:
             raise
         state = self.current()[request.fragment]
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
-        return {"v": state.version, "d": state.digest}, body
+        led = state.ledger
+        return {"v": state.version, "d": state.digest, "l": [led.period_start, led.period_tokens, led.rate]}, body
 
 
 def _distance(a: FragmentState, b: FragmentState) -> float:

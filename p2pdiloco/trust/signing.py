@@ -77,13 +77,15 @@ def sha256(data: bytes) -> bytes:
 
 def contribution_fields(run: str, fragment: int, version: int, digest: str, round_id: str,
                         members: Sequence[str], reducer: int, tokens: int, steps: int, span: int,
-                        payload_sha256: bytes) -> list[Any]:
+                        position: int, payload_sha256: bytes) -> list[Any]:
     """Fields of an ``ar.contrib`` signature, in order."""
-    return [run, fragment, version, digest, round_id, list(members), reducer, tokens, steps, span, payload_sha256]
+    return [run, fragment, version, digest, round_id, list(members), reducer, tokens, steps, span, position,
+            payload_sha256]
 
 
 def merged_fields(run: str, fragment: int, version: int, digest: str, round_id: str, reducer: int,
-                  phase: int, contributors: Sequence[int], fraction: int, payload_sha256: bytes) -> list[Any]:
-    """Fields of an ``ar.merged`` signature, in order (fraction: the round's fraction of a
-    period, in 1/FRACTION_GRID units)."""
-    return [run, fragment, version, digest, round_id, reducer, phase, list(contributors), fraction, payload_sha256]
+                  phase: int, contributors: Sequence[int], counters: Sequence[int], payload_sha256: bytes) -> list[Any]:
+    """Fields of an ``ar.merged`` signature, in order (counters: the round's tokens summed,
+    largest schedule position, and span fraction in 1/FRACTION_GRID units)."""
+    return [run, fragment, version, digest, round_id, reducer, phase, list(contributors), list(counters),
+            payload_sha256]

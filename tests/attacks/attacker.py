@@ -50,6 +50,7 @@ from node.runtime import protocol_tag
 HEAD_TTL = 8.0  # seconds the attacker's records live: short, so one attack does not leak into the next test
 TAKEOVER_AHEAD = 10**9  # versions ahead claimed by the takeover attack
 FOLLOW_LIMIT = 10**6  # an honest node at a version this high followed an attacker's claim
+NO_LEDGER = [-1, 0, 0.0]  # a state answer's ledger before any round (core.outer.Ledger())
 _LENGTH = struct.Struct(">I")
 
 
@@ -240,15 +241,16 @@ class Attacker:
 
     # ---- contributions --------------------------------------------------------------------
     def reduce_request(self, round_id: str, p: int, version: int, digest: str, members: Sequence[str],
-                       reducer: int, *, tokens: int = 1000, steps: int = 10, span: int = 1) -> tuple[dict, bytes]:
+                       reducer: int, *, tokens: int = 1000, steps: int = 10, span: int = 1,
+                       position: int = 0) -> tuple[dict, bytes]:
         """A properly signed ``ar.reduce`` request (header, payload) from this attacker."""
         slots = self.world.slots(p, len(members))[reducer]
         shapes = [self.world.shapes[p][i] for i in slots]
         payload = wire.encode([torch.zeros(s) for s in shapes], self.world.cfg.outer.wire_precision)
         fields = signing.contribution_fields(self.world.run, p, version, digest, round_id, list(members), reducer,
-                                             tokens, steps, span, signing.sha256(payload))
+                                             tokens, steps, span, position, signing.sha256(payload))
         header = {"round": round_id, "f": p, "v": version, "d": digest, "members": list(members),
-                  "tokens": tokens, "steps": steps, "span": span, "k": self.swarm.identity.public_key, "r": reducer,
+                  "tokens": tokens, "steps": steps, "span": span, "pos": position, "k": self.swarm.identity.public_key, "r": reducer,
                   "sig": signing.sign(self.swarm.identity, "ar.contrib", fields)}
         return header, payload
 
@@ -379,7 +381,7 @@ async def state_answer_crash(atk: Attacker, targets: Sequence[str], until: float
     async def on_get(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
         p, v, d, n = _asked(atk, header, current)
         bad = float("inf") if n % 2 == 0 else 2**63
-        return {"v": bad, "d": d}, bytes(atk.world.state_bytes(p))
+        return {"v": bad, "d": d, "l": NO_LEDGER}, bytes(atk.world.state_bytes(p))
 
     await atk.serve("state.get", on_get)
     await _claim_ahead(atk, until, 1, 0.5, False, current)
@@ -395,13 +397,13 @@ async def state_answer_garbage(atk: Attacker, targets: Sequence[str], until: flo
         size = atk.world.state_bytes(p)
         mode = n % 5
         if mode == 0:
-            return {"v": v, "d": d}, bytes(size // 2)  # too short
+            return {"v": v, "d": d, "l": NO_LEDGER}, bytes(size // 2)  # too short
         if mode == 1:
-            return {"v": v, "d": d}, bytes(size + 4096)  # too long
+            return {"v": v, "d": d, "l": NO_LEDGER}, bytes(size + 4096)  # too long
         if mode == 2:
-            return {"v": v, "d": d}, random.randbytes(size)  # right size, wrong digest
+            return {"v": v, "d": d, "l": NO_LEDGER}, random.randbytes(size)  # right size, wrong digest
         if mode == 3:
-            return {"v": -5, "d": d}, bytes(size)
+            return {"v": -5, "d": d, "l": NO_LEDGER}, bytes(size)
         return {"v": [v], "d": {"x": d}}, b"\x00"
 
     await atk.serve("state.get", on_get)
@@ -422,7 +424,7 @@ async def takeover(atk: Attacker, targets: Sequence[str], until: float) -> None:
         p = header.get("f") if type(header.get("f")) is int and header["f"] in states else 0
         version, digest, body = states[p]
         atk.stats["state_answers"] += 1
-        return {"v": version, "d": digest}, body
+        return {"v": version, "d": digest, "l": NO_LEDGER}, body
 
     await atk.serve("state.get", on_get)
     async for _ in _every(1.0, until):
