@@ -14,6 +14,7 @@ progress is contributed at the next round instead of being dropped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import math
@@ -121,6 +122,9 @@ class Node:
         self._no_shows: dict[str, int] = {}  # peer -> our groups in a row it was expected in but missed
         self._round_ids: list[str] = [""] * len(self.committed)  # round that made each committed state
         self._failed_round: dict[int, str] = {}  # fragment -> round we could not finish
+        # fragment -> the part of our last merged Δ that lossy wire coding dropped (fp32, slot
+        # shapes), added to the next Δ we send (error feedback); only _round touches it
+        self._residual: dict[int, list[torch.Tensor]] = {}
         self._interrupted = False
         kind, _, n = self.cfg.fault.partition("@")
         self._fault = (kind, int(n) if n else 0)
@@ -244,6 +248,9 @@ class Node:
                     self.journal.record("fault", fault=self.cfg.fault, fragment=p, version=anchor.version + 1)
                 if fault[0] == "kill-in-allreduce":  # contributions are on their way when it hits
                     self._loop.call_later(0.02, os.kill, os.getpid(), signal.SIGKILL)
+                residual = self._residual.get(p)  # error feedback: what lossy wire coding left out last time
+                if residual is not None:
+                    contrib = dataclasses.replace(contrib, delta=tuple(d + e for d, e in zip(contrib.delta, residual)))
                 merged = await self.allreducer.run(group, contrib)
                 if fault[0] == "fail-last-stage":
                     raise RoundFailed(f"injected fault {self.cfg.fault}: merge received, treated as lost")
@@ -262,6 +269,10 @@ class Node:
                 else:
                     self.committed[p] = result = new
                     self._round_ids[p] = group.round_id
+                    if merged.residual is None:
+                        self._residual.pop(p, None)
+                    else:
+                        self._residual[p] = merged.residual
                     self.stats.rounds_committed += 1
                     self.stats.rounds_alone += int(len(group.members) == 1)
                     # tokens are counted per fragment: a fragment carries 1/P of every token

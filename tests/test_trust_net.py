@@ -18,7 +18,7 @@ import pytest
 from conftest import swarms, until
 import torch
 
-from p2pdiloco.core.fragments import Fragment, TensorSlot
+from p2pdiloco.core.fragments import Fragment, TensorSlot, assign_parts
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import FragmentState, span_fraction
 from p2pdiloco.errors import ProtocolError, RoundFailed
@@ -356,6 +356,35 @@ async def test_second_node_with_the_same_identity_refuses_to_start(tmp_path: Pat
 
 
 @pytest.mark.asyncio
+async def test_int4_rounds_return_each_members_quantisation_residual_for_error_feedback():
+    """Two members, int4 on the wire: each gets back, exactly, its Δ minus what the reducers
+    decoded from its slices (its own slice too). With fp32 on the wire nothing is lost and no
+    residual comes back."""
+    from p2pdiloco.net import wire
+
+    for precision in ("int4", "fp32"):
+        async with swarms(2) as sw:
+            ids = sorted(s.peer_id for s in sw)
+            reducers = {s.peer_id: AllReducer(s, [FRAGMENT], precision, 4.0, sync_every=10, run_id="run",
+                                              outliers="off") for s in sw}
+            for r in reducers.values():
+                await r.start()
+            contribs = {p: Contribution(delta(i), 1000, 10) for i, p in enumerate(ids)}
+            results = await run_round(reducers, contribs)
+        if precision == "fp32":
+            assert all(r.residual is None for r in results.values())
+            continue
+        for p in ids:
+            got: dict[int, torch.Tensor] = {}
+            for slots in assign_parts([slot.numel for slot in FRAGMENT.slots], 2):  # whole tensors per reducer
+                tensors = [contribs[p].delta[i] for i in slots]
+                got.update(zip(slots, wire.decode(wire.encode(tensors, "int4"), [t.shape for t in tensors], "int4")))
+            residual = results[p].residual
+            assert all(torch.equal(e, contribs[p].delta[i] - got[i]) for i, e in enumerate(residual))
+            assert max(float(e.norm() / d.norm()) for e, d in zip(residual, contribs[p].delta)) > 0.01
+
+
+@pytest.mark.asyncio
 async def test_a_lone_round_returns_the_contribution_unquantised_and_refuses_a_non_finite_one():
     """A group of one member with int4 on the wire: the merged Δ is the contribution itself, bit
     for bit in fp32 (a wire round trip would round 4-bit), and a NaN Δ fails the round."""
@@ -373,6 +402,7 @@ async def test_a_lone_round_returns_the_contribution_unquantised_and_refuses_a_n
         coded = wire.decode(wire.encode(list(mine), "int4"), SHAPES, "int4")
         assert not all(torch.equal(c, d) for c, d in zip(coded, mine))  # what a wire round trip gives
         assert merged.contributors == (s.peer_id,) and reducer.stats.rounds == 1
+        assert merged.residual is None  # nothing was sent, so nothing was lost
         bad = tuple(t.clone() for t in mine)
         bad[1][0] = float("nan")
         with pytest.raises(RoundFailed, match="not finite"):

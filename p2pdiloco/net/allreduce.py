@@ -125,7 +125,11 @@ class RoundResult:
         first: ``core.outer.span_fraction`` of the contributors' counters, a multiple of
             1/FRACTION_GRID in [0, 1].
         contributors: peer IDs whose contributions it merges.
-        All the same on every member (``core.outer.round_fraction``'s inputs).
+        All the same on every member (``core.outer.round_fraction``'s inputs), except
+        residual: this member's own quantisation error, fp32, one tensor per slot: its Δ
+            minus what the reducers decoded from its slices (None when nothing was lost: fp32
+            on the wire, or a lone round). The caller keeps it and adds it to its next Δ of
+            the fragment (error feedback, as in SparseLoCo, arXiv 2508.15706).
     """
 
     delta: list[torch.Tensor]
@@ -133,6 +137,7 @@ class RoundResult:
     position: int
     first: float
     contributors: tuple[str, ...]
+    residual: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -304,8 +309,12 @@ class AllReducer:
                 "members": list(members), "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
                 "pos": contrib.position, "k": self.swarm.identity.public_key}
 
+        received: dict[int, torch.Tensor] = {}  # slot -> what the reducers decode from our slices
+
         async def phase1(r: int) -> tuple[int, tuple[int, ...], tuple[int, int, int], bytes, bytes]:
             payload = wire.encode([contrib.delta[i] for i in parts[r]], self.precision)
+            if self.precision != "fp32":  # lossy: keep what was lost for error feedback
+                received.update(zip(parts[r], wire.decode(payload, self._shapes(frag, parts[r]), self.precision)))
             fields = signing.contribution_fields(self.run_id, frag, group.key.version, group.key.digest,
                                                  group.round_id, members, r, contrib.tokens, contrib.steps,
                                                  contrib.span, contrib.position,
@@ -353,8 +362,11 @@ class AllReducer:
                 merged[i] = t
         self.stats.rounds += 1
         tokens, position, first = stated.pop()
+        residual = None
+        if received:
+            residual = [contrib.delta[i].detach().to("cpu", torch.float32) - received[i] for i in range(len(merged))]
         return RoundResult([t for t in merged if t is not None], tokens, position, first / FRACTION_GRID,
-                           tuple(members[i] for i in common))
+                           tuple(members[i] for i in common), residual)
 
     async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
         """Ask every reducer to merge over ``common``, proving the sets with their statements."""
