@@ -282,6 +282,7 @@ class Node:
                     log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version,
                              len(group.members), time.monotonic() - t0, new.short())
                     self._publish_now.set()
+                    self._keep_schedule()
                     if self.cfg.trace_dir:
                         await asyncio.to_thread(self._trace, group, contrib, merged, fraction, anchor, new)
             else:
@@ -416,11 +417,11 @@ class Node:
                 self._joined = True
                 step = max(max(steps), self.setup.learner.step)
                 if self.training is None:
-                    self.setup.learner.step = step
+                    self.setup.learner.join_at(step)
                 else:
-                    self.training.advance_to(step)
+                    self.training.advance_to(step, joining=True)
                 lr = lr_at(step, self.setup.learner.inner)
-                log.info("joined at the swarm's inner step %d (inner lr %.6g)", step, lr)
+                log.info("joined at the swarm's inner step %d (inner lr %.6g, warming up to it again)", step, lr)
                 self.journal.record("joined", step=step, lr=lr)
         if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
             self.stats.state = "training"
@@ -466,7 +467,19 @@ class Node:
             self.setup.learner.install(state, rebase=rebase)
         else:
             self.training.deliver((p, state, not ours))
+            self._keep_schedule()
         return state
+
+    def _keep_schedule(self) -> None:
+        """Keep this learner's place in the learning-rate schedule at least at the swarm's:
+        the newest period start in the ledgers of the states it holds (corroborated swarm
+        state, the lower median of each round's members' positions). A slower learner would
+        otherwise keep a higher rate than the swarm it merges with; a faster one keeps its own.
+        Nodes holding the same versions are then at least at the same place
+        (docs/architecture.md, "Partial rounds")."""
+        swarm = max(st.ledger.period_start for st in self.committed)
+        if self.training is not None and swarm > self.training.stats.step:
+            self.training.advance_to(swarm)
 
     async def _forever(self, name: str, step, period: float) -> None:
         """Run ``step()`` every ``period`` seconds for the node's life. An exception in one

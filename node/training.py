@@ -75,6 +75,7 @@ class TrainingLoop:
         self.pending: set[int] = set()  # fragments handed out and not answered yet
         self._requested: set[int] = set()
         self._advance = 0  # inner step to move to at the next boundary (advance_to)
+        self._join = False  # ... as a joining learner
         self._lock = threading.Lock()
 
     def request(self, p: int) -> None:
@@ -93,11 +94,13 @@ class TrainingLoop:
         since = [self.learner.counters(p)[1] for p in range(self.schedule.P)]
         return self.schedule.due(self.learner.step, since, requested)
 
-    def advance_to(self, step: int) -> None:
+    def advance_to(self, step: int, *, joining: bool = False) -> None:
         """Thread-safe: move this learner's inner step (its place in the learning-rate
-        schedule) forward to ``step`` at the next step boundary; never backwards."""
+        schedule) forward to ``step`` at the next step boundary; never backwards. joining:
+        the learner joins the swarm there (``Learner.join_at``: its rate warms up again)."""
         with self._lock:
             self._advance = max(self._advance, step)
+            self._join = self._join or joining
 
     def deliver(self, item: Delivery) -> None:
         """Thread-safe: a round or catch-up result for a fragment."""
@@ -105,8 +108,10 @@ class TrainingLoop:
 
     def _drain(self) -> None:
         with self._lock:
-            advance, self._advance = self._advance, 0
-        if advance > self.learner.step:
+            (advance, self._advance), (join, self._join) = (self._advance, 0), (self._join, False)
+        if join:
+            self.learner.join_at(advance)
+        elif advance > self.learner.step:
             self.learner.step = advance
         while True:
             try:

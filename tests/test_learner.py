@@ -246,3 +246,23 @@ def test_span_counts_the_rounds_the_progress_was_made_over():
     v3 = nesterov_outer_step(v2, a.pseudo_gradient(0), 0.7, 0.9)
     a.install_keeping_flight(v3, a.pseudo_gradient(0), *a.counters(0))
     assert a.span(0) == 1 and a.counters(0) == (0, 0)
+
+
+def test_a_joiner_warms_up_again_at_the_swarms_step():
+    """join_at(step): the swarm's place in the schedule, and lr·(k+1)/warmup for the k-th step
+    after it, up to lr_at(step) after warmup_steps; a learner that trained warmup_steps of its
+    own keeps its rate; never backwards."""
+    a = _learner(seed=0)
+    warm = a.inner.warmup_steps
+    a.join_at(500)
+    assert a.step == 500 and a.current_lr() == lr_at(500, a.inner) / warm
+    a.step = 500 + warm - 1
+    assert a.current_lr() == lr_at(a.step, a.inner)  # the ramp's last step: (warm-1+1)/warm = 1
+    a.step = 500 + warm
+    assert a.current_lr() == lr_at(a.step, a.inner)
+    b = _learner(seed=0)
+    b.step = warm
+    b.join_at(400)
+    assert b.step == 400 and b.current_lr() == lr_at(400, b.inner)
+    b.join_at(10)
+    assert b.step == 400

@@ -98,6 +98,7 @@ class Learner:
                   {"params": [q for q in named.values() if q.dim() < 2], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr_at(0, inner), betas=inner.betas)
         self.step = 0
+        self.rewarm_from = -1  # inner step where a joiner's fresh AdamW state started (-1: never)
         self._tokens = [0] * len(self.fragments)
         self._steps = [0] * len(self.fragments)
         self._since = [0] * len(self.fragments)  # anchor version at which each fragment's counters started
@@ -105,8 +106,26 @@ class Learner:
             FragmentState.create(p, 0, ps, [torch.zeros(t.shape) for t in ps]) for p, ps in enumerate(self._params)]
 
     def current_lr(self) -> float:
-        """Learning rate the next ``inner_step`` will use."""
-        return lr_at(self.step, self.inner)
+        """Learning rate the next ``inner_step`` will use: ``lr_at(step)``, ramped up linearly
+        over ``warmup_steps`` inner steps again from ``rewarm_from`` (see :meth:`join_at`)."""
+        lr = lr_at(self.step, self.inner)
+        if 0 <= self.rewarm_from <= self.step < self.rewarm_from + self.inner.warmup_steps:
+            lr *= (self.step - self.rewarm_from + 1) / self.inner.warmup_steps
+        return lr
+
+    def join_at(self, step: int) -> None:
+        """Take the swarm's place in the learning-rate schedule on joining (``step``: inner
+        steps; never backwards) and warm the inner optimizer up again from there: its AdamW
+        moments are fresh, and at the swarm's full rate its first pseudo-gradients would be
+        larger than the others' (measured 1.6x for ~30 steps), so the rate ramps up linearly
+        over ``warmup_steps`` as at the start of a run (the usual Adam warm-up, arXiv
+        1908.03265). A learner that already took ``warmup_steps`` steps of its own (it trained
+        alone before it found the swarm) keeps its rate."""
+        young = self.step < self.inner.warmup_steps  # moments still fresh: it has not trained on its own
+        if step > self.step:
+            self.step = step
+        if young:
+            self.rewarm_from = self.step
 
     def inner_step(self, inputs: Tensor, targets: Tensor) -> float:
         """One AdamW step on a batch; inputs, targets: int64 [B, T]. Returns the mean
@@ -216,7 +235,7 @@ class Learner:
         function of ``step``, so restoring the step restores it."""
         return copy.deepcopy({
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "inner": asdict(self.inner), "step": self.step,
+            "inner": asdict(self.inner), "step": self.step, "rewarm_from": self.rewarm_from,
             "tokens": list(self._tokens), "steps": list(self._steps), "since": list(self._since),
             "global_states": [{"index": s.index, "version": s.version, "theta": list(s.theta),
                                "momentum": list(s.momentum), "digest": s.digest,
@@ -240,6 +259,7 @@ class Learner:
         self.model.load_state_dict(d["model"])
         self.optimizer.load_state_dict(d["optimizer"])
         self.step = int(d["step"])
+        self.rewarm_from = int(d.get("rewarm_from", -1))
         self._tokens, self._steps = [int(t) for t in d["tokens"]], [int(s) for s in d["steps"]]
         # checkpoints written before "since" existed: counters as if they started at the anchor
         self._since = [min(int(v), s.version) for v, s in zip(d.get("since", [s.version for s in states]), states)]

@@ -42,8 +42,8 @@ class Ledger:
     for the next round (``round_fraction``; invariant I9).
 
     Attributes:
-        period_start: schedule position (an inner step: the largest ``position`` among the
-            contributors) of the current period's first round; -1 before any round.
+        period_start: schedule position (an inner step: the contributors' lower median
+            ``position``) of the current period's first round; -1 before any round.
         period_tokens: tokens merged into p by the current period's rounds so far.
         rate: tokens the swarm merges into p per period: over completed periods, new =
             RATE_DECAY·old + (1 − RATE_DECAY)·period (the first: the period itself), each
@@ -150,8 +150,8 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     result carries.
 
     ledger: the anchor state's; tokens: the tokens the round merges (sum over its
-    contributors); position: the largest schedule position (inner step, ``Learner.step`` at
-    sending) among them; sync_every: H; first: the fraction to use while the ledger knows no
+    contributors); position: their lower median schedule position (inner step,
+    ``Learner.step`` at sending); sync_every: H; first: the fraction to use while the ledger knows no
     rate yet (:func:`span_fraction`). A round at a position at least H/2 past the current
     period's first round starts a new period (the start moves at most 2H at once), completing
     the old one into ``rate``; any other round adds its tokens to the current period. Then

@@ -18,7 +18,7 @@ The reducer merges what it accepted with :func:`p2pdiloco.core.merge.robust_merg
 (norm outliers clipped or dropped, reason ``outlier``; tensors pointing against the group's
 median direction left out, or their member dropped, reason ``misaligned``) and answers every member with the same
 statement: the contributor set it used (member indices), the round's counters over those
-contributors (their tokens summed, their largest schedule position, and the fraction of a
+contributors (their tokens summed, their lower median schedule position, and the fraction of a
 period ``core.outer.span_fraction`` gives their signed tokens, steps and spans), the merged
 bytes, and its signature over ``signing.message("ar.merged", [..., reducer index, phase,
 contributors, counters, sha256(merged bytes)])``. Members verify that signature before using
@@ -121,7 +121,7 @@ class RoundResult:
         delta: the merged pseudo-gradient, fp32, one tensor per fragment slot,
             bit-identical on every member.
         tokens: tokens merged (sum over the contributors).
-        position: the largest schedule position among the contributors.
+        position: the contributors' lower median schedule position.
         first: ``core.outer.span_fraction`` of the contributors' counters, a multiple of
             1/FRACTION_GRID in [0, 1].
         contributors: peer IDs whose contributions it merges.
@@ -276,10 +276,12 @@ class AllReducer:
                                      counters, h)
 
     def _counters(self, contributions: Sequence[tuple[int, int, int, int]]) -> tuple[int, int, int]:
-        """(tokens summed, largest position, ``span_fraction`` in 1/FRACTION_GRID units) of
-        these (tokens, steps, span, position)."""
+        """(tokens summed, lower median position, ``span_fraction`` in 1/FRACTION_GRID units)
+        of these (tokens, steps, span, position), in member order. The median: one member
+        cannot move the schedule position of a group it does not make at least half of."""
         first = span_fraction([c[:3] for c in contributions], self.sync_every)
-        return sum(c[0] for c in contributions), max(c[3] for c in contributions), round(first * FRACTION_GRID)
+        positions = sorted(c[3] for c in contributions)
+        return sum(c[0] for c in contributions), positions[(len(positions) - 1) // 2], round(first * FRACTION_GRID)
 
     # ---- member side -----------------------------------------------------------------------
     async def run(self, group: Group, contrib: Contribution) -> RoundResult:

@@ -342,7 +342,7 @@ def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
 @dataclass(frozen=True)
 class ReducerStatement:
     """A reducer's answer: the member indices it merged (sorted, distinct), the round's
-    counters over them (tokens summed, largest schedule position, ``span_fraction`` as an
+    counters over them (tokens summed, lower median schedule position, ``span_fraction`` as an
     integer in [0, FRACTION_GRID]) and its signature over them and the merged bytes."""
 
     contributors: tuple[int, ...]

@@ -86,6 +86,6 @@ def contribution_fields(run: str, fragment: int, version: int, digest: str, roun
 def merged_fields(run: str, fragment: int, version: int, digest: str, round_id: str, reducer: int,
                   phase: int, contributors: Sequence[int], counters: Sequence[int], payload_sha256: bytes) -> list[Any]:
     """Fields of an ``ar.merged`` signature, in order (counters: the round's tokens summed,
-    largest schedule position, and span fraction in 1/FRACTION_GRID units)."""
+    lower median schedule position, and span fraction in 1/FRACTION_GRID units)."""
     return [run, fragment, version, digest, round_id, reducer, phase, list(contributors), list(counters),
             payload_sha256]
