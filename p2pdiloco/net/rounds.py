@@ -1,0 +1,95 @@
+"""What a fragment round takes and gives: a learner's contribution, the round's result, the
+all-reducer's counters (``p2pdiloco.net.allreduce`` runs the rounds)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from p2pdiloco.errors import RoundFailed
+
+__all__ = ["AllReduceStats", "Contribution", "ContributionExcluded", "RoundResult"]
+
+
+class ContributionExcluded(RoundFailed):
+    """The round merged without this member's contribution (a reducer rejected it, or it
+    arrived after a reducer's deadline). The others may have committed: follow them, but
+    keep the local progress, which is not inside their result."""
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One learner's input to a fragment round.
+
+    Attributes:
+        delta: pseudo-gradient Θ_p(anchor) − θ_p, fp32, one tensor per fragment slot.
+        tokens: tokens processed since the fragment was last received.
+        steps: inner steps since the fragment was last received.
+        span: rounds this progress spans (``Learner.span``: anchor version − version the
+            counters started at + 1, >= 1).
+        position: the learner's schedule position when it sent this (``Learner.step``).
+    """
+
+    delta: tuple[torch.Tensor, ...]
+    tokens: int
+    steps: int
+    span: int = 1
+    position: int = 0
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a completed round gives its members.
+
+    Attributes:
+        delta: the merged pseudo-gradient, fp32, one tensor per fragment slot,
+            bit-identical on every member.
+        tokens: tokens merged (sum over the contributors).
+        position: the contributors' lower median schedule position.
+        first: ``core.outer.span_fraction`` of the contributors' counters, a multiple of
+            1/FRACTION_GRID in [0, 1].
+        contributors: peer IDs whose contributions it merges.
+        All the same on every member (``core.outer.round_fraction``'s inputs), except
+        residual: this member's own quantisation error, fp32, one tensor per slot: its Δ
+            minus what the reducers decoded from its slices (None when nothing was lost: fp32
+            on the wire, or a lone round). The caller keeps it and adds it to its next Δ of
+            the fragment (error feedback, as in SparseLoCo, arXiv 2508.15706).
+    """
+
+    delta: list[torch.Tensor]
+    tokens: int
+    position: int
+    first: float
+    contributors: tuple[str, ...]
+    residual: list[torch.Tensor] | None = None
+
+
+@dataclass
+class AllReduceStats:
+    """Counters of this node's all-reduces.
+
+    Attributes:
+        rounds: rounds this member completed with a result.
+        failed: rounds that ended without a result (including ``excluded``).
+        excluded: rounds merged without our contribution.
+        reconciled: rounds that needed phase 2 (reducers used different contributor sets).
+        rejected: slices this node rejected as a reducer, by reason (see the module
+            docstring), plus ``bad_result`` for a reducer answer that failed verification.
+        clipped: tensors norm-clipped by the robust merge.
+        misaligned: tensors left out of a merge for pointing against the group's median
+            direction (``clip`` policy; with ``drop`` the member is rejected as ``misaligned``).
+        sign_seconds, verify_seconds: CPU time spent hashing and signing our slices and
+            statements, and hashing and verifying others' (the cost of signed updates).
+    """
+
+    rounds: int = 0
+    failed: int = 0
+    excluded: int = 0
+    reconciled: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    clipped: int = 0
+    misaligned: int = 0
+    sign_seconds: float = 0.0
+    verify_seconds: float = 0.0
