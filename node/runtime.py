@@ -107,8 +107,8 @@ class Node:
         self.matchmaker = Matchmaker(swarm, f"{self.cfg.swarm.run_id}/{tag}", out.min_quorum, len(setup.fragments))
         trust = self.cfg.trust  # signed contributions (run and tag in every signature), robust merge
         self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout,
-                                     sync_every=out.sync_every, run_id=f"{self.cfg.swarm.run_id}/{tag}", outliers=trust.outliers,
-                                     outlier_factor=trust.outlier_factor, poison=trust.poison)
+                                     sync_every=out.sync_every, run_id=f"{self.cfg.swarm.run_id}/{tag}",
+                                     outliers=trust.outliers, outlier_factor=trust.outlier_factor, poison=trust.poison)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed,
                               on_event=self.journal.record)
         # the swarm's membership object itself: lists adopted here are what the transport checks
@@ -346,7 +346,8 @@ class Node:
             return anchor, records
         return await self._follow(p, head, records) or anchor, records
 
-    def _trace(self, group, contrib: Contribution, merged: RoundResult, fraction: float, anchor: FragmentState, new: FragmentState) -> None:
+    def _trace(self, group, contrib: Contribution, merged: RoundResult, fraction: float, anchor: FragmentState,
+               new: FragmentState) -> None:
         """Save one committed round (inputs and result) for offline checks; atomic write."""
         folder = Path(self.cfg.trace_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -354,8 +355,8 @@ class Node:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save({"fragment": new.index, "version": new.version, "round_id": group.round_id,
                     "members": group.members, "me": self.swarm.peer_id, "delta": contrib.delta,
-                    "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span, "position": contrib.position,
-                    "merged": merged.delta, "fraction": fraction, "first": merged.first, "ledger": anchor.ledger,
+                    "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
+                    "position": contrib.position, "merged": merged.delta, "fraction": fraction, "first": merged.first, "ledger": anchor.ledger,
                     "anchor_digest": anchor.digest, "digest": new.digest,
                     "embedding_mask": [s.is_embedding for s in self.setup.fragments[new.index].slots]}, tmp)
         tmp.replace(path)

@@ -117,7 +117,8 @@ class FragmentState:
             raise ValueError(f"index and version must be >= 0, got {index}, {version}")
         if len(theta) != len(momentum) or any(a.shape != b.shape for a, b in zip(theta, momentum)):
             raise ValueError("theta and momentum must have the same number of tensors and shapes")
-        if ledger.period_start < -1 or ledger.period_tokens < 0 or not (math.isfinite(ledger.rate) and ledger.rate >= 0):
+        if ledger.period_start < -1 or ledger.period_tokens < 0 or not (math.isfinite(ledger.rate)
+                                                                        and ledger.rate >= 0):
             raise ValueError(f"ledger out of range: {ledger}")
         return cls(index, version, tuple(theta), tuple(momentum),
                    fragment_digest(index, version, theta, momentum, ledger), ledger)

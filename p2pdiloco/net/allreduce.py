@@ -128,7 +128,8 @@ class AllReducer:
     """
 
     def __init__(self, swarm: Swarm, fragments: Sequence[Fragment], precision: str, timeout: float, *,
-                 sync_every: int, run_id: str = "", outliers: str = "clip", outlier_factor: float = DEFAULT_OUTLIER_FACTOR,
+                 sync_every: int, run_id: str = "", outliers: str = "clip",
+                 outlier_factor: float = DEFAULT_OUTLIER_FACTOR,
                  poison: str = ""):
         wire.wire_dtype(precision)
         if outliers not in OUTLIER_POLICIES:

@@ -336,7 +336,8 @@ def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
         round_id(h.get("round")), fragment(h.get("f"), num_fragments), version(h.get("v")), digest(h.get("d")),
         group, _int(h.get("r"), "reducer", 0, len(group) - 1), _int(h.get("tokens"), "tokens", -MAX_COUNT),
         _int(h.get("steps"), "steps", -MAX_COUNT), _int(h.get("span"), "span", -MAX_COUNT),
-        _int(h.get("pos"), "position", -MAX_COUNT), _bytes(h.get("k"), "key", 32), _bytes(h.get("sig"), "signature", 64))
+        _int(h.get("pos"), "position", -MAX_COUNT), _bytes(h.get("k"), "key", 32),
+        _bytes(h.get("sig"), "signature", 64))
 
 
 @dataclass(frozen=True)
