@@ -27,9 +27,11 @@ Writes docs/benchmarks/partial_rounds.{md,json}.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from bench.common import Doc, fmt, machine, verdict
@@ -136,7 +138,12 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=100)
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--report-from", metavar="JSON", help="rewrite the report from an earlier run's JSON file")
     a = ap.parse_args()
+    if a.report_from:
+        data = json.loads(Path(a.report_from).read_text())
+        report(data["results"], a, data["machine"], data["seconds"])
+        return
     m, t0 = machine(), time.monotonic()
     runs = [(L, seed, a.steps, a.sync_every, scenario, rule) for L in a.learners for seed in a.seeds
             for scenario, rule in [("merged", "full"), *((s, r) for s in ("split", "alone") for r in RULES)]]
@@ -160,7 +167,8 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, An
               "python -m bench.partial_rounds " + " ".join(
                   [f"--learners {' '.join(map(str, a.learners))}", f"--seeds {' '.join(map(str, a.seeds))}",
                    f"--steps {a.steps}", f"--sync-every {a.sync_every}"]))
-    doc.intro = [__doc__.split("\n\n")[1].replace("\n", " "),
+    paragraphs = __doc__.split("\n\n")
+    doc.intro = [paragraphs[1], "", paragraphs[2].replace("* ", "- "), "", paragraphs[3], "",
                  f"{a.steps} inner steps per learner, H = {a.sync_every}, outer lr 0.7, momentum 0.9, one fragment; "
                  f"seeds {a.seeds}; held-out loss of the final global state, nats per byte (mean over seeds, "
                  "then the relative change against `merged` of the same seeds)."]
@@ -187,7 +195,7 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, An
                "outer steps per period"],
               rows, "Held-out loss at the end (flush: change caused by the one near-empty round after the last)")
     doc.text("Targets (issue: partial rounds): " + "; ".join(f"{name}: {verdict(ok)}" for name, ok in checks) + ".")
-    path = doc.write(m, seconds, {"results": results})
+    path = doc.write(m, seconds, {"results": results, "seconds": seconds})
     print(path.read_text())
 
 
