@@ -307,7 +307,7 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
     ok = FragmentState.create(0, 6, (mine + 0.25 * FOLLOW_FACTOR,), zeros)  # 2 versions, 5 steps' worth
     sync._check_plausible(ok)
     wrecked = FragmentState.create(0, 5, (mine * 1000,), zeros)
-    with pytest.raises(StateSyncError, match="moves the parameters by .* median recent step"):
+    with pytest.raises(StateSyncError, match="moves the parameters by .* largest recent step"):
         sync._check_plausible(wrecked)
     fresh = StateSync(None, "run", [frag], lambda: states)  # no step seen yet: only the |theta| bound
     fresh._check_plausible(ok)
@@ -362,12 +362,12 @@ def test_two_lone_runs_are_as_far_apart_as_both_together() -> None:
     # version gap alone), within FOLLOW_FACTOR x ((11 - 3) + (10 - 3)) x 0.5 = 75
     assert 6.5 > FOLLOW_FACTOR * 1 * 0.5
     sync._check_plausible(other)
-    with pytest.raises(StateSyncError, match=r"over 10 x 15 version\(s\) x the median recent step 0.5"):
+    with pytest.raises(StateSyncError, match=r"over 10 x 15 version\(s\) x the largest recent step 0.5"):
         sync._check_plausible(FragmentState.create(0, 11, (base + 40,), zeros))  # (40 - 1.5) x 2 = 77 > 75
     # a download is a shared state: once the other side's v11 is installed, 1 version is 1 version
     sync.shared(0, 11)
     states[0] = other
-    with pytest.raises(StateSyncError, match=r"10 x 1 version\(s\)"):
+    with pytest.raises(StateSyncError, match=r"x 1 version\(s\)"):
         sync._check_plausible(FragmentState.create(0, 12, (other.theta[0] + 6,), zeros))
 
 

@@ -67,7 +67,6 @@ import asyncio
 import hashlib
 import logging
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -87,7 +86,7 @@ from p2pdiloco.net.transport import Header, Swarm
 log = logging.getLogger(__name__)
 
 HEAD_TTL = 60.0  # seconds a heartbeat record lives without refresh
-FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the median recent step per version
+FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the largest recent step per version
 FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
 FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
 LEAD = 1  # versions a claim may run ahead of the highest version two other peers hold
@@ -372,10 +371,12 @@ class StateSync:
             jump = _distance(mine, state)
             size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
             bounds = [(FOLLOW_RELATIVE * k * size, f"{FOLLOW_RELATIVE:g} x {k} version(s) x |theta| {size:.3g}")]
-            if steps and statistics.median(steps) > 0:
-                median = statistics.median(steps)
-                bounds.append((FOLLOW_FACTOR * k * median,
-                               f"{FOLLOW_FACTOR:g} x {k} version(s) x the median recent step {median:.3g}"))
+            # the largest, not the median: a round for a small fraction of a period (a flush, a
+            # sub-group's share: core.outer.round_fraction) makes a small step by design
+            if steps and max(steps) > 0:
+                largest = max(steps)
+                bounds.append((FOLLOW_FACTOR * k * largest,
+                               f"{FOLLOW_FACTOR:g} x {k} version(s) x the largest recent step {largest:.3g}"))
             over = [text for bound, text in bounds if jump > bound]
             if not over:
                 return
