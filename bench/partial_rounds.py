@@ -82,7 +82,8 @@ class Replica:
         merged = merge_pseudo_gradients(deltas, [contribution_weight(t, s) for t, s, _ in counters], self.mask)
         f, ledger = 1.0, anchor.ledger
         if rule == "fraction":  # what the node does: node/runtime.py, Node._round
-            f, ledger = round_fraction(anchor.ledger, sum(t for t, _, _ in counters), max(ln.step for ln in learners),
+            position = sorted(ln.step for ln in learners)[(len(learners) - 1) // 2]  # lower median, as reducers state
+            f, ledger = round_fraction(anchor.ledger, sum(t for t, _, _ in counters), position,
                                        self.H, span_fraction(counters, self.H))
         self.fractions.append(f)
         new = nesterov_outer_step(anchor, merged, self.out.lr, self.out.momentum, f, ledger)
