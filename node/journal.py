@@ -7,8 +7,10 @@ it instead of on log wording. Every line is ``{"t": unix seconds, "event": KIND,
   anchor's), ``members`` (0 when none was formed), ``seconds``, ``committed``, ``reason``
   (why not: "late", "no_quorum", "excluded", the failure), ``digest`` (12 hex, committed only),
   ``fraction`` (of an outer period, the step the round applied; committed only);
-* ``follow``: a downloaded state was installed: ``fragment``, ``from_version``, ``version``,
-  ``digest``, ``ours`` (our contribution was inside it);
+* ``follow``: a state made without our progress in it was installed, our progress rebased on
+  it: ``fragment``, ``from_version``, ``version``, ``digest``, ``ours`` (our contribution was
+  inside it after all: overwritten, not rebased), ``excluded`` (present, true, when it is the
+  result of our own round that merged without our contribution, taken without a download);
 * ``download_failed``: ``fragment``, ``version``, ``donor`` (peer ID), ``reason``;
 * ``resumed``: the local checkpoint was loaded: ``step``;
 * ``joined``: the node took the swarm's inner step with the first state it downloaded:

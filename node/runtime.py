@@ -133,6 +133,7 @@ class Node:
         self._allreduces = 0
         self._resumed = False
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
+        self._records_read = False  # whether the last read of the swarm's records succeeded
         self.done = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -291,11 +292,13 @@ class Node:
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, outcome))
         except ContributionExcluded as e:
             # the others merged without our progress: it stays with us, rebased on their state
-            # when we follow it (not marked as ours: see _follow), and goes into our next round
+            # (not marked as ours: see _follow), and goes into our next round
             self.stats.rounds_excluded += 1
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "excluded"))
             log.warning("round f%d v%d: our contribution was left out (%s); kept for the next round",
                         p, anchor.version + 1, e)
+            if e.result is not None:
+                self._take_excluded(p, anchor, e.result, group.round_id)
         except RoundFailed as e:
             self.stats.rounds_failed += 1
             self.matchmaker.group_failed(group)
@@ -313,6 +316,25 @@ class Node:
             self.training.deliver((p, result, False))
         if result is None:
             await self._catch_up(only=p)  # a group may have merged without us: follow it
+
+    def _take_excluded(self, p: int, anchor: FragmentState, merged: RoundResult, round_id: str) -> None:
+        """Commit the result of a round that merged without our contribution, as its included
+        members do (same merged Δ and counters, so the same state, bit for bit), with our
+        progress rebased on it (``TrainingLoop.deliver`` with rebase): a member left out (an
+        outlier, or late) is then at the swarm's version for the next round instead of a
+        download behind, where the others would look past it (invariant I3)."""
+        out = self.cfg.outer
+        if self.committed[p].digest != anchor.digest:
+            return  # another state was installed meanwhile: the records decide
+        fraction, ledger = round_fraction(anchor.ledger, merged.tokens, merged.position, out.sync_every, merged.first)
+        new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, fraction, ledger)
+        self.committed[p], self._round_ids[p] = new, round_id
+        self.journal.record("follow", fragment=p, from_version=anchor.version, version=new.version,
+                            digest=new.short(), ours=False, excluded=True)
+        log.info("fragment %d: took v%d (%s), merged without us", p, new.version, new.short())
+        self.training.deliver((p, new, True))
+        self._publish_now.set()
+        self._keep_schedule()
 
     def _expected(self, p: int, anchor: FragmentState, records: dict[str, HeadsRecord]) -> set[str]:
         """The other learners expected in a round of fragment p at ``anchor``: not done, at
@@ -371,7 +393,9 @@ class Node:
             records = await self.sync.records()
         except NetworkError as e:
             log.debug("records unavailable: %s", e)
+            self._records_read = False
             return {}
+        self._records_read = True
         self._live_learners = sum(1 for r in records.values() if not r.done)
         return records
 
@@ -424,6 +448,12 @@ class Node:
                 lr = lr_at(step, self.setup.learner.inner)
                 log.info("joined at the swarm's inner step %d (inner lr %.6g, warming up to it again)", step, lr)
                 self.journal.record("joined", step=step, lr=lr)
+        if initial and not followed and not self._joined and self._records_read and not any(
+                r.fragments[p] is not None and r.fragments[p][0] > st.version
+                for peer, r in records.items() if peer != self.swarm.peer_id for p, st in enumerate(self.committed)):
+            # nobody holds a newer state: this node starts the run (alone, or with others that
+            # start with it), and its own step is the swarm's
+            self._joined = True
         if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
             self.stats.state = "training"
 

@@ -141,6 +141,32 @@ async def test_faulty_and_malicious_members_are_rejected_and_honest_members_agre
 
 
 @pytest.mark.asyncio
+async def test_a_member_dropped_by_every_reducer_in_phase_one_gets_the_round_result_with_its_exclusion():
+    """Three members, one sending a 10^6 times larger Δ, drop policy: every reducer drops it
+    in phase 1 (one contributor set, no phase 2), so the excluded member holds the same signed
+    bodies as the others: its ContributionExcluded carries their result, tensors and counters
+    equal, which it commits with its progress rebased (``Node._take_excluded``)."""
+    async with swarms(3) as sw:
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run", outliers="drop",
+                                          outlier_factor=4.0) for s in sw}
+        for r in reducers.values():
+            await r.start()
+        ids = sorted(reducers)
+        contribs = {p: Contribution(delta(i, 1e6 if i == 0 else 1.0), 1000 + i, 10, 1, 50 + i)
+                    for i, p in enumerate(ids)}
+        results = await run_round(reducers, contribs)
+        excluded = results[ids[0]]
+        assert isinstance(excluded, ContributionExcluded) and excluded.result is not None, excluded
+        expected = expected_merge([contribs[p] for p in ids[1:]])
+        for got in (excluded.result, results[ids[1]], results[ids[2]]):
+            assert isinstance(got, RoundResult), got
+            assert all(torch.equal(a, b) for a, b in zip(got.delta, expected))
+            # tokens 1001 + 1002, positions 51, 52: lower median 51; both one whole period
+            assert (got.tokens, got.position, got.first, got.contributors) == (2003, 51, 1.0, tuple(ids[1:]))
+        assert reducers[ids[0]].stats.excluded == 1 and reducers[ids[0]].stats.rounds == 0
+
+
+@pytest.mark.asyncio
 async def test_clip_policy_keeps_a_scaled_contribution_bounded():
     async with swarms(3) as sw:
         reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run", outliers="clip", outlier_factor=4.0)

@@ -40,8 +40,11 @@ so every member that hears from every reducer sees the same statements:
 
 A member commits only when every reducer answered with a verified statement over the same
 S and the same counters (a member that signed different counters for different reducers makes
-them differ: the round fails); a member outside S raises :class:`ContributionExcluded` (its progress was not merged: it
-must not reset its counters, and follows the others through the records). Anything else
+them differ: the round fails); a member outside S raises :class:`ContributionExcluded` (its
+progress was not merged: it must not reset its counters). When S came from phase 1 the
+exception carries the round's result, which the excluded member commits like the others,
+its progress rebased on it (no download, so it is not a version behind at the next round);
+after a phase 2 it follows the others through the records. Anything else
 (no answer, an unverifiable answer, an empty S) is :class:`RoundFailed` and nothing is
 committed. What remains trusted: a reducer computes its tensors alone, so a malicious
 reducer can return a wrong merge of its part; its signature makes that attributable.
@@ -50,6 +53,7 @@ reducer can return a wrong merge of its part; its signature makes that attributa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -264,30 +268,47 @@ class AllReducer:
         if mine not in common:
             self.stats.failed += 1
             self.stats.excluded += 1
-            raise ContributionExcluded(f"round {group.round_id} of fragment {frag} was merged without our "
-                                       f"contribution (contributor sets {sorted(sets)})")
+            why = f"round {group.round_id} of fragment {frag} was merged without our contribution " \
+                  f"(contributor sets {sorted(sets)})"
+            result = None
+            if len(sets) == 1:  # the bodies are the round's result, which the included members commit
+                with contextlib.suppress(RoundFailed):
+                    result = self._result(group, parts, answers, common)
+            raise ContributionExcluded(why, result)
         if len(sets) > 1:
             answers = await self._phase2(group, reducers, answers, common)
+        try:
+            result = self._result(group, parts, answers, common)
+        except RoundFailed:
+            self.stats.failed += 1
+            raise
+        if received:
+            result = dataclasses.replace(result, residual=[
+                contrib.delta[i].detach().to("cpu", torch.float32) - received[i] for i in range(len(result.delta))])
+        self.stats.rounds += 1
+        return result
+
+    def _result(self, group: Group, parts: tuple[tuple[int, ...], ...], answers: dict,
+                common: tuple[int, ...]) -> RoundResult:
+        """The round's result from the reducers' verified answers over one contributor set
+        ``common``: merged slices decoded into slot order, the stated counters. Raises
+        RoundFailed when the reducers stated different counters (a member signed two
+        versions) or a signed slice does not decode."""
+        frag, members = group.key.fragment, group.members
         stated = {n for _, n, _, _ in answers.values()}
         if len(stated) != 1:  # same contributors, different counters: someone signed two versions
-            self.stats.failed += 1
             raise RoundFailed(f"round {group.round_id}: reducers stated different counters {sorted(stated)}")
         merged: list[torch.Tensor | None] = [None] * len(self.fragments[frag].slots)
         for r, (_, _, _, body) in answers.items():
             try:
                 tensors = wire.decode(body, self._shapes(frag, parts[r]), self.precision)
             except ProtocolError as e:  # signed, so the reducer sent these wrong bytes
-                self.stats.failed += 1
                 raise RoundFailed(f"round {group.round_id}: merged slice of {members[r][-8:]}: {e}") from None
             for i, t in zip(parts[r], tensors):
                 merged[i] = t
-        self.stats.rounds += 1
         tokens, position, first = stated.pop()
-        residual = None
-        if received:
-            residual = [contrib.delta[i].detach().to("cpu", torch.float32) - received[i] for i in range(len(merged))]
         return RoundResult([t for t in merged if t is not None], tokens, position, first / FRACTION_GRID,
-                           tuple(members[i] for i in common), residual)
+                           tuple(members[i] for i in common))
 
     async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
         """Ask every reducer to merge over ``common``, proving the sets with their statements."""

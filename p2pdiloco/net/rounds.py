@@ -15,8 +15,19 @@ __all__ = ["AllReduceStats", "Contribution", "ContributionExcluded", "RoundResul
 
 class ContributionExcluded(RoundFailed):
     """The round merged without this member's contribution (a reducer rejected it, or it
-    arrived after a reducer's deadline). The others may have committed: follow them, but
-    keep the local progress, which is not inside their result."""
+    arrived after a reducer's deadline). The others may have committed: take their result,
+    but keep the local progress, which is not inside it.
+
+    Attributes:
+        result: the round's merged result, as every included member gets it (same tensors
+            and counters), when every reducer merged over one contributor set in phase 1;
+            else None (the others re-merged in phase 2 without us: follow them through the
+            records).
+    """
+
+    def __init__(self, message: str, result: RoundResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 @dataclass(frozen=True)

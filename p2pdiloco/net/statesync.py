@@ -20,9 +20,9 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
 * **Corroborated versions.** A version counts only up to ``LEAD`` versions above the larger
   of this node's own version and the highest version that at least two *other* peers hold
   (:func:`claim_ceiling`), once at least two other peers publish a claim for the fragment.
-  One peer claiming a billion versions ahead is looked past (and its whole record ignored
-  for ``IGNORE_S`` seconds); an honest node that committed a round others have not followed
-  yet is within the lead. With a single other peer nothing can be corroborated and its claim
+  One peer claiming a billion versions ahead is looked past (and, more than ``ROLLBACK_MAX``
+  above, its whole record ignored for ``IGNORE_S`` seconds); an honest node that committed a
+  round others have not followed yet is within the lead. With a single other peer nothing can be corroborated and its claim
   counts. The converse case, this node ahead alone (lone rounds while the others were busy,
   so they look past it), falls back to the newest state two other peers hold, at most
   ``ROLLBACK_MAX`` versions lower (:func:`runaway_heads`), as a split brain's losing side does.
@@ -321,16 +321,21 @@ class StateSync:
             self.swarm.drop(peer, "heads_other_fragments")
 
     def _uncorroborated(self, records: dict[str, HeadsRecord]) -> dict[str, str]:
-        """Peers claiming a fragment version above :func:`claim_ceiling` (the rule of
-        :func:`newest_heads`), {peer: reason}: their whole records are ignored for a while, so
-        that status shows who is ignored and nothing else of theirs (done, step) counts."""
+        """Peers claiming a fragment version more than ``ROLLBACK_MAX`` above
+        :func:`claim_ceiling`, {peer: reason}: their whole records are ignored for a while, so
+        that status shows who is ignored and nothing else of theirs (done, step) counts. A
+        claim above the ceiling by less is only looked past (:func:`newest_heads`): an honest
+        node that merged a few rounds alone, or whose record ran ahead of the others' (records
+        are published every few seconds), stays visible, so that it can be told it is ahead
+        alone (:func:`runaway_heads`) and the others wait for it when they settle."""
         me, mine, out = self.swarm.peer_id, self.current(), {}
         for p in range(len(self.fragments)):
             claims = {q: r.fragments[p][0] for q, r in records.items() if r.fragments[p] is not None}
             ceiling = claim_ceiling(claims, me, mine[p].version if p < len(mine) else None)
             for q, v in claims.items():
-                if q != me and v > ceiling:
-                    out[q] = f"claims fragment {p} at v{v}, more than {LEAD} above what two other peers hold"
+                if q != me and v > ceiling + ROLLBACK_MAX:
+                    out[q] = (f"claims fragment {p} at v{v}, more than {LEAD + ROLLBACK_MAX} above what two "
+                              "other peers hold")
         return out
 
     def _observe(self) -> None:
