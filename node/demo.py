@@ -120,6 +120,15 @@ def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> str:
     raise RuntimeError("bootstrap peer did not start in time")
 
 
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a node's log (its one-line reason when it failed), or ""."""
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from node.demo_view import final_table, live_view  # noqa: PLC0415
 
@@ -154,7 +163,7 @@ def run_demo(args: argparse.Namespace) -> int:
         live_view(nodes, quiet=args.quiet)
         reports = [_read(d / "report.json") for _, d in nodes]
         codes = [p.returncode for p, _ in nodes]
-        ok = final_table(reports, codes)
+        ok = final_table(reports, codes, [_last_line(d / "node.log") for _, d in nodes])
         print(f"logs and reports: {work}")
         return 0 if ok else 1
     except KeyboardInterrupt:

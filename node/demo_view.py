@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 console = Console(width=None if sys.stdout.isatty() else 150)  # a log file gets the whole table
 
@@ -55,9 +56,12 @@ def live_view(nodes: list[tuple[subprocess.Popen, Path]], quiet: bool = False) -
         live.update(_live_table(nodes))
 
 
-def final_table(reports: list[dict[str, Any] | None], codes: list[int | None]) -> bool:
-    """Print the final table; True when every node finished, the held-out loss fell and
-    nodes at equal fragment versions hold equal digests (invariant I1)."""
+def final_table(reports: list[dict[str, Any] | None], codes: list[int | None],
+                reasons: list[str] | None = None) -> bool:
+    """Print the final table; True when every node finished, the held-out loss fell, nodes at
+    equal fragment versions hold equal digests (invariant I1) and, with several nodes, each
+    merged with another at least once. ``reasons``: per node, the last line of its log, shown
+    under the table for the nodes that failed."""
     t = Table(title="p2pdiloco demo: result")
     for col in ("node", "held-out start", "held-out end", "bits/byte", "tokens", "rounds", "catch-ups",
                 "fragments (version:digest)", "global digest"):
@@ -76,8 +80,15 @@ def final_table(reports: list[dict[str, Any] | None], codes: list[int | None]) -
                   f"{r['tokens']:,}", str(r["rounds_committed"]), str(r["catchups"]),
                   " ".join(f"{v}:{d[:6]}" for v, d in frags), r["global_digest"])
     console.print(t)
+    for i, (r, code) in enumerate(zip(reports, codes)):
+        if (r is None or code != 0) and reasons and reasons[i]:
+            console.print(Text(f"node{i} failed (exit {code}): {reasons[i]}", style="red"))
     split = {k: v for k, v in by_version.items() if len(v) > 1}
     done = [r for r in reports if r]
+    solo = [r["name"] for r in done if not r.get("rounds_with_peers")]
+    if len(reports) > 1 and solo:
+        console.print(Text(f"never merged with another node: {', '.join(solo)}", style="red"))
+        ok = False
     if split:
         console.print(f"[red]I1 violated: equal versions with different digests: {split}")
         ok = False
@@ -89,4 +100,7 @@ def final_table(reports: list[dict[str, Any] | None], codes: list[int | None]) -
         start = sum(r["start_loss"] for r in done) / len(done)
         end = sum(r["end_loss"] for r in done) / len(done)
         console.print(f"held-out loss {start:.3f} -> {end:.3f} nats/byte ({100 * (1 - end / start):.1f}% lower)")
+        if not end < start:
+            console.print(Text("the held-out loss did not fall", style="red"))
+            ok = False
     return ok

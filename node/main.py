@@ -149,7 +149,9 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
     return {
         "name": node.setup.name, "run_id": node.cfg.swarm.run_id, "peer_id": swarm.peer_id, "maddrs": maddrs,
         "reachability": reachability(maddrs), "connections": view.connections if view else None,
-        "pid": os.getpid(), "p2pd_pid": swarm.daemon_pid, "state": st.state,
+        "pid": os.getpid(), "p2pd_pid": swarm.daemon_pid, "state": node.state_name(),
+        "alone": None if node.alone is None else {"reason": node.alone.reason, "detail": node.alone.detail,
+                                                  "since_s": round(time.time() - node.alone.since, 1)},
         "merging": in_flight, "uptime_s": round(time.time() - PROCESS_START, 1),
         "step": tr.step if tr else 0, "tokens": tr.tokens if tr else 0,
         "tokens_per_s": round(tr.tokens_per_s, 1) if tr else 0.0,
@@ -157,6 +159,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "loss": _num(tr.loss) if tr else None, "heldout_loss": _num(tr.heldout_loss) if tr else None,
         "rounds_committed": st.rounds_committed, "rounds_failed": st.rounds_failed,
         "rounds_late": st.rounds_late, "rounds_alone": st.rounds_alone, "rounds_excluded": st.rounds_excluded,
+        "rounds_with_peers": st.rounds_committed - st.rounds_alone,
         "catchups": st.catchups,
         "resyncs": st.resyncs, "tokens_merged": st.tokens_merged,
         "last_round": vars(st.recent[-1]) if st.recent else None,
@@ -164,7 +167,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "bytes_out": swarm.stats.bytes_out, "bytes_in": swarm.stats.bytes_in,
         "rpc_calls": swarm.stats.calls_out, "rpc_failed": swarm.stats.calls_failed,
         "rejected": rejected, "rejected_total": sum(rejected.values()),
-        "bans": dict(swarm.bans), "ignored": node.sync.ignoring(), "passed_over": node.matchmaker.passing_over(),
+        "bans": dict(swarm.bans), "ignored": node.sync.ignoring(), "other_settings": node.sync.other_settings(), "passed_over": node.matchmaker.passing_over(),
         "blocked": swarm.blocking(), "refused": dict(swarm.refused),
         "dropped": dict(swarm.dropped), "dropped_total": sum(swarm.drop_reasons.values()),
         "dropped_reasons": dict(swarm.drop_reasons), "internal_errors": st.internal_errors,
@@ -307,6 +310,9 @@ async def _serve(cfg: NodeConfig, name: str, swarm: Swarm, board: Board, status_
     board.current = lambda: {**report, **board.extra()}
     log.info("%s done: held-out loss %.3f -> %.3f nats/byte, %d rounds, digest %s",
              name, start, final, node.stats.rounds_committed, report["global_digest"])
+    if not report["rounds_with_peers"]:
+        log.warning("%s never merged with another node: its training reached nobody%s", name,
+                    f" ({node.alone.detail})" if node.alone else "")
     for path in (status_path, report_path):
         if path is not None:
             write_json_atomic(path, report)

@@ -23,7 +23,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -50,6 +50,7 @@ WIRE_VERSION = 2  # bump on any change of the RPC formats
 CATCHUP_SECONDS = 2.0
 PUBLISH_SECONDS = 5.0
 GATHER_POLL_SECONDS = 0.5
+ALONE_POLL_SECONDS = 2.0  # how often a training node checks whether it has merged with nobody for too long
 NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
 
 
@@ -75,13 +76,32 @@ class RoundRecord:
     fraction: float = 0.0  # of an outer period, the step this round applied (round_fraction); committed only
 
 
+@dataclass(frozen=True)
+class Alone:
+    """Why a training node has merged with no other node for ``NodeConfig.alone_after`` seconds.
+
+    Attributes:
+        reason: "no_peers" (no other node of the run seen: wrong initial peers or run id),
+            "other_settings" (nodes of the run seen, all with other settings: they can never
+            merge with this one), "no_rounds" (nodes of the run with our settings seen, yet no
+            round with them: unreachable, or always at other versions).
+        detail: one line for a person, naming what to check.
+        since: Unix time (s) of the last round merged with another node, or of the start of
+            training.
+    """
+
+    reason: Literal["no_peers", "other_settings", "no_rounds"]
+    detail: str
+    since: float
+
+
 @dataclass
 class NodeStats:
     state: str = "starting"
     rounds_committed: int = 0
     rounds_failed: int = 0
     rounds_late: int = 0
-    rounds_alone: int = 0
+    rounds_alone: int = 0  # committed rounds of this node alone (one member)
     rounds_excluded: int = 0  # rounds merged without our contribution: kept, rebased, offered again
     catchups: int = 0
     resyncs: int = 0  # catch-ups to a state at the version already held (another digest won: I7)
@@ -110,7 +130,7 @@ class Node:
                                      sync_every=out.sync_every, run_id=f"{self.cfg.swarm.run_id}/{tag}",
                                      outliers=trust.outliers, outlier_factor=trust.outlier_factor, poison=trust.poison)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed,
-                              on_event=self.journal.record)
+                              on_event=self.journal.record, tag=tag)
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
         self.training: TrainingLoop | None = None
@@ -134,6 +154,9 @@ class Node:
         self._resumed = False
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self._records_read = False  # whether the last read of the swarm's records succeeded
+        self._others_seen = 0  # other nodes of the run with our settings, in the last read of the records
+        self._last_merged: float | None = None  # Unix time of our last round with another member (or training start)
+        self.alone: Alone | None = None  # set while this node merges with nobody (_alone_step)
         self.done = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -158,11 +181,13 @@ class Node:
             self.training.checkpoint = lambda: self._checkpoint(data_dir)
             self.training.checkpoint_every = self.cfg.checkpoint_every
         self.stats.state = "training"
+        self._last_merged = time.time()
         out = self.cfg.outer
         async with asyncio.TaskGroup() as tg:
             self._rounds = tg
             background = [tg.create_task(self._publisher()), tg.create_task(self._catch_up_loop()),
-                          tg.create_task(self._gathering_watch()), tg.create_task(self._revocation_watch())]
+                          tg.create_task(self._gathering_watch()), tg.create_task(self._revocation_watch()),
+                          tg.create_task(self._forever("alone watch", self._alone_step, ALONE_POLL_SECONDS))]
             try:
                 await asyncio.to_thread(self.training.run)
                 self.stats.state = "leaving"
@@ -276,6 +301,8 @@ class Node:
                         self._residual[p] = merged.residual
                     self.stats.rounds_committed += 1
                     self.stats.rounds_alone += int(len(group.members) == 1)
+                    if len(group.members) > 1:
+                        self._merged_with_others()
                     # tokens are counted per fragment: a fragment carries 1/P of every token
                     self.stats.tokens_merged += contrib.tokens / len(self.committed)
                     self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True,
@@ -335,6 +362,46 @@ class Node:
         self.training.deliver((p, new, True))
         self._publish_now.set()
         self._keep_schedule()
+
+    def _merged_with_others(self) -> None:
+        self._last_merged = time.time()
+        if self.alone is not None:
+            log.info("merging with other nodes again")
+            self.alone = None
+
+    async def _alone_step(self) -> None:
+        """Say so, loudly, when this node has merged with nobody for ``alone_after`` seconds:
+        set :attr:`alone` (status state "alone", with the likely reason) and log it at WARNING
+        once per reason. A volunteer whose node trains alone contributes nothing to the run."""
+        if self.training is None or self.done or self._last_merged is None:
+            return
+        quiet = time.time() - self._last_merged
+        if quiet < self.cfg.alone_after:
+            return
+        run, others = self.cfg.swarm.run_id, self.sync.other_settings()
+        if self._others_seen:
+            alone = Alone("no_rounds", f"{self._others_seen} other node(s) of run '{run}' seen, but no round with "
+                          f"them for {quiet:.0f} s: they may not reach this node (check its reachability and "
+                          "announced addresses) or be excluding its contributions", self._last_merged)
+        elif others:
+            kinds = sorted(set(others.values()))
+            alone = Alone("other_settings", f"{len(others)} node(s) of run '{run}' use other settings "
+                          f"({', '.join(kinds)}; ours: protocol tag {self.sync.tag}): model, fragments, seed, "
+                          "wire precision or outer lr, momentum, sync_every differ; use the run's settings",
+                          self._last_merged)
+        else:
+            alone = Alone("no_peers", f"no other node of run '{run}' seen for {quiet:.0f} s: check "
+                          "--initial-peers and --run-id", self._last_merged)
+        if self.alone is None or self.alone.reason != alone.reason:
+            log.warning("training alone, contributing to nobody: %s", alone.detail)
+        self.alone = alone
+
+    def state_name(self) -> str:
+        """The life-cycle state shown in status and published in the record: ``stats.state``,
+        or "alone" while training without merging with anyone (:attr:`alone`)."""
+        if self.alone is not None and self.stats.state in ("training", "catching up"):
+            return "alone"
+        return self.stats.state
 
     def _expected(self, p: int, anchor: FragmentState, records: dict[str, HeadsRecord]) -> set[str]:
         """The other learners expected in a round of fragment p at ``anchor``: not done, at
@@ -397,6 +464,7 @@ class Node:
             return {}
         self._records_read = True
         self._live_learners = sum(1 for r in records.values() if not r.done)
+        self._others_seen = sum(1 for p in records if p != self.swarm.peer_id)
         return records
 
     def _targets(self, records: dict[str, HeadsRecord], states: list[FragmentState] | None = None) -> list:
@@ -563,7 +631,7 @@ class Node:
         st = self.training.stats if self.training else None
         return {
             "name": self.setup.name,
-            "state": self.stats.state,
+            "state": self.state_name(),
             "done": self.done,
             "step": st.step if st else 0,
             "tps": round(st.tokens_per_s, 1) if st and math.isfinite(st.tokens_per_s) else 0.0,

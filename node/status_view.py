@@ -118,6 +118,10 @@ def node_lines(s: dict[str, Any]) -> Table:
     warning = address_warning(s)
     if warning:
         g.add_row(Text("warning", style="bold yellow"), Text(warning, style="yellow"))
+    alone = s.get("alone")
+    if isinstance(alone, dict):
+        g.add_row(Text("alone", style="bold red"),
+                  Text(f"merged with nobody for {fmt_age(alone.get('since_s'))}: {alone.get('detail', '')}", style="red"))
     sw = s.get("swarm")
     if sw:
         behind = sw.get("behind") or []
@@ -170,6 +174,9 @@ def render_live(s: dict[str, Any]) -> RenderableType:
               fmt_num(s.get("heldout_loss")), f"{s.get('rounds_committed', 0)}/{s.get('rounds_failed', 0)} failed",
               versions, str(sw.get("peers", "-")), f"{fmt_bytes(s.get('bytes_out'))}/{fmt_bytes(s.get('bytes_in'))}",
               fmt_age(s.get("uptime_s")))
+    alone = s.get("alone")
+    if isinstance(alone, dict):  # a volunteer must not miss that the node contributes nothing
+        return Group(t, Text(f"ALONE for {fmt_age(alone.get('since_s'))}: {alone.get('detail', '')}", style="bold red"))
     return t
 
 

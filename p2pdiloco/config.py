@@ -213,6 +213,7 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 exposes the metrics to the network
     checkpoint_every: float = 60.0  # seconds between local checkpoints (needs data_dir; 0: off)
     settle: float = 10.0  # seconds a node that spent its budget keeps serving until peers agree
+    alone_after: float = 180.0  # seconds of training without merging with another node before it says it is alone
     # Fault injection for tests and chaos runs, "KIND@ROUND" with ROUND the n-th all-reduce this
     # node takes part in with at least one other member: "kill-in-allreduce@3" SIGKILLs the node
     # while its 3rd such all-reduce runs;
@@ -237,6 +238,7 @@ class NodeConfig:
              "must be auto, cpu, cuda or cuda:N"),
             ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0 (0: off)"),
             ("settle", self.settle >= 0, "must be >= 0"),
+            ("alone_after", self.alone_after > 0, "must be > 0 (seconds)"),
             ("fault", not self.fault or _is_fault(self.fault),
              "must look like kill-in-allreduce@N, fail-last-stage@N or kill-in-state-transfer@N (N >= 1)"),
             ("data_dir", _usable_dir(self.data_dir), f"{self.data_dir!r} exists and is not a folder"),

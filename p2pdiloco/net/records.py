@@ -25,6 +25,7 @@ an honest peer never sends a float where an integer belongs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +123,9 @@ class HeadsRecord:
         done: the node stopped training (its budget ended or it was stopped).
         step: its inner step; tps: its tokens per second; loss: its last training loss
             (nats/byte) or None.
+        tag: the protocol tag of its settings (``node.runtime.protocol_tag``: what every
+            member of a group must share); "" when not stated. A node whose tag differs from
+            ours is of the same run but cannot merge with us: its claims are not heads for us.
     """
 
     fragments: tuple[tuple[int, str] | None, ...]
@@ -133,19 +137,19 @@ class HeadsRecord:
     step: int = 0
     tps: float = 0.0
     loss: float | None = None
+    tag: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able form that :func:`parse_heads` reads back."""
         return {"f": [list(f) if f is not None else None for f in self.fragments], "r": list(self.rounds),
                 "t": self.t, "name": self.name, "state": self.state, "done": self.done, "step": self.step,
-                "tps": self.tps, "loss": self.loss}
+                "tps": self.tps, "loss": self.loss, "g": self.tag}
 
     def without(self, index: int) -> HeadsRecord:
         """The same record with fragment ``index``'s claim replaced by None."""
         frags = list(self.fragments)
         frags[index] = None
-        return HeadsRecord(tuple(frags), self.rounds, self.t, self.name, self.state, self.done, self.step,
-                           self.tps, self.loss)
+        return dataclasses.replace(self, fragments=tuple(frags))
 
 
 def parse_heads(value: Any, num_fragments: int | None = None) -> HeadsRecord:
@@ -180,7 +184,7 @@ def parse_heads(value: Any, num_fragments: int | None = None) -> HeadsRecord:
         tuple(parsed), rounds, _finite(rec.get("t", 0.0), "t"), _text(rec.get("name", ""), "name"),
         _text(rec.get("state", ""), "state"), _bool(rec.get("done", False), "done"),
         _int(rec.get("step", 0), "step"), _finite(rec.get("tps", 0.0), "tps"),
-        None if loss is None else _finite(loss, "loss"))
+        None if loss is None else _finite(loss, "loss"), _text(rec.get("g", ""), "tag"))
 
 
 def _bool(x: Any, what: str) -> bool:

@@ -215,9 +215,14 @@ class StateSync:
     """
 
     def __init__(self, swarm: Swarm, run_id: str, fragments: Sequence[Fragment],
-                 current: Callable[[], Sequence[FragmentState]], on_event: Callable[..., None] | None = None):
+                 current: Callable[[], Sequence[FragmentState]], on_event: Callable[..., None] | None = None,
+                 tag: str = ""):
         self.swarm, self.run_id, self.fragments, self.current = swarm, run_id, tuple(fragments), current
         self.on_event = on_event
+        self.tag = tag  # our protocol tag, published in our record; records with another are not ours to follow
+        # peer -> (its settings: protocol tag, or "other fragment count"; monotonic s last seen):
+        # nodes of this run that cannot merge with us (``other_settings``)
+        self._other_settings: dict[str, tuple[str, float]] = {}
         self.downloads = 0
         self.failed_downloads = 0
         self.refused_states = 0  # downloads refused as implausible (see the module docstring)
@@ -256,7 +261,8 @@ class StateSync:
     async def publish(self, extra: dict[str, Any]) -> None:
         """Store this node's record: per-fragment [version, digest] plus ``extra`` figures
         (the other fields of :class:`HeadsRecord`)."""
-        record = HeadsRecord(tuple((s.version, s.digest) for s in self.current()), t=time.time(), **extra)
+        record = HeadsRecord(tuple((s.version, s.digest) for s in self.current()), t=time.time(), tag=self.tag,
+                             **extra)
         await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
 
     def ignoring(self) -> dict[str, str]:
@@ -270,7 +276,8 @@ class StateSync:
         the DHT accepted only when signed by that peer (and, in a private swarm, a member);
         none of a banned or ignored peer; none that stayed unchanged for ``STALE_S`` seconds of
         this node's watch (its author stopped publishing: a dead node's record outlives it by
-        up to ``HEAD_TTL``, and must neither hold a head nor corroborate a claim); every refused
+        up to ``HEAD_TTL``, and must neither hold a head nor corroborate a claim); none that
+        states another protocol tag than ours (:meth:`other_settings`); every refused
         (version, digest) replaced by None.
         Records that do not parse are dropped and counted (``Swarm.drop``).
 
@@ -287,6 +294,9 @@ class StateSync:
             self._malformed(peer, values[peer])
         out = {}
         for peer, record in self._live(good).items():
+            if record.tag and self.tag and record.tag != self.tag:
+                self._other(peer, f"protocol tag {record.tag}")
+                continue
             for p, claim in enumerate(record.fragments):
                 if claim is not None and (p, *claim) in self._refused:
                     record = record.without(p)
@@ -319,6 +329,20 @@ class StateSync:
             self.swarm.ban(peer, f"signed a malformed heads record ({e})")
         else:
             self.swarm.drop(peer, "heads_other_fragments")
+            self._other(peer, "another fragment count")
+
+    def _other(self, peer: str, settings: str) -> None:
+        self._other_settings[peer] = (settings, time.monotonic())
+        if len(self._other_settings) > 4096:  # bounded: forget the longest unseen
+            for p in sorted(self._other_settings, key=lambda q: self._other_settings[q][1])[:1024]:
+                del self._other_settings[p]
+
+    def other_settings(self, within: float = STALE_S) -> dict[str, str]:
+        """Nodes of this run whose records, seen in the last ``within`` seconds, state other
+        settings than ours (another protocol tag or fragment count): they publish under the run's
+        key but can never merge with us. {peer ID: their settings}."""
+        now = time.monotonic()
+        return {p: what for p, (what, seen) in self._other_settings.items() if now - seen <= within}
 
     def _uncorroborated(self, records: dict[str, HeadsRecord]) -> dict[str, str]:
         """Peers claiming a fragment version more than ``ROLLBACK_MAX`` above

@@ -1,0 +1,44 @@
+"""A node that merges with nobody says so (state "alone", with the likely reason), and its
+report says it never merged: real nodes over loopback, a bootstrap peer, `alone_after` 4 s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY, read_report, wait_for
+
+pytestmark = pytest.mark.usefixtures("no_daemon_left")
+
+
+def _status(d) -> dict:
+    try:
+        return json.loads((d / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.mark.timeout(180)
+def test_a_node_merging_with_nobody_shows_state_alone_with_the_reason(harness):
+    """n0 and n1 share a run id but n1's model differs (another protocol tag): each sees the
+    other's record, can never merge with it, and says "other_settings"; n2 has another run id
+    and sees no node of its run: "no_peers" (as with no initial peers at all). All three within
+    a few seconds of `alone_after`, and their reports count no round with another node."""
+    maddr = harness.bootstrap()
+    base = {**TINY, "alone_after": "4", "settle": "0"}
+    nodes = {
+        "n0": (harness.node(maddr, "n0", base, "--duration", "20"), "other_settings"),
+        "n1": (harness.node(maddr, "n1", {**base, "model.n_embd": "32"}, "--duration", "20"), "other_settings"),
+        "n2": (harness.node(maddr, "n2", base, "--run-id", "another-run", "--duration", "20"), "no_peers"),
+    }
+    for name, ((_, d), reason) in nodes.items():
+        def alone(d=d, reason=reason):
+            s = _status(d)
+            return s.get("state") == "alone" and (s.get("alone") or {}).get("reason") == reason
+        wait_for(alone, 60, lambda d=d, name=name: f"{name} alone ({reason}): {_status(d)}", tick=harness.track_daemons)
+    for name, ((proc, d), reason) in nodes.items():
+        assert harness.wait(proc, 90, d / "node.log") == 0
+        report = read_report(d)
+        assert report["rounds_with_peers"] == 0 and report["rounds_committed"] == report["rounds_alone"] > 0, name
+        assert report["alone"]["reason"] == reason and report["alone"]["since_s"] >= 4, report["alone"]
