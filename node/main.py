@@ -157,6 +157,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "tokens_per_s": round(tr.tokens_per_s, 1) if tr else 0.0,
         "blocked_s": round(node.training.blocked_s, 2) if node.training else 0.0,
         "loss": _num(tr.loss) if tr else None, "heldout_loss": _num(tr.heldout_loss) if tr else None,
+        "heldout_rising": tr.heldout_rising if tr else False,
         "rounds_committed": st.rounds_committed, "rounds_failed": st.rounds_failed,
         "rounds_late": st.rounds_late, "rounds_alone": st.rounds_alone, "rounds_excluded": st.rounds_excluded,
         "rounds_with_peers": st.rounds_committed - st.rounds_alone,
@@ -250,11 +251,14 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         from p2pdiloco.trust import load_node_trust  # noqa: PLC0415  (identity, private-swarm membership)
 
         trust = load_node_trust(cfg.trust, data_dir)
+        # model and data first: a setting or a data folder that cannot work is refused in one
+        # line before any daemon starts (the peer ID, which seeds the data order, is the identity's)
+        setup = await asyncio.to_thread(Setup.build, cfg, name, trust.identity.peer_id)
         swarm = await Swarm.start(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"],
                                   announce_maddrs=sw.announce, identity=trust.identity, membership=trust.membership,
                                   admission_key=f"{sw.run_id}/heads")
         try:
-            return await _serve(cfg, name, swarm, board, status_path, report_path, on_ready, progress)
+            return await _serve(cfg, name, setup, swarm, board, status_path, report_path, on_ready, progress)
         finally:
             await swarm.shutdown()
     finally:
@@ -263,7 +267,7 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         await control.close()
 
 
-async def _serve(cfg: NodeConfig, name: str, swarm: Swarm, board: Board, status_path: Path | None,
+async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: Board, status_path: Path | None,
                  report_path: Path | None, on_ready, progress: bool) -> dict[str, Any]:
     maddrs = await swarm.visible_maddrs()
     where = f"--data-dir {cfg.data_dir}" if cfg.data_dir else f"--socket {board.control.path}"
@@ -275,7 +279,7 @@ async def _serve(cfg: NodeConfig, name: str, swarm: Swarm, board: Board, status_
                     name, ", ".join(maddrs))
     board.current = lambda: {**board.starting(), "peer_id": swarm.peer_id, "p2pd_pid": swarm.daemon_pid,
                              "maddrs": maddrs, "reachability": reachability(maddrs)}
-    setup = await asyncio.to_thread(Setup.build, cfg, name, swarm.peer_id)
+    setup.log_notes()
     node = Node(setup, swarm)
     view = SwarmView()
     board.current = lambda: snapshot(node, swarm, maddrs, view, board.extra())

@@ -12,7 +12,8 @@ import torch
 from p2pdiloco.config import NodeConfig
 from p2pdiloco.core.fragments import Fragment, StaggeredSchedule, balanced_fragments
 from p2pdiloco.core.learner import Learner
-from p2pdiloco.data import BatchSampler, collect_text_files, default_corpus_files, heldout_batches, load_corpus
+from p2pdiloco.data import (BatchSampler, EmptyShard, collect_text_files, default_corpus_files, heldout_batches,
+                            load_corpus)
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.model import GPT, build_model
 
@@ -46,6 +47,7 @@ class Setup:
     learner: Learner
     sampler: BatchSampler
     heldout: list
+    notes: tuple[tuple[int, str], ...] = ()  # (logging level, message) for :meth:`log_notes`
 
     @classmethod
     def build(cls, cfg: NodeConfig, name: str, peer_id: str) -> Setup:
@@ -57,20 +59,44 @@ class Setup:
         try:
             fragments = balanced_fragments(shapes, cfg.outer.fragments, model.embedding_names())
             files = collect_text_files(Path(cfg.data.path)) if cfg.data.path else default_corpus_files()
-            shard = cfg.data.shard_index
-            if shard < 0:
-                shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % cfg.data.num_shards
-            corpus = load_corpus(files, shard, cfg.data.num_shards, cfg.data.heldout_fraction,
-                                 cfg.data.max_bytes or None)
+            shard, shards = cfg.data.shard_index, cfg.data.num_shards
+            auto = shard < 0
+            if auto:
+                shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % shards
+            fallback = None
+            try:
+                corpus = load_corpus(files, shard, shards, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
+            except EmptyShard as e:
+                if not auto:  # a shard the person chose: say so
+                    raise
+                # a small corpus: rather than fail (or train on a sliver), this node trains on all
+                # of the training text, in its own random order (its sampler's seed is its own)
+                fallback, shard, shards = str(e), 0, 1
+                corpus = load_corpus(files, 0, 1, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
+            need = cfg.model.block_size + 1
+            if corpus.train.numel() < need:
+                raise ValueError(f"data: this node's training text has {corpus.train.numel()} bytes, fewer than one "
+                                 f"sequence (model.block_size + 1 = {need}); give more text (data.path)"
+                                 + (" or fewer shards (data.num_shards)" if shards > 1 else ""))
             data_seed = int.from_bytes(hashlib.sha256(f"{cfg.seed}/{peer_id}".encode()).digest()[:4], "big")
             sampler = BatchSampler(corpus.train, cfg.data.batch_size, cfg.model.block_size, data_seed)
             heldout = heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)
         except (ValueError, OSError) as e:
             raise ConfigError(str(e)) from None
+        notes = [(logging.WARNING, f"{name}: {fallback}; this node trains on all of the training text instead")] \
+            if fallback else []
+        notes += [(logging.INFO, f"{name}: model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
+                                 f"in {len(fragments)} fragments on {device}; corpus of {len(files)} file(s), data "
+                                 f"shard {shard}/{shards}: {corpus.train.numel()} training bytes, "
+                                 f"{corpus.heldout.numel()} held-out bytes")]
         learner = Learner(model, fragments, cfg.inner)
-        log.info("%s: model %.2fM parameters in %d fragments on %s; data shard %d/%d", name,
-                 sum(p.numel() for p in model.parameters()) / 1e6, len(fragments), device, shard, cfg.data.num_shards)
-        return cls(cfg, name, model, tuple(fragments), learner, sampler, heldout)
+        return cls(cfg, name, model, tuple(fragments), learner, sampler, heldout, tuple(notes))
+
+    def log_notes(self) -> None:
+        """Log what :meth:`build` found (model size, data share, a fallback to all of the text),
+        once the node is up: a node that fails to start says one line and nothing else."""
+        for level, message in self.notes:
+            log.log(level, "%s", message)
 
     def training_loop(self, dispatch: Dispatch, deadline: float | None = None) -> TrainingLoop:
         out = self.cfg.outer

@@ -23,6 +23,8 @@ from p2pdiloco.net.allreduce import Contribution
 
 log = logging.getLogger(__name__)
 
+RISING = 0.05  # held-out loss this far above its best so far is warned about (once)
+
 # (fragment, new global state or None when the round produced nothing, rebase local progress?)
 Delivery = tuple[int, FragmentState | None, bool]
 Dispatch = Callable[[int, Contribution, FragmentState], None]
@@ -37,6 +39,7 @@ class TrainingStats:
     loss: float = float("nan")  # EMA of the training loss (nats per byte)
     heldout_loss: float = float("nan")  # last evaluation of the local model (nats per byte)
     heldout_history: list[tuple[int, float]] = field(default_factory=list)
+    heldout_rising: bool = False  # the held-out loss went RISING above its best (warned once)
     tokens_per_s: float = 0.0
     t_step: Ema = field(default_factory=lambda: Ema(alpha=0.1))
     installs: int = 0
@@ -130,9 +133,19 @@ class TrainingLoop:
                 self.pending.discard(p)
 
     def evaluate(self) -> float:
+        """Held-out loss of the local model (nats/byte), recorded in ``stats``. Warns once when
+        it rises ``RISING`` above its best so far: training that makes the model worse (too
+        little text, repeated over and over; a learning rate too high) should not go unseen."""
         loss = evaluate(self.learner.model, self.heldout)
         self.stats.heldout_loss = loss
-        self.stats.heldout_history.append((self.learner.step, loss))
+        history = self.stats.heldout_history
+        history.append((self.learner.step, loss))
+        best = min(x for _, x in history)
+        if not self.stats.heldout_rising and len(history) >= 3 and loss > (1 + RISING) * best:
+            self.stats.heldout_rising = True
+            log.warning("held-out loss rose to %.3f nats/byte, %.0f%% above its best (%.3f): the training text may be "
+                        "too small (each node repeats its share) or a learning rate too high", loss,
+                        100 * (loss / best - 1), best)
         return loss
 
     def _budget_spent(self) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import logging
 import math
 import os
 import sysconfig
@@ -26,7 +25,6 @@ from torch import Tensor
 __all__ = ["PIECE_BYTES", "default_corpus_files", "collect_text_files", "Corpus", "load_corpus",
            "BatchSampler", "heldout_batches", "evaluate", "bits_per_byte"]
 
-log = logging.getLogger(__name__)
 
 PIECE_BYTES = 1 << 16  # unit of the held-out / shard split, so one large file can feed many shards
 _SNIFF_BYTES = 1 << 16
@@ -105,6 +103,10 @@ def _read(pieces: Sequence[tuple[Path, int, int]], cap: int | None) -> Tensor:
     return torch.frombuffer(out, dtype=torch.uint8).clone() if out else torch.empty(0, dtype=torch.uint8)
 
 
+class EmptyShard(ValueError):
+    """The corpus has fewer training pieces than shards: the requested shard holds nothing."""
+
+
 def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
                 heldout_fraction: float = 0.05, max_bytes: int | None = None) -> Corpus:
     """Split ``files`` into a held-out set and ``num_shards`` disjoint training shards; read
@@ -115,7 +117,8 @@ def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
     piece when the fraction is > 0 and there are two or more pieces); the rest, ordered by a
     second stable hash, go round-robin to the shards. Bytes are concatenated in hash order.
     max_bytes caps the bytes read for the shard and for the held-out set (for fast demos).
-    Raises ValueError on bad arguments or an empty shard, FileNotFoundError on a missing file.
+    Raises EmptyShard (a ValueError) when the shard is empty, ValueError on bad arguments,
+    FileNotFoundError on a missing file.
     """
     if num_shards < 1 or not 0 <= shard_index < num_shards:
         raise ValueError(f"need 0 <= shard_index < num_shards, got {shard_index}, {num_shards}")
@@ -139,12 +142,10 @@ def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
     held, rest = units[:n_held], sorted(units[n_held:], key=lambda u: _unit_hash(b"shard", u[0]))
     mine = rest[shard_index::num_shards]
     if not mine:
-        raise ValueError(f"shard {shard_index} of {num_shards} is empty: the corpus has only "
-                         f"{len(rest)} training pieces of {PIECE_BYTES} bytes; use fewer shards or more text")
-    corpus = Corpus(_read([u[1:] for u in mine], max_bytes), _read([u[1:] for u in held], max_bytes))
-    log.info("corpus: %d files, shard %d/%d: %d train bytes, %d held-out bytes",
-             len(paths), shard_index, num_shards, corpus.train.numel(), corpus.heldout.numel())
-    return corpus
+        raise EmptyShard(f"data shard {shard_index} of {num_shards} is empty: the corpus has only {len(rest)} "
+                         f"training piece(s) of up to {PIECE_BYTES} bytes; set data.num_shards to at most "
+                         f"{max(1, len(rest))} or give more text (data.path)")
+    return Corpus(_read([u[1:] for u in mine], max_bytes), _read([u[1:] for u in held], max_bytes))
 
 
 class BatchSampler:

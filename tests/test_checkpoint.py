@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from p2pdiloco.config import load_config
+from p2pdiloco.errors import ConfigError
 from node.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from node.setup import Setup
 
@@ -91,3 +93,38 @@ def test_a_joiner_takes_the_swarms_inner_step_at_a_boundary_and_never_goes_back(
     assert s.learner.step == 53  # 50 adopted + 3 inner steps taken, then the budget of 53 was spent
     assert loop.stats.step == 53
     assert sorted(sent) == [(0, 3, 53), (1, 3, 53)]  # end-of-budget sends: 3 steps of progress each
+
+
+def test_a_small_folder_gives_every_node_a_nonempty_share_or_one_clear_refusal(tmp_path) -> None:
+    """Three files of 40 KB (three pieces: one held out, two to train) and the default 8 shards
+    picked by peer ID: a node whose shard is empty trains on all of the training text (in its
+    own order) instead of failing after its daemon started; a shard chosen explicitly that is
+    empty is refused with the setting to change."""
+    folder = tmp_path / "text"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"f{i}.txt").write_bytes(bytes(range(32, 127)) * 430)  # 40,850 bytes: one piece each
+    common = {**TINY, "data.path": str(folder), "data.num_shards": "8"}
+    sizes = {}
+    for peer in (f"QmPeer{i}" for i in range(16)):
+        s = Setup.build(load_config(overrides=common), peer, peer)
+        sizes[peer] = s.sampler.data.numel()
+    assert min(sizes.values()) >= 40_850  # every node trains on at least one whole piece
+    assert 2 * 40_850 in sizes.values()  # some fell back to both training pieces
+    with pytest.raises(ConfigError, match=r"data shard 5 of 8 is empty: .* set data.num_shards to at most 2"):
+        Setup.build(load_config(overrides={**common, "data.shard_index": "5"}), "a", "QmPeer")
+
+
+def test_a_rising_heldout_loss_is_flagged_once_it_is_five_percent_above_its_best(monkeypatch) -> None:
+    """Held-out losses 2.0, 1.8, 1.85 (within 5 % of the best 1.8), then 1.9 (5.6 % above):
+    ``heldout_rising`` turns on at the fourth evaluation and stays on."""
+    import node.training as training
+
+    losses = iter([2.0, 1.8, 1.85, 1.9, 1.7])
+    monkeypatch.setattr(training, "evaluate", lambda model, batches: next(losses))
+    loop = _setup("a").training_loop(lambda *a: None)
+    flags = []
+    for _ in range(5):
+        loop.evaluate()
+        flags.append(loop.stats.heldout_rising)
+    assert flags == [False, False, False, True, True]

@@ -147,6 +147,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "not.toml").write_text("[outer\nlr = 0.5\n")
     (tmp / "unknown.toml").write_text("[outer]\nlr = 0.5\nlrr = 1\n")
+    (tmp / "tiny").mkdir()
+    (tmp / "tiny" / "notes.txt").write_text("forty bytes of text, far too few to train\n")
     offline = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{PID}"  # valid, but nothing listens there
     with socket.socket() as taken, socket.socket() as not_libp2p:
         taken.bind(("127.0.0.1", 0))
@@ -167,6 +169,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             "not toml": NODE + ["--config", str(tmp / "not.toml")],
             "unknown key": NODE + ["--config", str(tmp / "unknown.toml")],
             "missing data": NODE + ["--data", str(tmp / "no-such-corpus")],
+            "tiny data": NODE + ["--data", str(tmp / "tiny")],
             "node all offline": NODE + ["--initial-peers", offline],
             "bootstrap all offline": BOOT + ["--initial-peers", offline],
             "bootstrap port in use": ["-m", "bootstrap", "--host", "127.0.0.1", "--port", str(busy)],
@@ -245,6 +248,14 @@ def test_data_path_that_does_not_exist(results: Runs) -> None:
     line = one_line(results["missing data"], code=2)
     path = results.tmp / "no-such-corpus"
     assert line == f"p2pdiloco: invalid configuration: data.path: '{path}' does not exist (from the command line)"
+
+
+def test_data_too_small_for_one_sequence_is_refused_before_any_daemon(results: Runs) -> None:
+    res = results["tiny data"]
+    line = one_line(res, code=2)
+    assert line.startswith("p2pdiloco: ") and "data: this node's training text has 42 bytes, fewer than one " \
+        "sequence (model.block_size + 1 = " in line, line
+    assert not res.daemons_seen  # refused before any daemon started
 
 
 @pytest.mark.parametrize("case", ["node all offline", "bootstrap all offline"])

@@ -11,8 +11,11 @@ owns both once started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
+import signal
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,7 +44,8 @@ async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_ma
     key_file = identity.path if identity.path is not None else identity.write_temporary()
     known = {c.pid for c in psutil.Process().children()}
     try:
-        p2p = await P2P.create(
+        p2p = await _create_shielded(
+            known,
             initial_peers=list(initial_peers) or None,
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs) or None,
@@ -57,8 +61,49 @@ async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_ma
     finally:
         if identity.path is None:  # p2pd has read the temporary key file
             shutil.rmtree(Path(key_file).parent, ignore_errors=True)
-    daemon = [c.pid for c in psutil.Process().children() if c.pid not in known and c.name() == "p2pd"]
+    daemon = _new_daemons(known)
     return p2p, daemon[0] if daemon else None
+
+
+SHIELDED = (signal.SIGINT, signal.SIGHUP)  # what a terminal sends its whole foreground process group
+
+
+async def _create_shielded(known: set[int], **kwargs) -> P2P:
+    """``P2P.create(**kwargs)`` with SIGINT and SIGHUP ignored until the new p2pd process
+    exists, so that p2pd inherits SIG_IGN for them: an ignored disposition survives exec, and
+    the Go runtime keeps an inherited SIG_IGN for exactly these two (runtime/signal_unix.go,
+    ``sigInstallGoHandler``). Ctrl+C in a terminal signals the whole foreground process
+    group; it then reaches only the node, which finishes its rounds, tells the swarm it is
+    done and ends p2pd itself, instead of losing its daemon at once with the round in flight.
+    Our handlers are back as soon as the daemon's process appears (polled every 10 ms), so a
+    Ctrl+C is lost only within that moment. SIGTERM cannot be shielded this way (Go always
+    installs its own handler for it); p2pd also exits when its owner's control connection
+    closes, so it never outlives the node. Off the main thread (where signal dispositions
+    cannot be changed) this is plain ``P2P.create``."""
+    if threading.current_thread() is not threading.main_thread():
+        return await P2P.create(**kwargs)
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SHIELDED}
+    task = asyncio.ensure_future(P2P.create(**kwargs))
+    try:
+        while not task.done() and not _new_daemons(known):
+            await asyncio.sleep(0.01)
+    except BaseException:  # cancelled while the daemon starts: it must not start on its own
+        task.cancel()
+        raise
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    return await task
+
+
+def _new_daemons(known: set[int]) -> list[int]:
+    """PIDs of our p2pd children that are not in ``known``."""
+    out = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.pid not in known and child.name() == "p2pd":
+                out.append(child.pid)
+    return out
 
 
 async def start_dht(p2p: P2P, initial_peers: Sequence[str], bootstrap_timeout: float,
