@@ -430,7 +430,7 @@ def wait_training(paths: list[Path], procs: list[subprocess.Popen], timeout: flo
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         st = [status_of(p) for p in paths]
-        if all(s is not None and s["state"] == "training" and s["tokens"] > 0 for s in st):
+        if all(s is not None and s["state"] in ("training", "alone") and s["tokens"] > 0 for s in st):
             return
         dead = [p for p in procs if p.poll() is not None]
         if dead:

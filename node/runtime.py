@@ -445,7 +445,8 @@ class Node:
         torch.save({"fragment": new.index, "version": new.version, "round_id": group.round_id,
                     "members": group.members, "me": self.swarm.peer_id, "delta": contrib.delta,
                     "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
-                    "position": contrib.position, "merged": merged.delta, "fraction": fraction, "first": merged.first, "ledger": anchor.ledger,
+                    "position": contrib.position, "merged": merged.delta, "fraction": fraction,
+                    "first": merged.first, "ledger": anchor.ledger,
                     "anchor_digest": anchor.digest, "digest": new.digest,
                     "embedding_mask": [s.is_embedding for s in self.setup.fragments[new.index].slots]}, tmp)
         tmp.replace(path)

@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from p2pdiloco.chaos.observe import close_incarnation, read_json
+from p2pdiloco.chaos.observe import TRAINING, close_incarnation, read_json
 from p2pdiloco.chaos.schedule import Event
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def finish_nodes(run: Run) -> None:
     while time.monotonic() < end and any(tr.current.proc.alive() for tr in live):
         run.step(time.monotonic() + 0.5)
         for tr in live:  # a node that left training no longer needs its CPU cap
-            if tr.current.last is not None and tr.current.last.state != "training":
+            if tr.current.last is not None and tr.current.last.state not in TRAINING:
                 run.throttle.release(tr.current.proc)
     run.throttle.release_all()
     late = [tr for tr in live if tr.current.proc.alive()]

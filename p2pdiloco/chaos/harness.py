@@ -27,7 +27,7 @@ from pathlib import Path
 from p2pdiloco.chaos.faults import apply_event, finish_nodes
 from p2pdiloco.chaos.load import LoadMonitor
 from p2pdiloco.chaos.metrics import ChaosResult, commit_times, summarize, warmup_rate
-from p2pdiloco.chaos.observe import Incarnation, NodeTrack, clock_offset, close_incarnation, is_rejoined
+from p2pdiloco.chaos.observe import TRAINING, Incarnation, NodeTrack, clock_offset, close_incarnation, is_rejoined
 from p2pdiloco.chaos.procs import Processes
 from p2pdiloco.chaos.replay import replay_goodput
 from p2pdiloco.chaos.schedule import Event, Schedule
@@ -161,7 +161,7 @@ class Run:
                 continue
             self.timeline.write(json.dumps({**dataclasses.asdict(s), "t": round(s.t - self.t0, 2) if self.t0 else None,
                                             "node": tr.name, "life": len(tr.lives) - 1}) + "\n")
-            if s.state == "training" and cur.proc.pid not in self.throttle.shares and tr.frozen_since is None:
+            if s.state in TRAINING and cur.proc.pid not in self.throttle.shares and tr.frozen_since is None:
                 self.apply_throttle(tr)
             if cur.restart and cur.rejoined_at is None and is_rejoined(self.tracks, tr, s, self.cfg.rejoin_slack):
                 cur.rejoined_at = s.t

@@ -31,7 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from p2pdiloco.chaos.observe import Incarnation, NodeTrack
+from p2pdiloco.chaos.observe import TRAINING, Incarnation, NodeTrack
 
 
 @dataclass
@@ -83,7 +83,7 @@ def warmup_rate(tracks: list[NodeTrack], start: float, end: float) -> float:
     rates = []
     for tr in tracks:
         life = tr.lives[0]
-        a = [s for s in life.samples if s.t <= start and s.state == "training"]
+        a = [s for s in life.samples if s.t <= start and s.state in TRAINING]
         b = [s for s in life.samples if s.t <= end]
         if a and b and b[-1].t > a[-1].t:
             rates.append((b[-1].tokens - a[-1].tokens) / (b[-1].t - a[-1].t))

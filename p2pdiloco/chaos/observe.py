@@ -19,6 +19,9 @@ from typing import Any
 
 from p2pdiloco.chaos.procs import Proc
 
+# node states (status JSON) in which the node trains: "alone" trains too, merging with nobody
+TRAINING = ("training", "alone")
+
 
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
@@ -135,7 +138,7 @@ class NodeTrack:
             return None
         s = sample_of(data, t)
         cur.samples.append(s)
-        if s.state == "training" and cur.training_at is None:
+        if s.state in TRAINING and cur.training_at is None:
             cur.training_at = t
         return s
 
@@ -166,7 +169,7 @@ def close_incarnation(life: Incarnation, at: float, extrapolate: bool) -> None:
     if last is None:
         life.end_tokens, life.end_merged = life.base_tokens, life.base_merged
         return
-    extra = last.tps * max(0.0, at - last.t) if extrapolate and last.state == "training" else 0.0
+    extra = last.tps * max(0.0, at - last.t) if extrapolate and last.state in TRAINING else 0.0
     life.end_tokens, life.end_merged = last.tokens + extra, last.merged
 
 
@@ -184,7 +187,7 @@ def versions_at(track: NodeTrack, t: float) -> tuple[int, ...] | None:
 def is_rejoined(tracks: list[NodeTrack], node: NodeTrack, s: Sample, slack: float) -> bool:
     """A restarted node is back once it trains at versions no older than the newest any other
     live node reported ``slack`` seconds before (status files lag by up to a second)."""
-    if s.state != "training":
+    if s.state not in TRAINING:
         return False
     for tr in tracks:
         if tr is node or not tr.up():
