@@ -150,8 +150,9 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "name": node.setup.name, "run_id": node.cfg.swarm.run_id, "peer_id": swarm.peer_id, "maddrs": maddrs,
         "reachability": reachability(maddrs), "connections": view.connections if view else None,
         "pid": os.getpid(), "p2pd_pid": swarm.daemon_pid, "state": node.state_name(),
-        "alone": None if node.alone is None else {"reason": node.alone.reason, "detail": node.alone.detail,
-                                                  "since_s": round(time.time() - node.alone.since, 1)},
+        "alone": None if node.solo.alone is None else {"reason": node.solo.alone.reason,
+                                                       "detail": node.solo.alone.detail,
+                                                       "since_s": round(time.time() - node.solo.alone.since, 1)},
         "merging": in_flight, "uptime_s": round(time.time() - PROCESS_START, 1),
         "step": tr.step if tr else 0, "tokens": tr.tokens if tr else 0,
         "tokens_per_s": round(tr.tokens_per_s, 1) if tr else 0.0,
@@ -317,7 +318,7 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
              name, start, final, node.stats.rounds_committed, report["global_digest"])
     if not report["rounds_with_peers"]:
         log.warning("%s never merged with another node: its training reached nobody%s", name,
-                    f" ({node.alone.detail})" if node.alone else "")
+                    f" ({node.solo.alone.detail})" if node.solo.alone else "")
     for path in (status_path, report_path):
         if path is not None:
             write_json_atomic(path, report)

@@ -23,7 +23,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -40,8 +40,9 @@ from p2pdiloco.net.transport import Swarm
 
 from node.checkpoint import load_checkpoint, save_checkpoint
 from node.journal import FILE as JOURNAL_FILE
-from node.journal import Journal
+from node.journal import Journal, save_round_trace
 from node.setup import Setup
+from node.alone import AloneWatch
 from node.training import TrainingLoop
 
 log = logging.getLogger(__name__)
@@ -74,25 +75,6 @@ class RoundRecord:
     reason: str = ""
     digest: str = ""  # the committed state's (12 hex), else ""
     fraction: float = 0.0  # of an outer period, the step this round applied (round_fraction); committed only
-
-
-@dataclass(frozen=True)
-class Alone:
-    """Why a training node has merged with no other node for ``NodeConfig.alone_after`` seconds.
-
-    Attributes:
-        reason: "no_peers" (no other node of the run seen: wrong initial peers or run id),
-            "other_settings" (nodes of the run seen, all with other settings: they can never
-            merge with this one), "no_rounds" (nodes of the run with our settings seen, yet no
-            round with them: unreachable, or always at other versions).
-        detail: one line for a person, naming what to check.
-        since: Unix time (s) of the last round merged with another node, or of the start of
-            training.
-    """
-
-    reason: Literal["no_peers", "other_settings", "no_rounds"]
-    detail: str
-    since: float
 
 
 @dataclass
@@ -155,8 +137,7 @@ class Node:
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self._records_read = False  # whether the last read of the swarm's records succeeded
         self._others_seen = 0  # other nodes of the run with our settings, in the last read of the records
-        self._last_merged: float | None = None  # Unix time of our last round with another member (or training start)
-        self.alone: Alone | None = None  # set while this node merges with nobody (_alone_step)
+        self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag)  # no silent solo
         self.done = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -181,7 +162,7 @@ class Node:
             self.training.checkpoint = lambda: self._checkpoint(data_dir)
             self.training.checkpoint_every = self.cfg.checkpoint_every
         self.stats.state = "training"
-        self._last_merged = time.time()
+        self.solo.started()
         out = self.cfg.outer
         async with asyncio.TaskGroup() as tg:
             self._rounds = tg
@@ -302,7 +283,7 @@ class Node:
                     self.stats.rounds_committed += 1
                     self.stats.rounds_alone += int(len(group.members) == 1)
                     if len(group.members) > 1:
-                        self._merged_with_others()
+                        self.solo.merged()
                     # tokens are counted per fragment: a fragment carries 1/P of every token
                     self.stats.tokens_merged += contrib.tokens / len(self.committed)
                     self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True,
@@ -312,7 +293,9 @@ class Node:
                     self._publish_now.set()
                     self._keep_schedule()
                     if self.cfg.trace_dir:
-                        await asyncio.to_thread(self._trace, group, contrib, merged, fraction, anchor, new)
+                        await asyncio.to_thread(save_round_trace, Path(self.cfg.trace_dir), self.swarm.peer_id,
+                                                group.round_id, group.members, contrib, merged, fraction, anchor,
+                                                new, [s.is_embedding for s in self.setup.fragments[p].slots])
             else:
                 if outcome == "late":
                     self.stats.rounds_late += 1
@@ -363,43 +346,14 @@ class Node:
         self._publish_now.set()
         self._keep_schedule()
 
-    def _merged_with_others(self) -> None:
-        self._last_merged = time.time()
-        if self.alone is not None:
-            log.info("merging with other nodes again")
-            self.alone = None
-
     async def _alone_step(self) -> None:
-        """Say so, loudly, when this node has merged with nobody for ``alone_after`` seconds:
-        set :attr:`alone` (status state "alone", with the likely reason) and log it at WARNING
-        once per reason. A volunteer whose node trains alone contributes nothing to the run."""
-        if self.training is None or self.done or self._last_merged is None:
-            return
-        quiet = time.time() - self._last_merged
-        if quiet < self.cfg.alone_after:
-            return
-        run, others = self.cfg.swarm.run_id, self.sync.other_settings()
-        if self._others_seen:
-            alone = Alone("no_rounds", f"{self._others_seen} other node(s) of run '{run}' seen, but no round with "
-                          f"them for {quiet:.0f} s: they may not reach this node (check its reachability and "
-                          "announced addresses) or be excluding its contributions", self._last_merged)
-        elif others:
-            kinds = sorted(set(others.values()))
-            alone = Alone("other_settings", f"{len(others)} node(s) of run '{run}' use other settings "
-                          f"({', '.join(kinds)}; ours: protocol tag {self.sync.tag}): model, fragments, seed, "
-                          "wire precision or outer lr, momentum, sync_every differ; use the run's settings",
-                          self._last_merged)
-        else:
-            alone = Alone("no_peers", f"no other node of run '{run}' seen for {quiet:.0f} s: check "
-                          "--initial-peers and --run-id", self._last_merged)
-        if self.alone is None or self.alone.reason != alone.reason:
-            log.warning("training alone, contributing to nobody: %s", alone.detail)
-        self.alone = alone
+        if self.training is not None and not self.done:
+            self.solo.check(self._others_seen, self.sync.other_settings())
 
     def state_name(self) -> str:
         """The life-cycle state shown in status and published in the record: ``stats.state``,
-        or "alone" while training without merging with anyone (:attr:`alone`)."""
-        if self.alone is not None and self.stats.state in ("training", "catching up"):
+        or "alone" while training without merging with anyone (``solo``: node.alone)."""
+        if self.solo.alone is not None and self.stats.state in ("training", "catching up"):
             return "alone"
         return self.stats.state
 
@@ -434,22 +388,6 @@ class Node:
         if head is None:
             return anchor, records
         return await self._follow(p, head, records) or anchor, records
-
-    def _trace(self, group, contrib: Contribution, merged: RoundResult, fraction: float, anchor: FragmentState,
-               new: FragmentState) -> None:
-        """Save one committed round (inputs and result) for offline checks; atomic write."""
-        folder = Path(self.cfg.trace_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"f{new.index}-v{new.version}-{group.round_id}-{self.swarm.peer_id[-8:]}.pt"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"fragment": new.index, "version": new.version, "round_id": group.round_id,
-                    "members": group.members, "me": self.swarm.peer_id, "delta": contrib.delta,
-                    "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
-                    "position": contrib.position, "merged": merged.delta, "fraction": fraction,
-                    "first": merged.first, "ledger": anchor.ledger,
-                    "anchor_digest": anchor.digest, "digest": new.digest,
-                    "embedding_mask": [s.is_embedding for s in self.setup.fragments[new.index].slots]}, tmp)
-        tmp.replace(path)
 
     def _record(self, rec: RoundRecord) -> None:
         self.stats.recent = [*self.stats.recent[-19:], rec]
