@@ -239,7 +239,7 @@ class Learner:
             "tokens": list(self._tokens), "steps": list(self._steps), "since": list(self._since),
             "global_states": [{"index": s.index, "version": s.version, "theta": list(s.theta),
                                "momentum": list(s.momentum), "digest": s.digest,
-                               "ledger": [s.ledger.period_start, s.ledger.period_tokens, s.ledger.rate]}
+                               "ledger": s.ledger.to_list()}
                               for s in self.global_states],
         })
 

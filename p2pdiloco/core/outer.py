@@ -48,15 +48,23 @@ class Ledger:
         rate: tokens the swarm merges into p per period: over completed periods, new =
             RATE_DECAY·old + (1 − RATE_DECAY)·period (the first: the period itself), each
             period counted at most RATE_GROWTH times the old rate; 0.0 while unknown.
+        period_fraction: the outer step the current period's rounds have applied so far, in
+            units of 1/FRACTION_GRID, in [0, FRACTION_GRID] (the period's step budget).
     """
 
     period_start: int = -1
     period_tokens: int = 0
     rate: float = 0.0
+    period_fraction: int = 0
 
     def pack(self) -> bytes:
-        """``<qqd`` little-endian: period_start, period_tokens, rate (the digest's tail)."""
-        return struct.pack("<qqd", self.period_start, self.period_tokens, self.rate)
+        """``<qqdq`` little-endian: period_start, period_tokens, rate, period_fraction (the
+        digest's tail)."""
+        return struct.pack("<qqdq", self.period_start, self.period_tokens, self.rate, self.period_fraction)
+
+    def to_list(self) -> list:
+        """[period_start, period_tokens, rate, period_fraction]: the wire and checkpoint form."""
+        return [self.period_start, self.period_tokens, self.rate, self.period_fraction]
 
 
 def _fp32_cpu(t: Tensor) -> Tensor:
@@ -118,7 +126,8 @@ class FragmentState:
         if len(theta) != len(momentum) or any(a.shape != b.shape for a, b in zip(theta, momentum)):
             raise ValueError("theta and momentum must have the same number of tensors and shapes")
         if ledger.period_start < -1 or ledger.period_tokens < 0 or not (math.isfinite(ledger.rate)
-                                                                        and ledger.rate >= 0):
+                                                                        and ledger.rate >= 0) \
+                or not 0 <= ledger.period_fraction <= FRACTION_GRID:
             raise ValueError(f"ledger out of range: {ledger}")
         return cls(index, version, tuple(theta), tuple(momentum),
                    fragment_digest(index, version, theta, momentum, ledger), ledger)
@@ -134,15 +143,15 @@ class FragmentState:
         return hash(self.digest)
 
 
-OUTER_STEP_RULE = "nesterov-fractional-2"  # changes when the outer step or its fraction changes (protocol tag)
+OUTER_STEP_RULE = "nesterov-fractional-3"  # changes when the outer step or its fraction changes (protocol tag)
 _DECAY_GRID = 2.0 ** 24  # μ^f is rounded to a multiple of 2^-24, so no libm's last bit matters
 
 
-def _grid(f: float, any_progress: bool) -> float:
-    """f in [0, 1] rounded to a multiple of 1/FRACTION_GRID, at least one step with progress."""
+def _units(f: float, any_progress: bool) -> int:
+    """f in [0, 1] as a count of 1/FRACTION_GRID units, at least one with progress."""
     if not any_progress:
-        return 0.0
-    return max(1, min(FRACTION_GRID, round(f * FRACTION_GRID))) / FRACTION_GRID
+        return 0
+    return max(1, min(FRACTION_GRID, round(f * FRACTION_GRID)))
 
 
 def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
@@ -156,14 +165,18 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     rate yet (:func:`span_fraction`). A round at a position at least H/2 past the current
     period's first round starts a new period (the start moves at most 2H at once), completing
     the old one into ``rate``; any other round adds its tokens to the current period. Then
-    f = min(1, tokens / rate): the share of a period's merged tokens this round carries.
-    Learners that merge one after the other in one period, each alone, each carry their
-    share, and the period adds up to one step; a near-empty round (an end-of-budget flush)
-    moves Θ by almost nothing; a slower learner's rounds, behind the schedule, count in the
-    period they arrive in. Computed by every member from the anchor's ledger and the counters
-    the reducers state under their signatures, never from a node's own view of the swarm
-    (invariant I9; docs/architecture.md "Partial rounds"). Raises ValueError on negative
-    tokens or position, sync_every < 1 or ``first`` outside [0, 1]."""
+    f = min(1, tokens / rate): the share of a period's merged tokens this round carries, but
+    never more than what is left of the period's one step (``period_fraction``): the rounds
+    of one period add up to at most one outer step (at least one grid unit each with
+    progress), so learners that merge one after the other, each alone, each carry their
+    share, a swarm that grew faster than ``rate`` follows does not take several steps in one
+    period, and neither does the first period, whose rounds cannot know how many others will
+    follow (``first`` is an upper bound of each one's share). A near-empty round (an
+    end-of-budget flush) moves Θ by almost nothing; a slower learner's rounds, behind the
+    schedule, count in the period they arrive in. Computed by every member from the anchor's
+    ledger and the counters the reducers state under their signatures, never from a node's
+    own view of the swarm (invariant I9; docs/architecture.md "Partial rounds"). Raises
+    ValueError on negative tokens or position, sync_every < 1 or ``first`` outside [0, 1]."""
     if tokens < 0 or position < 0 or sync_every < 1 or not 0.0 <= first <= 1.0:
         raise ValueError(f"bad round counters: tokens={tokens} position={position} H={sync_every} first={first}")
     if ledger.period_start < 0 or position >= ledger.period_start + sync_every // 2:  # a new period begins
@@ -172,11 +185,13 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
             done = float(ledger.period_tokens) if rate == 0 else min(ledger.period_tokens, RATE_GROWTH * rate)
             rate = done if rate == 0 else RATE_DECAY * rate + (1 - RATE_DECAY) * done
         start = position if ledger.period_start < 0 else min(position, ledger.period_start + 2 * sync_every)
-        new = Ledger(start, tokens, rate)
+        start_tokens, used = 0, 0
     else:
-        new = Ledger(ledger.period_start, ledger.period_tokens + tokens, ledger.rate)
-    f = min(1.0, tokens / new.rate) if new.rate > 0 else first
-    return _grid(f, tokens > 0), new
+        start, start_tokens, rate, used = ledger.period_start, ledger.period_tokens, ledger.rate, ledger.period_fraction
+    units = _units(min(1.0, tokens / rate) if rate > 0 else first, tokens > 0)
+    if units:
+        units = max(1, min(units, FRACTION_GRID - used))
+    return units / FRACTION_GRID, Ledger(start, start_tokens + tokens, rate, min(FRACTION_GRID, used + units))
 
 
 def span_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) -> float:
@@ -207,7 +222,7 @@ def span_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) -> 
         w = contribution_weight(tokens, steps)
         num += w * min(1.0, steps / (sync_every * min(span, MAX_SPAN)))
         den += w
-    return _grid(num / den, True) if den > 0.0 else 0.0
+    return _units(num / den, True) / FRACTION_GRID if den > 0.0 else 0.0
 
 
 def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: float, momentum: float,

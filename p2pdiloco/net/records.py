@@ -294,14 +294,14 @@ class StateAnswer:
 def parse_state_answer(header: Any) -> StateAnswer:
     h = _map(header, "state answer")
     led = h.get("l")
-    if not isinstance(led, list) or len(led) != 3:
-        raise ProtocolError("state answer: ledger is not [period start, period tokens, rate]")
+    if not isinstance(led, list) or len(led) != 4:
+        raise ProtocolError("state answer: ledger is not [period start, period tokens, rate, period fraction]")
     rate = led[2]
     if not isinstance(rate, float) or not math.isfinite(rate) or not 0 <= rate <= MAX_COUNT:
         raise ProtocolError("state answer: ledger rate is not a finite float in range")
     return StateAnswer(version(h.get("v")), digest(h.get("d")),
                        Ledger(_int(led[0], "period start", -1, MAX_COUNT), _int(led[1], "period tokens", 0, MAX_COUNT),
-                              rate))
+                              rate, _int(led[3], "period fraction", 0, FRACTION_GRID)))
 
 
 @dataclass(frozen=True)

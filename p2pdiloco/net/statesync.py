@@ -573,8 +573,7 @@ class StateSync:
             raise
         state = self.current()[request.fragment]
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
-        led = state.ledger
-        return {"v": state.version, "d": state.digest, "l": [led.period_start, led.period_tokens, led.rate]}, body
+        return {"v": state.version, "d": state.digest, "l": state.ledger.to_list()}, body
 
 
 def _distance(a: FragmentState, b: FragmentState) -> float:
