@@ -43,11 +43,36 @@ def _live_table(nodes: list[tuple[subprocess.Popen, Path]]) -> Table:
     return t
 
 
+PLAIN_EVERY_S = 10.0  # seconds between two progress lines when stdout is not a terminal
+
+
+def _plain_line(nodes: list[tuple[subprocess.Popen, Path]], elapsed: float) -> str:
+    """One progress line for a log file: per node its state, inner step, loss, rounds."""
+    parts = []
+    for proc, d in nodes:
+        s = _read(d / "status.json") or {}
+        state = s.get("state", "starting") if proc.poll() is None or s.get("state") == "stopped" else f"exit {proc.returncode}"
+        parts.append(f"{d.name} {state} step {s.get('step', 0)} loss {_fmt(s.get('loss'))} "
+                     f"held-out {_fmt(s.get('heldout_loss'))} rounds {s.get('rounds_committed', 0)}")
+    return f"[{elapsed:5.0f} s] " + " | ".join(parts)
+
+
 def live_view(nodes: list[tuple[subprocess.Popen, Path]], quiet: bool = False) -> None:
-    """Refresh the live table until every node process has exited."""
+    """Refresh the live table until every node process has exited; when stdout is not a
+    terminal (a file, a pipe), print a plain progress line every ``PLAIN_EVERY_S`` instead."""
     if quiet:
         while any(p.poll() is None for p, _ in nodes):
             time.sleep(0.5)
+        return
+    if not console.is_terminal:
+        t0 = last = time.monotonic()
+        print(_plain_line(nodes, 0.0), flush=True)
+        while any(p.poll() is None for p, _ in nodes):
+            time.sleep(0.5)
+            if time.monotonic() - last >= PLAIN_EVERY_S:
+                last = time.monotonic()
+                print(_plain_line(nodes, last - t0), flush=True)
+        print(_plain_line(nodes, time.monotonic() - t0), "", sep="\n", flush=True)
         return
     with Live(_live_table(nodes), console=console, refresh_per_second=2) as live:
         while any(p.poll() is None for p, _ in nodes):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import ipaddress
 import json
@@ -21,8 +22,10 @@ from typing import Any
 import psutil
 
 from p2pdiloco.config import NodeConfig
+from p2pdiloco.core.outer import run_tokens
 from p2pdiloco.data import bits_per_byte, evaluate
-from p2pdiloco.errors import P2PDilocoError
+from p2pdiloco.errors import ConfigError, NetworkError, P2PDilocoError
+from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.statesync import is_behind, newest_heads
 from p2pdiloco.net.transport import Swarm
@@ -137,6 +140,22 @@ class SwarmView:
         }, frags
 
 
+def progress(merged: int, mine: float, target: int, records: dict[str, HeadsRecord] | None) -> dict[str, Any]:
+    """The run's progress as one node sees it: ``merged`` tokens the swarm merged into its
+    states (``core.outer.run_tokens``), ``mine`` of them this node's own, ``target`` the
+    run's target in tokens (its manifest; 0: none); the swarm's rate is the sum of the live
+    nodes' published tokens/s (``records``). Returns tokens, target, done (fraction of the
+    target), tokens_per_s, eta_s (seconds to the target at that rate) and share (this node's
+    fraction of the merged tokens); None where unknown."""
+    rate = sum(r.tps for r in records.values() if not r.done) if records else None
+    left = max(0, target - merged) if target else None
+    return {"tokens": merged, "target_tokens": target or None,
+            "done": round(min(1.0, merged / target), 4) if target else None,
+            "tokens_per_s": round(rate, 1) if rate is not None else None,
+            "eta_s": round(left / rate) if left is not None and rate else (0 if left == 0 else None),
+            "share": round(mine / merged, 4) if merged else None}
+
+
 def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None = None,
              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The node's figures as one JSON-able dict: the status file, the report, `node status`,
@@ -178,6 +197,10 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "fragments": [[s.version, s.short()] for s in node.committed],
         "fragment_status": fragments, "swarm": swarm_figures,
         "global_digest": global_digest(node), "time": round(time.time(), 3),
+        "hardware": hardware(node.cfg, node.setup),
+        "progress": progress(run_tokens(node.committed), st.tokens_merged,
+                             ((extra or {}).get("manifest") or {}).get("target_tokens", 0),
+                             view.records if view else None), "clock": swarm.clock.status(),
         **(extra or {}),
     }
 
@@ -186,15 +209,17 @@ class Board:
     """What a running node shows: ``current()`` builds a fresh snapshot (event loop only);
     ``latest`` is the one built last second, safe to read from other threads (metrics)."""
 
-    def __init__(self, cfg: NodeConfig, name: str, control: ControlServer):
+    def __init__(self, cfg: NodeConfig, name: str, control: ControlServer, manifest: RunManifest | None = None):
         self.cfg, self.name, self.control = cfg, name, control
+        self.manifest = None if manifest is None else {"digest": manifest.digest, "owner": manifest.owner_id,
+                                                       "target_tokens": manifest.target_tokens}
         self.metrics_url = f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None
         self.current: Callable[[], dict[str, Any]] = self.starting
         self.latest: dict[str, Any] = self.starting()
 
     def extra(self) -> dict[str, Any]:
         return {"uptime_s": round(time.time() - PROCESS_START, 1), "control_socket": str(self.control.path),
-                "metrics": self.metrics_url}
+                "metrics": self.metrics_url, "manifest": self.manifest}
 
     def starting(self) -> dict[str, Any]:
         return {"name": self.name, "run_id": self.cfg.swarm.run_id, "state": "starting", "pid": os.getpid(),
@@ -226,9 +251,91 @@ async def live_progress(board: Board) -> None:
                 h.setStream(stream)
 
 
+TRAINING_BYTES_PER_PARAMETER = 24  # allocated at the first steps and rounds: gradient 4, AdamW moments 8,
+# pseudo-gradient and its wire and merge buffers 12 (the model, Θ and the momentum exist already)
+
+
+def rss_mib() -> float:
+    """This process's resident memory, MiB."""
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def check_memory(cfg: NodeConfig, setup: Setup) -> None:
+    """Refuse, before any daemon starts, a node whose model cannot train within
+    ``cfg.memory_limit`` MiB: resident memory now (model, data, global states built) plus
+    ``TRAINING_BYTES_PER_PARAMETER`` per parameter (activations come on top).
+
+    Raises:
+        ConfigError: the estimate exceeds the limit."""
+    if not cfg.memory_limit:
+        return
+    params = sum(p.numel() for p in setup.model.parameters())
+    need = rss_mib() + params * TRAINING_BYTES_PER_PARAMETER / 2**20
+    if need > cfg.memory_limit:
+        raise ConfigError(f"memory_limit: training this {params / 1e6:.2f}M-parameter model needs about {need:,.0f} MiB "
+                          f"(more with large batches), over memory_limit = {cfg.memory_limit} MiB: raise it, or use "
+                          "a smaller model or batch")
+
+
+def hardware(cfg: NodeConfig, setup: Setup | None) -> dict[str, Any]:
+    """Where the node trains: device, torch threads, resident memory (MiB) and its limit."""
+    rss = rss_mib()
+    return {"device": str(next(setup.model.parameters()).device) if setup else cfg.device, "threads": cfg.threads,
+            "rss_mib": round(rss), "memory_limit_mib": cfg.memory_limit or None,
+            "over_memory_limit": bool(cfg.memory_limit and rss > cfg.memory_limit)}
+
+
+MANIFEST_REPUBLISH_S = 60.0  # a node that joined with a run manifest stores it in the DHT this often
+MANIFEST_TTL_S = 300.0
+
+
+async def share_manifest(swarm: Swarm, cfg: NodeConfig, manifest: RunManifest | None) -> None:
+    """With a manifest: keep it in the DHT under ``RUN/manifest`` (subkey: this node's peer ID).
+    Without one: read the run's published manifests once and warn, naming the first setting,
+    when this node's settings differ from each of them (a stranger can publish a manifest for
+    any run ID, so a node that did not join with one is not refused because of it)."""
+    key = f"{cfg.swarm.run_id}/manifest"
+    if manifest is not None:
+        while True:
+            with contextlib.suppress(NetworkError):
+                await swarm.store(key, swarm.peer_id, manifest.encode(), MANIFEST_TTL_S)
+            await asyncio.sleep(MANIFEST_REPUBLISH_S)
+    with contextlib.suppress(NetworkError):
+        mine = run_settings(cfg)
+        for m in published(await swarm.get(key)):
+            diff = next(((k, v, mine[k]) for k, v in m.settings.items() if mine.get(k) != v), None)
+            if diff is not None:
+                log.warning("this node's %s = %s differs from run %r's manifest (%s, by %s): it will merge only with "
+                            "nodes that share its settings; join with `--join` to use the run's", diff[0], diff[2],
+                            m.run_id, diff[1], m.owner_id)
+
+
+STOP_BURST_S = 1.0  # stop signals this close together are one request
+
+
+def once_per_burst(stop: Callable[[], None], window: float = STOP_BURST_S) -> Callable[[], None]:
+    """``stop`` as a signal handler that ignores a signal arriving within ``window`` seconds of
+    the one that called it. Coreutils ``timeout`` sends its signal to its child and then to its
+    whole process group (timeout.c, ``cleanup``), so the node gets SIGTERM twice at once, as
+    from ``kill PID; kill -- -PGID``: one request, not the second Ctrl+C after which
+    :meth:`Node.stop` exits at once."""
+    last = -math.inf
+
+    def handler() -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= window:
+            last = now
+            stop()
+
+    return handler
+
+
 async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | None = None,
-                   report_path: Path | None = None, on_ready=None, progress: bool = False) -> dict[str, Any]:
+                   report_path: Path | None = None, on_ready=None, progress: bool = False,
+                   manifest: RunManifest | None = None) -> dict[str, Any]:
     """Run one node to the end of its budget or until SIGINT/SIGTERM; returns its report.
+    ``manifest``: the run manifest the node joined with (shown in status, kept in the DHT).
 
     While it runs, ``p2pdiloco node status`` reads it on its control socket (``control.sock``
     in the data dir), Prometheus on ``metrics_port`` when set, and with ``progress`` the
@@ -241,9 +348,12 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
     """
     data_dir = Path(cfg.data_dir) if cfg.data_dir else None
     if data_dir:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"data_dir: cannot create {data_dir}: {e.strerror or e}") from None
     control = await ControlServer.start(data_dir)
-    board = Board(cfg, name, control)
+    board = Board(cfg, name, control, manifest)
     control.provider = lambda: board.current()
     stop_metrics = None
     try:
@@ -256,11 +366,12 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         # model and data first: a setting or a data folder that cannot work is refused in one
         # line before any daemon starts (the peer ID, which seeds the data order, is the identity's)
         setup = await asyncio.to_thread(Setup.build, cfg, name, trust.identity.peer_id)
+        check_memory(cfg, setup)
         swarm = await Swarm.start(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"],
                                   announce_maddrs=sw.announce, identity=trust.identity, membership=trust.membership,
                                   admission_key=f"{sw.run_id}/heads")
         try:
-            return await _serve(cfg, name, setup, swarm, board, status_path, report_path, on_ready, progress)
+            return await _serve(cfg, name, setup, swarm, board, status_path, report_path, on_ready, progress, manifest)
         finally:
             await swarm.shutdown()
     finally:
@@ -270,7 +381,7 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
 
 
 async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: Board, status_path: Path | None,
-                 report_path: Path | None, on_ready, progress: bool) -> dict[str, Any]:
+                 report_path: Path | None, on_ready, progress: bool, manifest: RunManifest | None) -> dict[str, Any]:
     maddrs = await swarm.visible_maddrs()
     where = f"--data-dir {cfg.data_dir}" if cfg.data_dir else f"--socket {board.control.path}"
     log.info("%s: status with `p2pdiloco node status %s`%s", name, where,
@@ -287,19 +398,26 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
     board.current = lambda: snapshot(node, swarm, maddrs, view, board.extra())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, node.stop)
+        loop.add_signal_handler(sig, once_per_burst(node.stop))
     if on_ready is not None:
         on_ready(swarm.peer_id, maddrs)
 
     async def write_status() -> None:
+        warned = False
         while True:
             board.refresh()
+            hw = board.latest.get("hardware") or {}
+            if hw.get("over_memory_limit") and not warned:
+                warned = True
+                log.warning("%s uses %s MiB, over its memory_limit of %s MiB: lower data.batch_size or use a smaller "
+                            "model", name, hw["rss_mib"], hw["memory_limit_mib"])
             if status_path is not None:
                 await asyncio.to_thread(write_json_atomic, status_path, board.latest)
             await asyncio.sleep(1.0)
 
     async with asyncio.TaskGroup() as tg:
-        background = [tg.create_task(write_status()), tg.create_task(view.refresh_forever(node, swarm))]
+        background = [tg.create_task(write_status()), tg.create_task(view.refresh_forever(node, swarm)),
+                      tg.create_task(share_manifest(swarm, cfg, manifest))]
         if progress:
             background.append(tg.create_task(live_progress(board)))
         try:

@@ -21,7 +21,6 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 
 from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.learner import lr_at
-from p2pdiloco.core.outer import OUTER_STEP_RULE, FragmentState, nesterov_outer_step, round_fraction
+from p2pdiloco.core.outer import OUTER_STEP_RULE, FragmentState, nesterov_outer_step, round_fraction, run_tokens
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
@@ -38,11 +37,12 @@ from p2pdiloco.net.revocation import RevocationWatch
 from p2pdiloco.net.statesync import StateSync, is_behind, newest_heads, runaway_heads
 from p2pdiloco.net.transport import Swarm
 
+from node.alone import AloneWatch
 from node.checkpoint import load_checkpoint, save_checkpoint
 from node.journal import FILE as JOURNAL_FILE
 from node.journal import Journal, save_round_trace
 from node.setup import Setup
-from node.alone import AloneWatch
+from node.stats import NodeStats, RoundRecord
 from node.training import TrainingLoop
 
 log = logging.getLogger(__name__)
@@ -52,44 +52,16 @@ CATCHUP_SECONDS = 2.0
 PUBLISH_SECONDS = 5.0
 GATHER_POLL_SECONDS = 0.5
 ALONE_POLL_SECONDS = 2.0  # how often a training node checks whether it has merged with nobody for too long
+LEAVE_S = 2.5  # seconds from a stop request (SIGINT/SIGTERM) for rounds in flight to finish; then abandoned
 NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
 
 
-def protocol_tag(cfg) -> str:
-    """A short hash of the settings every member of one group must share."""
+def protocol_tag(cfg, fragments) -> str:
+    """A short hash of the settings every group member must share and of the fragments' tensor names and shapes."""
     out = cfg.outer
     shared = (WIRE_VERSION, OUTER_STEP_RULE, repr(cfg.model), cfg.seed, out.fragments, out.wire_precision, out.lr,
-              out.momentum, out.sync_every)
+              out.momentum, out.sync_every, [[(s.name, s.shape) for s in f.slots] for f in fragments])
     return hashlib.sha256(repr(shared).encode()).hexdigest()[:10]
-
-
-@dataclass
-class RoundRecord:
-    """One finished outer round as this node saw it."""
-
-    fragment: int
-    version: int  # version produced
-    members: int
-    seconds: float
-    committed: bool
-    reason: str = ""
-    digest: str = ""  # the committed state's (12 hex), else ""
-    fraction: float = 0.0  # of an outer period, the step this round applied (round_fraction); committed only
-
-
-@dataclass
-class NodeStats:
-    state: str = "starting"
-    rounds_committed: int = 0
-    rounds_failed: int = 0
-    rounds_late: int = 0
-    rounds_alone: int = 0  # committed rounds of this node alone (one member)
-    rounds_excluded: int = 0  # rounds merged without our contribution: kept, rebased, offered again
-    catchups: int = 0
-    resyncs: int = 0  # catch-ups to a state at the version already held (another digest won: I7)
-    tokens_merged: int = 0  # tokens of this node's contributions that went into a merge
-    internal_errors: int = 0  # background steps that raised (logged with a traceback, never fatal)
-    recent: list[RoundRecord] = field(default_factory=list)
 
 
 class Node:
@@ -105,7 +77,7 @@ class Node:
         # Learners that would exchange bytes must agree on everything that shapes them: model,
         # fragments, wire precision and outer optimizer. They only ever meet under this tag,
         # so a mismatched peer is never matched, instead of crashing deep in a transfer.
-        tag = protocol_tag(self.cfg)
+        tag = protocol_tag(self.cfg, setup.fragments)
         self.matchmaker = Matchmaker(swarm, f"{self.cfg.swarm.run_id}/{tag}", out.min_quorum, len(setup.fragments))
         trust = self.cfg.trust  # signed contributions (run and tag in every signature), robust merge
         self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout,
@@ -117,6 +89,7 @@ class Node:
         self.revocations = RevocationWatch(swarm, swarm.membership)
         self.training: TrainingLoop | None = None
         self._in_flight: set[int] = set()
+        self._round_tasks: set[asyncio.Task] = set()  # abandoned (cancelled) when a stopped node leaves
         self._rounds: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._publish_now = asyncio.Event()
@@ -128,6 +101,7 @@ class Node:
         # shapes), added to the next Δ we send (error feedback); only _round touches it
         self._residual: dict[int, list[torch.Tensor]] = {}
         self._interrupted = False
+        self._stopped_at = 0.0  # time.monotonic() of the stop request
         kind, _, n = self.cfg.fault.partition("@")
         self._fault = (kind, int(n) if n else 0)
         if kind == "kill-in-state-transfer":
@@ -161,6 +135,8 @@ class Node:
         if data_dir is not None and self.cfg.checkpoint_every:
             self.training.checkpoint = lambda: self._checkpoint(data_dir)
             self.training.checkpoint_every = self.cfg.checkpoint_every
+        if self._interrupted:  # stopped while joining
+            self.training.stop.set()
         self.stats.state = "training"
         self.solo.started()
         out = self.cfg.outer
@@ -172,7 +148,15 @@ class Node:
             try:
                 await asyncio.to_thread(self.training.run)
                 self.stats.state = "leaving"
-                await asyncio.to_thread(self.training.finish, out.quorum_timeout + out.liveness_timeout + 5)
+                if not self._interrupted:  # budget spent: rounds in flight get their full time, or until a stop
+                    await asyncio.to_thread(self.training.finish, out.quorum_timeout + out.liveness_timeout + 5,
+                                            self.training.stop)
+                if self._interrupted:  # a supervisor waits a few seconds only (docker 10, timeout -k ...)
+                    await asyncio.to_thread(self.training.finish, self._stopped_at + LEAVE_S - time.monotonic())
+                    for task in self._round_tasks:  # abandoned: members see us leave, as on a dropped connection
+                        task.cancel()
+                    if self._round_tasks:
+                        await asyncio.wait(self._round_tasks, timeout=1.0)
                 self.done = True
                 if data_dir is not None:
                     await asyncio.to_thread(self._checkpoint, data_dir)
@@ -193,8 +177,8 @@ class Node:
         if self._interrupted:
             log.warning("second stop request: exiting now")
             os._exit(130)
-        self._interrupted = True
-        log.warning("stopping: finishing in-flight rounds (stop again to exit at once)")
+        self._interrupted, self._stopped_at = True, time.monotonic()
+        log.warning("stopping: finishing in-flight rounds for up to %g s (stop again to exit at once)", LEAVE_S)
         if self.training is not None:
             self.training.stop.set()
 
@@ -226,7 +210,9 @@ class Node:
             self.training.deliver((p, None, False))
             return
         self._in_flight.add(p)
-        self._rounds.create_task(self._round(p, contrib, anchor))
+        task = self._rounds.create_task(self._round(p, contrib, anchor))
+        self._round_tasks.add(task)
+        task.add_done_callback(self._round_tasks.discard)
 
     async def _round(self, p: int, contrib: Contribution, anchor: FragmentState) -> None:
         t0 = time.monotonic()
@@ -321,6 +307,9 @@ class Node:
         except Exception:  # a bug in one round must not take the node down: record, discard
             self.stats.rounds_failed += 1
             log.exception("round f%d failed unexpectedly; discarded", p)
+        except asyncio.CancelledError:  # abandoned: the node is stopping
+            self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "abandoned: stopping"))
+            raise
         finally:
             self._in_flight.discard(p)
             self.training.deliver((p, result, False))
@@ -576,6 +565,7 @@ class Node:
             "tps": round(st.tokens_per_s, 1) if st and math.isfinite(st.tokens_per_s) else 0.0,
             "loss": round(st.loss, 4) if st and math.isfinite(st.loss) else None,
             "rounds": tuple(self._round_ids),  # the round that made each fragment's state
+            "merged": run_tokens(self.committed), "mine": int(self.stats.tokens_merged),
         }
 
     async def _publish(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from p2pdiloco.config import NodeConfig
 from p2pdiloco.core.fragments import Fragment, StaggeredSchedule, balanced_fragments
@@ -15,24 +16,34 @@ from p2pdiloco.core.learner import Learner
 from p2pdiloco.data import (BatchSampler, EmptyShard, collect_text_files, default_corpus_files, heldout_batches,
                             load_corpus)
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.model import GPT, build_model
+from p2pdiloco.model import build_model
 
 from node.training import Dispatch, TrainingLoop
 
 log = logging.getLogger(__name__)
 
 
+def _mps() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
 def resolve_device(name: str) -> torch.device:
-    """``auto``: the first CUDA device when there is one, else the CPU.
+    """``auto``: the first CUDA device when there is one, else Apple's GPU (MPS) when there is
+    one, else the CPU. The inner steps run there (bf16 autocast on CUDA, fp32 elsewhere); the
+    outer step and the merge always run on the CPU in fp32 (invariant I1).
 
     Raises:
-        ConfigError: a CUDA device was asked for and is not available.
+        ConfigError: a CUDA or MPS device was asked for and is not available.
     """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if _mps() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise ConfigError(f"device {name!r}: no such CUDA device here; use device = \"cpu\" or \"auto\"")
+        raise ConfigError(f"device {name!r}: no such CUDA device here (a CPU-only torch build? see docs/operating.md, "
+                          "\"Running on your hardware\"); use device = \"cpu\" or \"auto\"")
+    if device.type == "mps" and not _mps():
+        raise ConfigError(f"device {name!r}: no Apple GPU (MPS) here; use device = \"cpu\" or \"auto\"")
     return device
 
 
@@ -42,7 +53,7 @@ class Setup:
 
     cfg: NodeConfig
     name: str
-    model: GPT
+    model: nn.Module  # p2pdiloco.model.GPT, or a p2pdiloco.factory.FactoryModel (model.factory)
     fragments: tuple[Fragment, ...]
     learner: Learner
     sampler: BatchSampler
@@ -51,12 +62,13 @@ class Setup:
 
     @classmethod
     def build(cls, cfg: NodeConfig, name: str, peer_id: str) -> Setup:
-        """Raises ConfigError when the data or fragment count cannot work with the model."""
+        """Raises ConfigError when the data or fragment count cannot work with the model, or
+        the model cannot be built (model.factory)."""
         torch.set_num_threads(cfg.threads)
         device = resolve_device(cfg.device)
-        model = build_model(cfg.model, cfg.seed).to(device)  # same run seed: same start on every node (I8)
-        shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-        try:
+        try:  # a model.factory that builds no usable module: ValueError, one line
+            model = build_model(cfg.model, cfg.seed).to(device)  # same run seed: same start on every node (I8)
+            shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
             fragments = balanced_fragments(shapes, cfg.outer.fragments, model.embedding_names())
             files = collect_text_files(Path(cfg.data.path)) if cfg.data.path else default_corpus_files()
             shard, shards = cfg.data.shard_index, cfg.data.num_shards
@@ -86,6 +98,7 @@ class Setup:
         notes = [(logging.WARNING, f"{name}: {fallback}; this node trains on all of the training text instead")] \
             if fallback else []
         notes += [(logging.INFO, f"{name}: model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
+                                 f"{f'from {cfg.model.factory} ' if cfg.model.factory else ''}"
                                  f"in {len(fragments)} fragments on {device}; corpus of {len(files)} file(s), data "
                                  f"shard {shard}/{shards}: {corpus.train.numel()} training bytes, "
                                  f"{corpus.heldout.numel()} held-out bytes")]
@@ -105,7 +118,7 @@ class Setup:
                             max_steps=self.cfg.max_steps, deadline=deadline, eval_every=self.cfg.eval_every,
                             synchronous=out.synchronous, keep_flight=out.on_arrival == "keep")
 
-    def global_model(self, states) -> GPT:
+    def global_model(self, states) -> nn.Module:
         """A copy of the model holding the global parameters Θ of ``states``."""
         model = build_model(self.cfg.model, self.cfg.seed).to(next(self.model.parameters()).device)
         named = dict(model.named_parameters())

@@ -60,6 +60,21 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def progress_text(p: Any) -> str:
+    """One line of the run's progress (``progress`` of a node's snapshot), "" when unknown."""
+    if not isinstance(p, dict) or not p.get("tokens"):
+        return ""
+    text = f"{fmt_count(p['tokens'])} tokens merged swarm-wide"
+    if p.get("target_tokens"):
+        text += f", {100 * (p.get('done') or 0):.1f}% of the run's {fmt_count(p['target_tokens'])}"
+        text += f" (about {fmt_age(p['eta_s'])} left)" if isinstance(p.get("eta_s"), (int, float)) else ""
+    if isinstance(p.get("tokens_per_s"), (int, float)):
+        text += f"; swarm {fmt_num(p['tokens_per_s'], ',.0f')} tokens/s"
+    if isinstance(p.get("share"), (int, float)):
+        text += f"; this node's share {100 * p['share']:.1f}%"
+    return text
+
+
 def state_text(s: dict[str, Any]) -> str:
     state = str(s.get("state", "unknown"))
     merging = s.get("merging") or []
@@ -105,8 +120,18 @@ def node_lines(s: dict[str, Any]) -> Table:
     g.add_column(style="bold", no_wrap=True)
     g.add_column(overflow="fold")
     g.add_row("node", f"{s.get('name', '?')} (run {s.get('run_id', '?')})")
+    if s.get("manifest"):
+        m = s["manifest"]
+        g.add_row("run manifest", f"digest {m.get('digest')}, owner {m.get('owner')}")
     g.add_row("state", state_text(s))
     g.add_row("uptime", f"{fmt_age(s.get('uptime_s'))}   pid {s.get('pid', '-')}   p2pd pid {s.get('p2pd_pid') or '-'}")
+    clock = s.get("clock") or {}
+    if clock and not clock.get("synced", True):
+        from p2pdiloco.net.clock import describe  # noqa: PLC0415
+
+        g.add_row("clock", Text(f"{describe(clock.get('measured_s', 0.0))} the swarm's ({clock.get('peers')} peers); "
+                                f"using the swarm's time; turn on time sync (timedatectl set-ntp true)",
+                                style="yellow"))
     if s.get("peer_id"):
         g.add_row("peer ID", s["peer_id"])
     maddrs = s.get("maddrs") or []
@@ -130,6 +155,14 @@ def node_lines(s: dict[str, Any]) -> Table:
                            f" (read {fmt_age(sw.get('read_age_s'))} ago)")
     elif s.get("state") not in (None, "starting"):
         g.add_row("swarm", "not read yet")
+    if progress_text(s.get("progress")):
+        g.add_row("run progress", progress_text(s.get("progress")))
+    hw = s.get("hardware")
+    if isinstance(hw, dict):
+        limit = f" of {hw['memory_limit_mib']} MiB allowed" if hw.get("memory_limit_mib") else ""
+        g.add_row(Text("hardware", style="bold yellow" if hw.get("over_memory_limit") else "bold"),
+                  f"{hw.get('device')}, {plural(hw.get('threads') or 1, 'CPU thread')}, {hw.get('rss_mib')} MiB "
+                  f"resident{limit}")
     if "step" in s:
         g.add_row("training", f"inner step {s.get('step', 0)}   {fmt_count(s.get('tokens'))} tokens   "
                               f"{fmt_num(s.get('tokens_per_s'), ',.0f')} tokens/s")
@@ -174,19 +207,25 @@ def render_live(s: dict[str, Any]) -> RenderableType:
               fmt_num(s.get("heldout_loss")), f"{s.get('rounds_committed', 0)}/{s.get('rounds_failed', 0)} failed",
               versions, str(sw.get("peers", "-")), f"{fmt_bytes(s.get('bytes_out'))}/{fmt_bytes(s.get('bytes_in'))}",
               fmt_age(s.get("uptime_s")))
+    lines: list[RenderableType] = [t]
+    if progress_text(s.get("progress")):
+        lines.append(Text(progress_text(s.get("progress"))))
     alone = s.get("alone")
     if isinstance(alone, dict):  # a volunteer must not miss that the node contributes nothing
-        return Group(t, Text(f"ALONE for {fmt_age(alone.get('since_s'))}: {alone.get('detail', '')}", style="bold red"))
-    return t
+        lines.append(Text(f"ALONE for {fmt_age(alone.get('since_s'))}: {alone.get('detail', '')}", style="bold red"))
+    return Group(*lines) if len(lines) > 1 else t
 
 
 # ---- swarm status ---------------------------------------------------------------------------
 def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = None) -> dict[str, Any]:
     """Every peer's record and the swarm's newest fragment versions, as one JSON-able dict.
     Records are parsed at the one boundary (``p2pdiloco.net.records.parse_heads``); those that
-    do not parse, or list another fragment count than most, are counted as ``malformed``."""
+    do not parse, or list another fragment count than most, are counted as ``malformed``;
+    those published more than ``HEAD_TTL`` seconds before ``now`` (Unix seconds of the swarm's
+    time, ``Swarm.clock``; default this machine's clock) as ``gone``: the DHT keeps records
+    longer, for nodes whose clocks are ahead."""
     from p2pdiloco.net.records import parse_many, parse_heads  # noqa: PLC0415
-    from p2pdiloco.net.statesync import newest_heads  # noqa: PLC0415
+    from p2pdiloco.net.statesync import HEAD_TTL, newest_heads  # noqa: PLC0415
 
     now = time.time() if now is None else now
     # only records under a peer ID count: the DHT accepts those only when signed by that peer
@@ -194,6 +233,8 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
     sizes = Counter(len(r.fragments) for r in good.values())
     n = max(sizes, key=lambda k: (sizes[k], k)) if sizes else 0
     good = {p: r for p, r in good.items() if len(r.fragments) == n}
+    malformed = len(records) - len(good)
+    good = {p: r for p, r in good.items() if now - r.t <= HEAD_TTL}
     heads = newest_heads(good, n)
     peers = []
     for peer, r in sorted(good.items(), key=lambda kv: kv[1].name):
@@ -201,10 +242,14 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
         peers.append({
             "peer_id": peer, "name": r.name, "state": r.state, "done": r.done, "step": r.step,
             "tokens_per_s": r.tps, "loss": r.loss, "versions": [f[0] if f else None for f in r.fragments],
+            "tokens_merged": r.mine,
             "behind": behind, "last_seen_s": round(now - r.t, 1),
         })
+    merged = max((r.merged for r in good.values()), default=0)
     return {"run_id": run_id, "peers": peers, "newest": [h.version if h else None for h in heads],
-            "malformed": len(records) - len(good)}
+            "malformed": malformed, "gone": len(records) - malformed - len(good),
+            "progress": {"tokens": merged, "tokens_per_s": round(sum(r.tps for r in good.values() if not r.done), 1),
+                         "shares": {p: round(r.mine / merged, 4) for p, r in good.items()} if merged else {}}}
 
 
 def render_swarm(view: dict[str, Any]) -> RenderableType:
@@ -212,17 +257,23 @@ def render_swarm(view: dict[str, Any]) -> RenderableType:
     training = sum(1 for p in peers if not p["done"])
     t = Table(title=f"swarm {view['run_id']}: {plural(len(peers), 'node')} with a live record, {training} training",
               title_justify="left")
-    for col in ("peer", "name", "state", "step", "tokens/s", "loss", "fragment versions", "last seen"):
-        t.add_column(col, justify="right" if col in ("step", "tokens/s", "loss", "last seen") else "left")
+    merged = (view.get("progress") or {}).get("tokens") or 0
+    for col in ("peer", "name", "state", "step", "tokens/s", "loss", "share", "fragment versions", "last seen"):
+        t.add_column(col, justify="right" if col in ("step", "tokens/s", "loss", "share", "last seen") else "left")
     for p in peers:
         versions = Text()
         for i, v in enumerate(p["versions"]):
             versions.append(("" if i == 0 else " ") + str(v), style="yellow" if i in p["behind"] else "")
         t.add_row("…" + p["peer_id"][-8:], str(p.get("name") or "-"), str(p.get("state") or "-"), str(p.get("step", "-")),
-                  fmt_num(p.get("tokens_per_s"), ",.0f"), fmt_num(p.get("loss")), versions,
+                  fmt_num(p.get("tokens_per_s"), ",.0f"), fmt_num(p.get("loss")),
+                  f"{100 * p.get('tokens_merged', 0) / merged:.1f}%" if merged else "-", versions,
                   f"{fmt_age(p.get('last_seen_s'))} ago")
     notes = [Text(f"newest fragment versions: {' '.join(str(v) for v in view['newest']) or '-'}"
                   "   (yellow: behind the newest, or another digest at it)")]
+    if progress_text(view.get("progress")):
+        notes.append(Text(progress_text(view["progress"])))
+    for m in view.get("manifests") or []:
+        notes.append(Text(f"run manifest {m['digest']} by {m['owner']}"))
     if view.get("malformed"):
         notes.append(Text(f"{view['malformed']} malformed records ignored", style="yellow"))
     return Group(t, *notes)
@@ -246,6 +297,16 @@ async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.
             if records or time.monotonic() >= end:
                 break
             await asyncio.sleep(1.0)
-        return summarize_swarm(run_id, records)
+        view = summarize_swarm(run_id, records, swarm.clock.now())
+        from p2pdiloco.manifest import published  # noqa: PLC0415
+
+        view["manifests"] = [{"digest": m.digest, "owner": m.owner_id, "target_tokens": m.target_tokens}
+                             for m in published(await swarm.get(f"{run_id}/manifest"))]
+        target = max((m["target_tokens"] for m in view["manifests"]), default=0)
+        p = view["progress"]
+        left = max(0, target - p["tokens"]) if target else None
+        p.update(target_tokens=target or None, done=round(min(1.0, p["tokens"] / target), 4) if target else None,
+                 eta_s=round(left / p["tokens_per_s"]) if left and p["tokens_per_s"] else (0 if left == 0 else None))
+        return view
     finally:
         await swarm.shutdown()

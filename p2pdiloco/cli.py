@@ -1,4 +1,4 @@
-"""The ``p2pdiloco`` command: node (run, status), swarm status, bootstrap, demo and simulate.
+"""The ``p2pdiloco`` command: node (run, status), swarm status, run manifests, bootstrap, demo and simulate.
 
 Every expected failure (bad config or address, unreachable peers, port in use) ends with one
 line on stderr and a non-zero exit code: 2 for configuration errors, 1 for the rest.
@@ -7,9 +7,11 @@ line on stderr and a non-zero exit code: 2 for configuration errors, 1 for the r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -35,26 +37,49 @@ def report_error(e: P2PDilocoError) -> int:
     return 2 if isinstance(e, ConfigError) else 1
 
 
+def interrupted() -> int:
+    """Ctrl+C: one line and exit code 130 (128 + SIGINT, what a shell reports for it)."""
+    print("p2pdiloco: interrupted", file=sys.stderr)
+    return 130
+
+
 def run_async(coro: Coroutine[Any, Any, int]) -> int:
-    """Run ``coro`` on uvloop and translate our errors into one line and an exit code."""
+    """Run ``coro`` on uvloop and translate our errors into one line and an exit code.
+
+    Until ``coro`` installs its own handler, SIGINT cancels it (``asyncio.Runner``, which
+    ``uvloop.run`` uses) and surfaces here as KeyboardInterrupt: an error that the interruption
+    caused on the way out (a daemon that got the signal too) is reported as the interruption."""
+    import asyncio  # noqa: PLC0415
+
     import uvloop  # noqa: PLC0415
 
+    async def guarded() -> int:
+        try:
+            return await coro
+        except (P2PDilocoError, OSError):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # Ctrl+C came first
+                raise asyncio.CancelledError from None
+            raise
+
     try:
-        return uvloop.run(coro)
+        return uvloop.run(guarded())
     except P2PDilocoError as e:
         return report_error(e)
     except OSError as e:  # a file or folder the user named (status, report, identity...) failed
         print(f"p2pdiloco: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("p2pdiloco: interrupted", file=sys.stderr)
-        return 130
+        return interrupted()
 
 
 def _node_parser(sub: argparse._SubParsersAction) -> None:
     node = sub.add_parser("node", help="run or inspect a training node")
     nsub = node.add_subparsers(dest="node_cmd", required=True)
     run = nsub.add_parser("run", help="run a node that joins a swarm and trains")
+    run.add_argument("--join", default=None, metavar="MANIFEST",
+                     help="join a run: its manifest file or its p2pdiloco-run:... string (from `p2pdiloco run "
+                          "init`); gives the run ID, the run's settings and its initial peers")
     run.add_argument("--initial-peers", nargs="+", default=None, metavar="MULTIADDR",
                      help="multiaddrs of peers to join through (from `p2pdiloco bootstrap`)")
     run.add_argument("--config", type=Path, default=None, help="TOML config file")
@@ -63,9 +88,14 @@ def _node_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--host", default=None, help="IPv4 address to listen on")
     run.add_argument("--port", type=int, default=None, help="TCP port to listen on (0: any)")
     run.add_argument("--data-dir", default=None, help="folder for the node's identity, status and report")
+    run.add_argument("--device", default=None, help="auto (CUDA, else Apple MPS, else CPU), cpu, cuda, cuda:N or mps")
+    run.add_argument("--threads", type=int, default=None, help="CPU threads torch may use (default 1)")
+    run.add_argument("--memory-limit", type=int, default=None, metavar="MIB",
+                     help="refuse to start when training would need more memory than this (MiB); warn when over it")
     run.add_argument("--max-steps", type=int, default=None, help="stop after this many inner steps")
     run.add_argument("--duration", type=float, default=None, help="stop after this many seconds of training")
-    run.add_argument("--name", default="node", help="a label for logs and status")
+    run.add_argument("--name", default=None, help="a label for logs and status (default: the data dir's name, "
+                                                  "else this machine's host name)")
     run.add_argument("--status-file", type=Path, default=None, help="write a JSON status snapshot here every second")
     run.add_argument("--report-file", type=Path, default=None, help="write the final JSON report here")
     run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -83,6 +113,69 @@ def _node_parser(sub: argparse._SubParsersAction) -> None:
     status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl+C")
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the node's answer (default 3)")
+
+
+def _run_parser(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="a training run's manifest: init (the owner, once), show")
+    rsub = run.add_subparsers(dest="run_cmd", required=True)
+    init = rsub.add_parser("init", help="make and sign a run's manifest: what nodes need to join it",
+                           description="Write RUN_ID.manifest and print its one-string form. Every node started "
+                                       "with `p2pdiloco node run --join MANIFEST` takes the run ID, the run's "
+                                       "settings (model, optimizers, fragments, H, codec, seed, batch size, "
+                                       "swarm key) and initial peers from it.")
+    init.add_argument("--run-id", required=True, help="the run's name")
+    init.add_argument("--initial-peers", nargs="+", default=None, metavar="MULTIADDR",
+                      help="multiaddrs nodes join through (from `p2pdiloco bootstrap`)")
+    init.add_argument("--config", type=Path, default=None, help="TOML config with the run's settings")
+    init.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                      help="a run setting, e.g. --set outer.sync_every=50")
+    init.add_argument("--target-tokens", type=int, default=0, help="tokens the run means to train on (0: none)")
+    init.add_argument("--identity", type=Path, default=Path("run-owner.key"),
+                      help="the owner's Ed25519 key file, created if missing (default run-owner.key)")
+    init.add_argument("--out", type=Path, default=None, help="manifest file to write (default RUN_ID.manifest)")
+    show = rsub.add_parser("show", help="check a manifest's signature and print what it holds")
+    show.add_argument("manifest", metavar="MANIFEST", help="a manifest file or its p2pdiloco-run:... string")
+    show.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    from p2pdiloco import manifest  # noqa: PLC0415
+    from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
+    from p2pdiloco.trust.identity import Identity  # noqa: PLC0415
+
+    try:
+        if args.run_cmd == "show":
+            m = manifest.load(args.manifest)
+            view = {"run_id": m.run_id, "owner": m.owner_id, "digest": m.digest, "created": m.created,
+                    "initial_peers": list(m.initial_peers), "target_tokens": m.target_tokens,
+                    "settings": dict(m.settings)}
+            print(json.dumps(view, indent=1) if args.json else "\n".join(
+                f"{k}: {v}" for k, v in view.items() if k != "settings") + "\n" + "\n".join(
+                f"  {k} = {v}" for k, v in m.settings.items()))
+            return 0
+        overrides: dict[str, Any] = {**parse_overrides(args.set), "swarm.run_id": args.run_id}
+        if args.initial_peers:
+            overrides["swarm.initial_peers"] = args.initial_peers
+        cfg = load_config(args.config, overrides=overrides)
+        if args.target_tokens < 0:
+            raise ConfigError("--target-tokens must be >= 0")
+        identity, created = Identity.load_or_create(args.identity)
+        m = manifest.RunManifest.create(identity, cfg, target_tokens=args.target_tokens)
+        out = args.out or Path(f"{cfg.swarm.run_id}.manifest")
+        m.save(out)
+    except P2PDilocoError as e:
+        return report_error(e)
+    except OSError as e:
+        print(f"p2pdiloco: {e}", file=sys.stderr)
+        return 1
+    if created:
+        print(f"p2pdiloco: made the run owner's key {args.identity}: keep it private", file=sys.stderr)
+    if not m.initial_peers:
+        print("p2pdiloco: the manifest names no initial peers: joining nodes will need --initial-peers",
+              file=sys.stderr)
+    print(f"wrote {out} (run {m.run_id!r}, digest {m.digest}); nodes join with:\n"
+          f"  p2pdiloco node run --join {out}\nor with the string:\n{m.to_string()}")
+    return 0
 
 
 def _swarm_parser(sub: argparse._SubParsersAction) -> None:
@@ -203,9 +296,20 @@ def _node_run(args: argparse.Namespace) -> int:
         overrides: dict[str, Any] = parse_overrides(args.set)
         flags = {"swarm.initial_peers": args.initial_peers, "data.path": args.data, "swarm.run_id": args.run_id,
                  "swarm.host": args.host, "swarm.port": args.port, "data_dir": args.data_dir,
-                 "max_steps": args.max_steps, "duration": args.duration}
+                 "max_steps": args.max_steps, "duration": args.duration, "device": args.device,
+                 "threads": args.threads, "memory_limit": args.memory_limit}
         overrides.update({k: v for k, v in flags.items() if v is not None})
-        cfg = load_config(args.config, overrides=overrides)
+        run = None
+        if args.join is not None:
+            from p2pdiloco import manifest  # noqa: PLC0415
+
+            run = manifest.load(args.join)
+            manifest.check_factory(run, overrides.get("model.factory"))
+        cfg = load_config(args.config, overrides=overrides, run=run and manifest.pinned(run),
+                          run_source=run and f"the manifest of run {run.run_id!r}" or "")
+        if run is not None and run.initial_peers:  # the run's peers, after the node's own
+            cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, initial_peers=tuple(
+                dict.fromkeys(cfg.swarm.initial_peers + run.initial_peers))))
         # preflight: the two most common start-up mistakes, before any daemon is started
         check_listen_port(cfg.swarm.host, cfg.swarm.port)
         if cfg.metrics_port:
@@ -218,8 +322,9 @@ def _node_run(args: argparse.Namespace) -> int:
     from node.main import run_node  # noqa: PLC0415
 
     async def go() -> int:
-        report = await run_node(cfg, name=args.name, status_path=args.status_file, report_path=args.report_file,
-                                progress=sys.stdout.isatty() and not args.no_progress)
+        name = args.name or (Path(cfg.data_dir).name if cfg.data_dir else socket.gethostname())
+        report = await run_node(cfg, name=name, status_path=args.status_file, report_path=args.report_file,
+                                progress=sys.stdout.isatty() and not args.no_progress, manifest=run)
         print(json.dumps({k: report[k] for k in ("name", "steps", "start_loss", "end_loss", "global_digest")
                           if k in report}))
         return 0
@@ -228,10 +333,21 @@ def _node_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line. Ctrl+C before a command handles it itself (imports, configuration,
+    the preflight checks, a daemon starting) ends with one line and exit code 130, not a
+    traceback and death by SIGINT."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return interrupted()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="p2pdiloco", description="Decoupled DiLoCo over a peer-to-peer swarm")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _node_parser(sub)
     _swarm_parser(sub)
+    _run_parser(sub)
     boot = sub.add_parser("bootstrap", help="run a bootstrap peer (DHT only) and print its multiaddrs")
     from bootstrap.main import add_arguments  # noqa: PLC0415
 
@@ -259,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_swarm_key_command(args)
         return _swarm_status(args)
+    if args.cmd == "run":
+        return _run_command(args)
     if args.cmd == "bootstrap":
         from bootstrap.main import serve  # noqa: PLC0415
 

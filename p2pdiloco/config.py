@@ -207,7 +207,8 @@ class NodeConfig:
     eval_every: int = 200  # inner steps between held-out evaluations
     data_dir: str = ""  # "" = a temporary folder
     threads: int = 1  # torch intra-op threads
-    device: str = "auto"  # "auto" (CUDA when present, with bf16 autocast), "cpu", "cuda", "cuda:N"
+    device: str = "auto"  # "auto" (CUDA, else Apple MPS, else CPU), "cpu", "cuda", "cuda:N", "mps"
+    memory_limit: int = 0  # MiB this node may use (resident memory); 0: no limit
     trace_dir: str = ""  # when set, every committed round's inputs and result are saved here
     metrics_port: int = 0  # Prometheus endpoint on http://metrics_host:PORT/metrics; 0: off
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 exposes the metrics to the network
@@ -234,8 +235,9 @@ class NodeConfig:
             ("duration", self.duration >= 0, "must be >= 0 (0: until stopped)"),
             ("eval_every", self.eval_every >= 1, "must be >= 1"),
             ("threads", self.threads >= 1, "must be >= 1"),
-            ("device", self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-             "must be auto, cpu, cuda or cuda:N"),
+            ("device", self.device in ("auto", "cpu", "cuda", "mps") or (
+                self.device.startswith("cuda:") and self.device[5:].isdigit()), "must be auto, cpu, cuda, cuda:N or mps"),
+            ("memory_limit", self.memory_limit >= 0, "must be >= 0 (MiB; 0: no limit)"),
             ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0 (0: off)"),
             ("settle", self.settle >= 0, "must be >= 0"),
             ("alone_after", self.alone_after > 0, "must be > 0 (seconds)"),
@@ -246,10 +248,25 @@ class NodeConfig:
             ("metrics_port", 0 <= self.metrics_port <= 65535, "must be in 1..65535, or 0 for no metrics endpoint"),
             ("metrics_host", _is_ipv4(self.metrics_host),
              f"{self.metrics_host!r} is not an IPv4 address (default 127.0.0.1: this machine only)"),
-            ("outer.fragments", self.outer.fragments <= self.model.num_tensors,
+            ("outer.fragments", self.model.factory or self.outer.fragments <= self.model.num_tensors,
              f"{self.outer.fragments} exceeds the model's {self.model.num_tensors} parameter tensors "
              f"(fragments hold whole tensors); use at most {self.model.num_tensors}"),
+            *_factory_problems(self.model.factory),
         )
+
+
+def _factory_problems(spec: str) -> list[tuple[str, bool, str]]:
+    """``model.factory`` can be imported and called (p2pdiloco.factory.resolve_factory); a
+    module that builds the wrong thing is refused when the node builds it (Setup.build)."""
+    if not spec:
+        return []
+    from p2pdiloco.factory import resolve_factory  # noqa: PLC0415
+
+    try:
+        resolve_factory(spec)
+    except ValueError as e:
+        return [("model.factory", False, str(e))]
+    return []
 
 
 def _is_fault(text: str) -> bool:
@@ -376,6 +393,8 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     overrides_source: str = "from the command line",
+    run: Mapping[str, Any] | None = None,
+    run_source: str = "the run's manifest",
 ) -> NodeConfig:
     """Build a NodeConfig from a TOML file, the environment and ``section.field`` overrides.
 
@@ -385,10 +404,14 @@ def load_config(
         env: environment (default ``os.environ``); ``P2PDILOCO_LOG`` is not a setting.
         overrides: ``{"section.field" or "field": value}``, applied last.
         overrides_source: how problems in ``overrides`` say where the value came from.
+        run: ``{"section.field" or "field": value}`` of a run's settings
+            (:mod:`p2pdiloco.manifest`), applied first, above the defaults; none of the other
+            layers may give one of them another value.
 
     Raises:
         ConfigError: one line per problem found (unreadable file, unknown setting, wrong type,
-            out-of-range value), each naming the setting and where it was set.
+            out-of-range value), each naming the setting and where it was set; or one line
+            naming the first run setting another layer changed.
     """
     layered: dict[str, dict[str, Any]] = {"": {}, **{s: {} for s in SECTIONS}}
     sources: dict[tuple[str, str], str] = {}
@@ -398,6 +421,9 @@ def load_config(
         layered[section][name] = value
         sources[(section, name)] = source
 
+    for dotted, value in (run or {}).items():
+        section, _, fld = dotted.rpartition(".")
+        put(section if section in SECTIONS else "", fld, value, f"from {run_source}")
     if path is not None:
         for key, value in _read_toml(path).items():
             if key in SECTIONS and isinstance(value, dict):
@@ -428,7 +454,10 @@ def load_config(
     node = _build(NodeConfig, layered[""], "", sources, problems)
     if not problems:
         try:  # checks across sections run on the whole config
-            return dataclasses.replace(node, **parts)
+            built = dataclasses.replace(node, **parts)
+            if run:
+                _check_run(built, run, sources, run_source)
+            return built
         except Invalid as e:
             for name, message in e.problems:
                 section, _, fld = name.rpartition(".")
@@ -437,6 +466,23 @@ def load_config(
     if len(problems) == 1:
         raise ConfigError(f"invalid configuration: {problems[0]}")
     raise ConfigError(f"invalid configuration, {len(problems)} problems:\n  " + "\n  ".join(problems))
+
+
+def _check_run(cfg: NodeConfig, run: Mapping[str, Any], sources: Mapping[tuple[str, str], str],
+               run_source: str) -> None:
+    """Raise ConfigError naming the first of ``run``'s settings that another layer changed."""
+    base = load_config(env={}, overrides=run, overrides_source=f"from {run_source}")
+    for dotted in run:
+        section, _, fld = dotted.rpartition(".")
+        mine, theirs = (getattr(getattr(c, section), fld) if section else getattr(c, fld) for c in (cfg, base))
+        if mine != theirs:
+            where = sources.get((section, fld), "")
+            raise ConfigError(f"{dotted} = {_show(mine)} ({where}) differs from the run's {_show(theirs)} "
+                              f"({run_source}): every node of the run uses the run's settings; drop yours")
+
+
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else repr(value) if isinstance(value, str) else str(value)
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:

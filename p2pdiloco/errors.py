@@ -37,6 +37,15 @@ class PeerSilent(PeerTimeout):
     deadline, which is shorter than the whole call's: nothing came back at all."""
 
 
+class ClockSkewError(NetworkError):
+    """This machine's clock is too far from its peers' for the swarm's records to work
+    (``p2pdiloco.net.clock``); ``offset_s``: the swarm's time minus this machine's, seconds."""
+
+    def __init__(self, message: str, offset_s: float):
+        super().__init__(message)
+        self.offset_s = offset_s
+
+
 class ProtocolError(NetworkError):
     """A peer sent a message that does not follow the wire protocol; the message is dropped."""
 

@@ -23,14 +23,17 @@ __all__ = ["ModelConfig", "GPT", "build_model"]
 @dataclass(frozen=True)
 class ModelConfig:
     """vocab_size: tokens (256 bytes); block_size: max context length in tokens; n_layer,
-    n_head, n_embd: depth, heads, width. Raises ValueError unless all are >= 1 and
-    n_embd % n_head == 0."""
+    n_head, n_embd: depth, heads, width; factory: "" for the built-in :class:`GPT`, else
+    ``"package.module:function"``, called as ``function(cfg) -> torch.nn.Module`` with this
+    whole config (p2pdiloco.factory; the sizes above are passed on for it to follow).
+    Raises ValueError unless all sizes are >= 1 and n_embd % n_head == 0."""
 
     vocab_size: int = 256
     block_size: int = 128
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 128
+    factory: str = ""
 
     def __post_init__(self) -> None:
         if min(self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd) < 1:
@@ -39,10 +42,13 @@ class ModelConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
     @property
-    def num_tensors(self) -> int:
+    def num_tensors(self) -> int | None:
         """Parameter tensors of :class:`GPT` with this config (the head is tied to ``wte``):
         wte, wpe, ln_f weight and bias, and per block ln_1 (2), c_attn, attn c_proj, ln_2 (2),
-        c_fc, mlp c_proj. Fragments hold whole tensors, so this bounds their number."""
+        c_fc, mlp c_proj. Fragments hold whole tensors, so this bounds their number. With a
+        ``factory``, only the built module knows: None."""
+        if self.factory:
+            return None
         return 4 + 8 * self.n_layer
 
 
@@ -129,12 +135,19 @@ def _init_std(name: str, p: Tensor, cfg: ModelConfig) -> float | None:
     return None
 
 
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """A GPT with weights drawn from ``seed`` alone: identical on every node for the same seed,
+def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The model of ``cfg``: the factory's module when ``cfg.factory`` is set
+    (:func:`p2pdiloco.factory.build_factory_model`: same start on every CPU too, and
+    ValueError naming model.factory when it cannot be built), else a GPT with weights drawn
+    from ``seed`` alone: identical on every node for the same seed,
     whatever its CPU (invariant I8, docs/architecture.md). The draws come from NumPy's PCG64
     generator (``standard_normal``, float64, scaled, then rounded once to fp32), not from
     torch's ``normal_``, whose vectorised kernels (avx2, avx512) give other values than its
     default one. The caller's global RNG states are left untouched."""
+    if cfg.factory:
+        from p2pdiloco.factory import build_factory_model  # noqa: PLC0415  (imports the factory)
+
+        return build_factory_model(cfg, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(cfg)

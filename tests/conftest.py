@@ -94,10 +94,14 @@ class Harness:
         self.procs: list[subprocess.Popen] = []
         self.daemons: set[psutil.Process] = set()
 
-    def spawn(self, args: list[str], log: Path) -> subprocess.Popen:
+    def spawn(self, args: list[str], log: Path, *, session: bool = True) -> subprocess.Popen:
+        """Start ``python args`` leading a new session (``session``), else only a new process
+        group, as a shell starts a job (a session leader cannot move its p2pd out of its group:
+        ``net.daemon._spawn_group``). Either way the process group's ID is the PID."""
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    stdin=subprocess.DEVNULL, start_new_session=session,
+                                    process_group=None if session else 0,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs.append(proc)
         return proc
@@ -121,7 +125,8 @@ class Harness:
 
         return wait_for(started, 60, "the bootstrap peer's multiaddr", every=0.1)
 
-    def node(self, maddr: str, name: str, settings: dict[str, str], *extra: str) -> tuple[subprocess.Popen, Path]:
+    def node(self, maddr: str, name: str, settings: dict[str, str], *extra: str,
+             session: bool = True) -> tuple[subprocess.Popen, Path]:
         d = self.tmp / name
         d.mkdir()
         args = ["-m", "node", "run", "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
@@ -129,7 +134,7 @@ class Harness:
                 "--status-file", str(d / "status.json"), "--run-id", "test", *extra]
         for k, v in settings.items():
             args += ["--set", f"{k}={v}"]
-        return self.spawn(args, d / "node.log"), d
+        return self.spawn(args, d / "node.log", session=session), d
 
     def wait(self, proc: subprocess.Popen, timeout: float, log: Path) -> int:
         try:
@@ -169,7 +174,11 @@ def harness(tmp_path: Path):
         try:  # each p2pd exits with its node (its parent's death is its signal)
             wait_for(lambda: not running(h.daemons), 5, "the test's p2pd daemons to exit")
         except AssertionError:
-            raise AssertionError(f"p2pd daemons outlived the test: {running(h.daemons)}") from None
+            left = running(h.daemons)
+            for daemon in h.daemons:  # a daemon in a process group of its own: no killpg reached it
+                with contextlib.suppress(psutil.Error):
+                    daemon.kill()
+            raise AssertionError(f"p2pd daemons outlived the test: {left}") from None
 
 
 @pytest.fixture

@@ -19,11 +19,21 @@ def _status(d) -> dict:
         return {}
 
 
+def _without_peers(harness, name: str, settings: dict[str, str]):
+    """A node started with no --initial-peers at all (it starts a swarm of its own)."""
+    d = harness.tmp / name
+    d.mkdir()
+    args = ["-m", "node", "run", "--host", "127.0.0.1", "--port", "0", "--name", name, "--data-dir", str(d),
+            "--report-file", str(d / "report.json"), "--status-file", str(d / "status.json"), "--run-id", "test",
+            "--duration", "20", *(a for k, v in settings.items() for a in ("--set", f"{k}={v}"))]
+    return harness.spawn(args, d / "node.log"), d
+
+
 @pytest.mark.timeout(180)
 def test_a_node_merging_with_nobody_shows_state_alone_with_the_reason(harness):
     """n0 and n1 share a run id but n1's model differs (another protocol tag): each sees the
     other's record, can never merge with it, and says "other_settings"; n2 has another run id
-    and sees no node of its run: "no_peers" (as with no initial peers at all). All three within
+    and sees no node of its run: "no_peers", as n3, started with no initial peers at all. All four within
     a few seconds of `alone_after`, and their reports count no round with another node."""
     maddr = harness.bootstrap()
     base = {**TINY, "alone_after": "4", "settle": "0"}
@@ -31,6 +41,7 @@ def test_a_node_merging_with_nobody_shows_state_alone_with_the_reason(harness):
         "n0": (harness.node(maddr, "n0", base, "--duration", "20"), "other_settings"),
         "n1": (harness.node(maddr, "n1", {**base, "model.n_embd": "32"}, "--duration", "20"), "other_settings"),
         "n2": (harness.node(maddr, "n2", base, "--run-id", "another-run", "--duration", "20"), "no_peers"),
+        "n3": (_without_peers(harness, "n3", base), "no_peers"),
     }
     for name, ((_, d), reason) in nodes.items():
         def alone(d=d, reason=reason):

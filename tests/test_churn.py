@@ -221,18 +221,18 @@ def test_newcomer_survives_a_donor_killed_midway_and_matches_the_swarm_exactly(h
 
 @pytest.mark.timeout(200)
 def test_ctrl_c_to_a_nodes_process_group_stops_it_gracefully_and_the_swarm_sees_it_done(harness):
-    """SIGINT to a training node's whole process group, as a terminal sends Ctrl+C: its p2pd
-    ignores it (started with SIGINT ignored: ``net.daemon._create_shielded``), so the node
-    finishes its rounds, publishes that it is done and ends its daemon itself. The other node
-    then sees a live record marked done (2 nodes, 1 training) instead of a record that goes
-    silent; the stopped node exits 0 with its report."""
+    """SIGINT to a training node's whole process group, as a terminal sends Ctrl+C to its job:
+    its p2pd, in a process group of its own (``net.daemon._spawn_group``), does not get it, so
+    the node finishes (or abandons) its rounds, publishes that it is done and ends its daemon
+    itself. The other node then sees a live record marked done (2 nodes, 1 training) instead
+    of a record that goes silent; the stopped node exits 0 with its report."""
     maddr = harness.bootstrap()
     p0, d0 = harness.node(maddr, "n0", _shards(0, 2), "--duration", "40", "--set", "settle=5")
-    p1, d1 = harness.node(maddr, "n1", _shards(1, 2), "--duration", "120")
+    p1, d1 = harness.node(maddr, "n1", _shards(1, 2), "--duration", "120", session=False)
     wait_for(lambda: _status(d1).get("rounds_with_peers", 0) >= 3 and _status(d0).get("swarm", {}).get("learners") == 2,
              90, lambda: f"n1 merging with n0: {_status(d1).get('rounds_with_peers')}", tick=harness.track_daemons)
     daemon = psutil.Process(_status(d1)["p2pd_pid"])
-    os.killpg(p1.pid, signal.SIGINT)  # p1 leads its own process group (start_new_session)
+    os.killpg(p1.pid, signal.SIGINT)  # p1 leads its own process group (session=False: a shell's job)
     wait_for(lambda: (_status(d0).get("swarm") or {}).get("peers") == 2
              and (_status(d0).get("swarm") or {}).get("learners") == 1, 30,
              lambda: f"n0 seeing n1 done: {_status(d0).get('swarm')}", tick=harness.track_daemons)

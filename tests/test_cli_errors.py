@@ -170,6 +170,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             "unknown key": NODE + ["--config", str(tmp / "unknown.toml")],
             "missing data": NODE + ["--data", str(tmp / "no-such-corpus")],
             "tiny data": NODE + ["--data", str(tmp / "tiny")],
+            "memory limit": NODE + ["--memory-limit", "64"],
+            "no apple gpu": NODE + ["--device", "mps"],
+            "unwritable data dir": NODE + ["--data-dir", "/proc/no-such-process/node"],
             "node all offline": NODE + ["--initial-peers", offline],
             "bootstrap all offline": BOOT + ["--initial-peers", offline],
             "bootstrap port in use": ["-m", "bootstrap", "--host", "127.0.0.1", "--port", str(busy)],
@@ -256,6 +259,16 @@ def test_data_too_small_for_one_sequence_is_refused_before_any_daemon(results: R
     assert line.startswith("p2pdiloco: ") and "data: this node's training text has 42 bytes, fewer than one " \
         "sequence (model.block_size + 1 = " in line, line
     assert not res.daemons_seen  # refused before any daemon started
+
+
+@pytest.mark.parametrize("case", ["memory limit", "no apple gpu", "unwritable data dir"])
+def test_hardware_and_data_dir_that_cannot_work_are_refused_before_any_daemon(results: Runs, case: str) -> None:
+    res = results[case]
+    line = one_line(res, code=2)
+    assert line.startswith({"memory limit": "p2pdiloco: memory_limit: training this 0.",
+                            "no apple gpu": "p2pdiloco: device 'mps': no Apple GPU",
+                            "unwritable data dir": "p2pdiloco: data_dir: cannot create /proc/no-such-process/node"}[case])
+    assert not res.daemons_seen
 
 
 @pytest.mark.parametrize("case", ["node all offline", "bootstrap all offline"])

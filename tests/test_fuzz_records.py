@@ -43,7 +43,7 @@ VALID: dict[str, Any] = {
     "join_request": {"f": 1, "v": 3, "d": D},
     "join_answer": {"members": PEERS, "round": "abcd", "t": 0.5},
     "state_request": {"f": 1, "join": True},
-    "state_answer": {"v": 3, "d": D, "l": [200, 4096, 8192.0, 512]},
+    "state_answer": {"v": 3, "d": D, "l": [200, 4096, 8192.0, 512, 10**6]},
     "reduce_request": {"round": "abcd", "f": 1, "v": 3, "d": D, "members": PEERS, "r": 1, "tokens": 100,
                        "steps": 4, "span": 2, "pos": 120, "k": b"k" * 32, "sig": b"s" * 64},
     "statement": {"c": [0, 2], "n": [2048, 120, 512], "sig": b"s" * 64, "rej": {}},

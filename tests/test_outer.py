@@ -100,24 +100,24 @@ def test_round_fraction_follows_the_ledger_over_periods():
     Period 3 (position 300): both together, 2000 tokens: one step; the completed period 2 had
     2000 tokens too (rate 0.5·2000 + 0.5·2000). A 1-step flush at position 301, in period 3:
     10/2000 -> 5/1024, but period 3 has used its whole step: one grid unit, 1/1024. A position
-    under H/2 past the period start stays in it."""
+    under H/2 past the period start stays in it. total_tokens counts every round's tokens."""
     led = Ledger()
     f, led = round_fraction(led, 2000, 100, 100, first=1.0)
-    assert (f, led) == (1.0, Ledger(100, 2000, 0.0, 1024))
+    assert (f, led) == (1.0, Ledger(100, 2000, 0.0, 1024, 2000))
     f, led = round_fraction(led, 1000, 200, 100, first=1.0)
-    assert (f, led) == (0.5, Ledger(200, 1000, 2000.0, 512))
+    assert (f, led) == (0.5, Ledger(200, 1000, 2000.0, 512, 3000))
     f, led = round_fraction(led, 1000, 201, 100, first=0.5)
-    assert (f, led) == (0.5, Ledger(200, 2000, 2000.0, 1024))
+    assert (f, led) == (0.5, Ledger(200, 2000, 2000.0, 1024, 4000))
     f, led = round_fraction(led, 2000, 300, 100, first=1.0)
-    assert (f, led) == (1.0, Ledger(300, 2000, 2000.0, 1024))
+    assert (f, led) == (1.0, Ledger(300, 2000, 2000.0, 1024, 6000))
     f, flushed = round_fraction(led, 10, 301, 100, first=0.01)
-    assert (f, flushed) == (1 / 1024, Ledger(300, 2010, 2000.0, 1024))
+    assert (f, flushed) == (1 / 1024, Ledger(300, 2010, 2000.0, 1024, 6010))
     f, flushed = round_fraction(Ledger(300, 2000, 2000.0, 1000), 10, 301, 100, first=0.01)
-    assert (f, flushed) == (5 / 1024, Ledger(300, 2010, 2000.0, 1005))
+    assert (f, flushed) == (5 / 1024, Ledger(300, 2010, 2000.0, 1005, 10))
     # a period counts at most 4x the previous rate; a claimed position moves the start at most 2H
     f, led = round_fraction(Ledger(300, 10**9, 2000.0, 1024), 2000, 10**12, 100, first=1.0)
-    assert (f, led) == (410 / 1024, Ledger(500, 2000, 0.5 * 2000 + 0.5 * 8000, 410))
-    assert round_fraction(led, 0, 501, 100, first=0.0) == (0.0, Ledger(500, 2000, 5000.0, 410))
+    assert (f, led) == (410 / 1024, Ledger(500, 2000, 0.5 * 2000 + 0.5 * 8000, 410, 2000))
+    assert round_fraction(led, 0, 501, 100, first=0.0) == (0.0, Ledger(500, 2000, 5000.0, 410, 2000))
 
 
 def test_the_rounds_of_one_period_add_up_to_at_most_one_step():
@@ -130,12 +130,12 @@ def test_the_rounds_of_one_period_add_up_to_at_most_one_step():
     for k in range(1, 5):
         f, led = round_fraction(led, 1000, 100, 100, first=round(1024 / k) / 1024)
         fs.append(f)
-    assert fs == [1.0, 1 / 1024, 1 / 1024, 1 / 1024] and led == Ledger(100, 4000, 0.0, 1024)
+    assert fs == [1.0, 1 / 1024, 1 / 1024, 1 / 1024] and led == Ledger(100, 4000, 0.0, 1024, 4000)
     led, fs = Ledger(200, 2000, 2000.0, 1024), []
     for _ in range(4):
         f, led = round_fraction(led, 1000, 300, 100, first=1.0)
         fs.append(f)
-    assert fs == [0.5, 0.5, 1 / 1024, 1 / 1024] and led == Ledger(300, 4000, 2000.0, 1024)
+    assert fs == [0.5, 0.5, 1 / 1024, 1 / 1024] and led == Ledger(300, 4000, 2000.0, 1024, 4000)
     with pytest.raises(ValueError):
         round_fraction(Ledger(), -1, 501, 100, first=0.5)
 
@@ -165,8 +165,8 @@ def test_digest_layout_reference():
     for shape, vals in [((1, 2), [1.0, -2.0]), ((), [3.5]), ((1, 2), [0.0, 0.25]), ((), [-1.0])]:
         h.update(struct.pack("<I", len(shape)) + b"".join(struct.pack("<q", d) for d in shape))
         h.update(b"".join(struct.pack("<f", v) for v in vals))
-    h.update(struct.pack("<qqdq", 300, 4096, 8192.5, 700))  # the ledger: period start, tokens, rate, fraction
-    ledger = Ledger(300, 4096, 8192.5, 700)
+    h.update(struct.pack("<qqdqq", 300, 4096, 8192.5, 700, 123456))  # the ledger (Ledger.pack)
+    ledger = Ledger(300, 4096, 8192.5, 700, 123456)
     assert fragment_digest(7, 11, theta, mom, ledger) == h.hexdigest()
     s = FragmentState.create(7, 11, theta, mom, ledger)
     assert s.digest == h.hexdigest() and s.short() == h.hexdigest()[:12] and s.ledger == ledger

@@ -26,11 +26,12 @@ import psutil
 import pytest
 
 from node.control import TEMP_PREFIX, ControlServer, ControlUnreachable, find_socket, query, temp_sockets
-from node.main import reachability
+from node.main import progress, reachability
 from node.status_view import render_node, summarize_swarm
 from p2pdiloco.cli import main
 from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError, NetworkError
+from p2pdiloco.net.records import parse_heads
 from p2pdiloco.trust.identity import Identity
 
 from tests.conftest import TINY, Harness, wait_for
@@ -358,9 +359,9 @@ def test_reachability_and_views_of_crafted_records():
     peer_a, peer_b = Identity.generate().peer_id, Identity.generate().peer_id
     records = {
         peer_a: {"f": [[3, a], [2, a]], "t": now - 2, "name": "n0", "state": "training", "done": False, "step": 9,
-                  "tps": 5.0, "loss": 2.5},
+                  "tps": 5.0, "loss": 2.5, "m": 10000, "k": 6000},
         peer_b: {"f": [[3, a], [1, b]], "t": now - 30, "name": "n1", "state": "leaving", "done": True, "step": 4,
-                  "tps": 0.0, "loss": None},
+                  "tps": 3.0, "loss": None, "m": 8000, "k": 4000},
         "junk": "not a record",
         "not-a-peer-id": {"f": [[9, a], [9, a]], "t": now, "name": "forged"},  # unsigned: ignored
     }
@@ -369,6 +370,14 @@ def test_reachability_and_views_of_crafted_records():
     by_name = {p["name"]: p for p in view["peers"]}
     assert by_name["n0"]["behind"] == [] and by_name["n1"]["behind"] == [1]
     assert by_name["n1"]["last_seen_s"] == 30.0 and by_name["n0"]["versions"] == [3, 2]
+    # the run's progress: the most tokens any record's states count, the live nodes' rate
+    assert view["progress"] == {"tokens": 10000, "tokens_per_s": 5.0, "shares": {peer_a: 0.6, peer_b: 0.4}}
+    # a node's own figures: 5000 of a 20000-token target at 50 tokens/s: 25 %, 300 s left
+    live = {peer_a: parse_heads(records[peer_a] | {"tps": 50.0})}
+    assert progress(5000, 1000.0, 20000, live) == {"tokens": 5000, "target_tokens": 20000, "done": 0.25,
+                                                   "tokens_per_s": 50.0, "eta_s": 300, "share": 0.2}
+    assert progress(0, 0, 0, None) == {"tokens": 0, "target_tokens": None, "done": None, "tokens_per_s": None,
+                                       "eta_s": None, "share": None}
     from rich.console import Console
 
     console = Console(width=120, record=True)

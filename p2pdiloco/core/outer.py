@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .merge import contribution_weight
 
-__all__ = ["FragmentState", "Ledger", "fragment_digest", "nesterov_outer_step", "span_fraction", "round_fraction",
+__all__ = ["FragmentState", "Ledger", "run_tokens", "fragment_digest", "nesterov_outer_step", "span_fraction", "round_fraction",
            "FRACTION_GRID", "MAX_SPAN", "RATE_DECAY"]
 
 FRACTION_GRID = 1024  # a round's fraction is a multiple of 1/FRACTION_GRID (exact in fp32)
@@ -50,21 +50,33 @@ class Ledger:
             period counted at most RATE_GROWTH times the old rate; 0.0 while unknown.
         period_fraction: the outer step the current period's rounds have applied so far, in
             units of 1/FRACTION_GRID, in [0, FRACTION_GRID] (the period's step budget).
+        total_tokens: tokens merged into p by every round so far (the run's progress as
+            every holder of this version counts it).
     """
 
     period_start: int = -1
     period_tokens: int = 0
     rate: float = 0.0
     period_fraction: int = 0
+    total_tokens: int = 0
 
     def pack(self) -> bytes:
-        """``<qqdq`` little-endian: period_start, period_tokens, rate, period_fraction (the
-        digest's tail)."""
-        return struct.pack("<qqdq", self.period_start, self.period_tokens, self.rate, self.period_fraction)
+        """``<qqdqq`` little-endian: period_start, period_tokens, rate, period_fraction,
+        total_tokens (the digest's tail)."""
+        return struct.pack("<qqdqq", self.period_start, self.period_tokens, self.rate, self.period_fraction,
+                           self.total_tokens)
 
     def to_list(self) -> list:
-        """[period_start, period_tokens, rate, period_fraction]: the wire and checkpoint form."""
-        return [self.period_start, self.period_tokens, self.rate, self.period_fraction]
+        """[period_start, period_tokens, rate, period_fraction, total_tokens]: the wire and
+        checkpoint form."""
+        return [self.period_start, self.period_tokens, self.rate, self.period_fraction, self.total_tokens]
+
+
+def run_tokens(states: Sequence[FragmentState]) -> int:
+    """Tokens the swarm has merged into the global model, as these fragment states count them:
+    the mean over fragments of ``ledger.total_tokens`` (every inner step's tokens reach every
+    fragment once, at that fragment's next round), rounded down; 0 for no states."""
+    return sum(s.ledger.total_tokens for s in states) // len(states) if states else 0
 
 
 def _fp32_cpu(t: Tensor) -> Tensor:
@@ -127,7 +139,7 @@ class FragmentState:
             raise ValueError("theta and momentum must have the same number of tensors and shapes")
         if ledger.period_start < -1 or ledger.period_tokens < 0 or not (math.isfinite(ledger.rate)
                                                                         and ledger.rate >= 0) \
-                or not 0 <= ledger.period_fraction <= FRACTION_GRID:
+                or not 0 <= ledger.period_fraction <= FRACTION_GRID or ledger.total_tokens < 0:
             raise ValueError(f"ledger out of range: {ledger}")
         return cls(index, version, tuple(theta), tuple(momentum),
                    fragment_digest(index, version, theta, momentum, ledger), ledger)
@@ -191,7 +203,8 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     units = _units(min(1.0, tokens / rate) if rate > 0 else first, tokens > 0)
     if units:
         units = max(1, min(units, FRACTION_GRID - used))
-    return units / FRACTION_GRID, Ledger(start, start_tokens + tokens, rate, min(FRACTION_GRID, used + units))
+    return units / FRACTION_GRID, Ledger(start, start_tokens + tokens, rate, min(FRACTION_GRID, used + units),
+                                         ledger.total_tokens + tokens)
 
 
 def span_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) -> float:

@@ -149,3 +149,17 @@ def close_stream(writer: asyncio.StreamWriter) -> None:
             writer.close()
     except Exception as e:  # already closed, loop shutting down
         log.debug("closing a stream: %s", e)
+
+
+async def drain(reader: asyncio.StreamReader, seconds: float, discard: int = 1 << 20) -> None:
+    """Wait until the other end closes (EOF), ``seconds`` pass, or it sent ``discard`` more
+    bytes (read and thrown away), whichever comes first: a server lingering after its answer
+    (closing first can reset the stream and lose the answer), or holding a blocked peer's
+    stream. Never raises (but CancelledError)."""
+    got = 0
+    try:
+        async with asyncio.timeout(seconds):
+            while got < discard and (chunk := await reader.read(65536)):
+                got += len(chunk)
+    except (TimeoutError, ConnectionError, OSError):
+        pass

@@ -116,6 +116,7 @@ class Matchmaker:
             raise ValueError(f"min_quorum must be >= 1, got {min_quorum}")
         self.swarm, self.run_id, self.min_quorum, self.num_fragments = swarm, run_id, min_quorum, num_fragments
         self._gatherings: dict[int, _Gathering] = {}
+        self._gathering_max_age: float | None = None  # seconds an announcement of the run stays current
         self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
         self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
 
@@ -135,6 +136,9 @@ class Matchmaker:
         another's; banned peers' announcements are ignored, malformed ones dropped and counted.
         Where learners gather at different keys for one fragment, the key announced by the
         most learners is returned (ties: the higher version, then the smaller digest).
+        Announcements whose ``t`` (swarm time) is older than any of the run's may live (quorum
+        timeout plus the longest grace window, as this node last gathered) are left out: the
+        DHT keeps records longer, for nodes whose clocks are ahead (``Swarm.store``).
 
         Raises:
             NetworkError: the DHT could not be read.
@@ -145,9 +149,12 @@ class Matchmaker:
             self.swarm.drop(peer, "gathering_record")
             self.swarm.ban(peer, "signed a malformed gathering announcement")
         votes: dict[int, Counter[tuple[int, str]]] = {}
+        now = self.swarm.clock.now()
         for peer, gathering in good.items():
             if peer in self.swarm.bans or peer == self.swarm.peer_id:
                 continue
+            if self._gathering_max_age is not None and now - gathering.t > self._gathering_max_age:
+                continue  # its author stopped announcing (crashed): the DHT's slack keeps it a while
             for p, v, d in gathering.keys:
                 votes.setdefault(p, Counter())[(v, d)] += 1
         out = {}
@@ -157,9 +164,11 @@ class Matchmaker:
         return out
 
     async def _announce(self, ttl: float) -> None:
-        """Store the fragments this learner is gathering for (owner-only record)."""
+        """Store the fragments this learner is gathering for (owner-only record), for ``ttl``
+        seconds; ``t``: the swarm's time (``Swarm.clock``)."""
         keys = [[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values() if not g.closed]
-        await self.swarm.store(self.gathering_key, self.swarm.peer_id, {"g": keys, "t": time.time()}, ttl)
+        await self.swarm.store(self.gathering_key, self.swarm.peer_id, {"g": keys, "t": self.swarm.clock.now()},
+                               ttl)
 
     async def _declarations(self, dht_key: str) -> dict[str, bool]:
         """{peer: open} of the parsed, non-banned declarations under ``dht_key``."""
@@ -217,7 +226,8 @@ class Matchmaker:
         me, t0 = self.swarm.peer_id, time.monotonic()
         deadline = t0 + quorum_timeout
         dht_key, ttl = key.dht_key(self.run_id), quorum_timeout + grace + 30
-        await self.swarm.store(dht_key, me, {"open": True, "t": time.time()}, ttl)
+        self._gathering_max_age = quorum_timeout + max(grace, max_grace or 0.0) + JOIN_SLACK_S
+        await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
         gathering = _Gathering(key)
         self._gatherings[key.fragment] = gathering
         await self._announce(quorum_timeout + grace)
@@ -268,7 +278,7 @@ class Matchmaker:
             if self._gatherings.get(key.fragment) is gathering:
                 del self._gatherings[key.fragment]
             try:
-                await self.swarm.store(dht_key, me, {"open": False, "t": time.time()}, ttl)
+                await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now()}, ttl)
                 await self._announce(quorum_timeout + grace)
             except NetworkError as e:
                 log.debug("could not mark %s closed: %s", dht_key, e)

@@ -118,7 +118,8 @@ class HeadsRecord:
         fragments: per fragment, (version, digest) of the global state the node holds, or
             None where this node decided to look past the claim (refused or unreachable).
         rounds: per fragment, the ID of the round that made that state ("" unknown).
-        t: the author's Unix time of publishing (seconds; informational, clocks differ).
+        t: when the author published it: Unix seconds of the swarm's time as the author
+            measured it (``Swarm.clock``, ``p2pdiloco.net.clock``); a change marker for readers.
         name, state: the node's display name and life-cycle state ("training", ...).
         done: the node stopped training (its budget ended or it was stopped).
         step: its inner step; tps: its tokens per second; loss: its last training loss
@@ -126,6 +127,8 @@ class HeadsRecord:
         tag: the protocol tag of its settings (``node.runtime.protocol_tag``: what every
             member of a group must share); "" when not stated. A node whose tag differs from
             ours is of the same run but cannot merge with us: its claims are not heads for us.
+        merged: tokens the swarm merged into the states it holds (``core.outer.run_tokens``).
+        mine: tokens of its own that rounds merged (its share of ``merged``).
     """
 
     fragments: tuple[tuple[int, str] | None, ...]
@@ -138,12 +141,14 @@ class HeadsRecord:
     tps: float = 0.0
     loss: float | None = None
     tag: str = ""
+    merged: int = 0
+    mine: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able form that :func:`parse_heads` reads back."""
         return {"f": [list(f) if f is not None else None for f in self.fragments], "r": list(self.rounds),
                 "t": self.t, "name": self.name, "state": self.state, "done": self.done, "step": self.step,
-                "tps": self.tps, "loss": self.loss, "g": self.tag}
+                "tps": self.tps, "loss": self.loss, "g": self.tag, "m": self.merged, "k": self.mine}
 
     def without(self, index: int) -> HeadsRecord:
         """The same record with fragment ``index``'s claim replaced by None."""
@@ -184,7 +189,8 @@ def parse_heads(value: Any, num_fragments: int | None = None) -> HeadsRecord:
         tuple(parsed), rounds, _finite(rec.get("t", 0.0), "t"), _text(rec.get("name", ""), "name"),
         _text(rec.get("state", ""), "state"), _bool(rec.get("done", False), "done"),
         _int(rec.get("step", 0), "step"), _finite(rec.get("tps", 0.0), "tps"),
-        None if loss is None else _finite(loss, "loss"), _text(rec.get("g", ""), "tag"))
+        None if loss is None else _finite(loss, "loss"), _text(rec.get("g", ""), "tag"),
+        _int(rec.get("m", 0), "merged tokens", 0, MAX_COUNT), _int(rec.get("k", 0), "own merged tokens", 0, MAX_COUNT))
 
 
 def _bool(x: Any, what: str) -> bool:
@@ -294,14 +300,16 @@ class StateAnswer:
 def parse_state_answer(header: Any) -> StateAnswer:
     h = _map(header, "state answer")
     led = h.get("l")
-    if not isinstance(led, list) or len(led) != 4:
-        raise ProtocolError("state answer: ledger is not [period start, period tokens, rate, period fraction]")
+    if not isinstance(led, list) or len(led) != 5:
+        raise ProtocolError("state answer: ledger is not [period start, period tokens, rate, period fraction, "
+                            "total tokens]")
     rate = led[2]
     if not isinstance(rate, float) or not math.isfinite(rate) or not 0 <= rate <= MAX_COUNT:
         raise ProtocolError("state answer: ledger rate is not a finite float in range")
     return StateAnswer(version(h.get("v")), digest(h.get("d")),
                        Ledger(_int(led[0], "period start", -1, MAX_COUNT), _int(led[1], "period tokens", 0, MAX_COUNT),
-                              rate, _int(led[3], "period fraction", 0, FRACTION_GRID)))
+                              rate, _int(led[3], "period fraction", 0, FRACTION_GRID),
+                              _int(led[4], "total tokens", 0, MAX_COUNT)))
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ itself revoked sets :attr:`RevocationWatch.revoked_self` and stops re-publishing
 Limitation (hivemind): a lookup drops a responder's whole dictionary when one entry fails
 validation, so an entry stored by a member before its revocation hides that responder's
 other entries from members that adopted the revocation, until it expires (at most
-:attr:`RevocationWatch.ttl` seconds, 3 x ``poll_s`` and at least 60 s). A list already
-adopted is not affected; a still newer list may reach those members that much later.
+:attr:`RevocationWatch.ttl` seconds, 3 x ``poll_s`` and at least 60 s, plus the DHT's clock
+slack ``clock.TOLERANCE_S``, 120 s: ``Swarm.store``). A list already adopted is not affected;
+a still newer list may reach those members that much later.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pdiloco.errors import NetworkError
+from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.trust.certificates import Membership, RevocationList, SwarmKey, fingerprint
 from p2pdiloco.trust.errors import CertificateError
 from p2pdiloco.trust.identity import Identity, is_peer_id, peer_id_of, public_key_of
@@ -246,7 +248,8 @@ async def publish_revocations(revocations: RevocationList, swarm_key: SwarmKey, 
 
     Starts a transient peer with a fresh identity and a certificate the owner issues to it with
     ``swarm_key`` (valid :data:`PUBLISHER_CERT_S` s, so the members' record validator accepts
-    its record), stores the encoded list under its own peer ID for ``ttl`` seconds, waits until a
+    its record), stores the encoded list under its own peer ID for ``ttl`` seconds (less where
+    its entry would otherwise outlive its certificate in the DHT), waits until a
     lookup returns it and then until a member holds a copy (a member's watch re-stores it within
     its poll interval) or ``wait`` seconds passed, and shuts the peer down (always).
 
@@ -269,9 +272,14 @@ async def publish_revocations(revocations: RevocationList, swarm_key: SwarmKey, 
     identity = Identity.generate()
     # no revocations here: reading with the new list would drop whole lookups that still hold an
     # entry of a member revoked by it, and hide the members' copies from us
-    membership = Membership(swarm_key.public_key, swarm_key.admit(identity.public_key, valid_for=PUBLISHER_CERT_S))
+    cert = swarm_key.admit(identity.public_key, valid_for=PUBLISHER_CERT_S)
+    membership = Membership(swarm_key.public_key, cert)
     key = revocations_key(swarm_key.public_key)
     swarm = await Swarm.start(initial_peers=list(initial_peers), identity=identity, membership=membership)
+    # the entry leaves the DHT (its TTL plus the clock slack, in the swarm's time) a minute
+    # before its certificate expires, which each validator judges by the same clock it drops
+    # expired records with: an entry outliving it would hide the whole key's lookups
+    ttl = max(1.0, min(ttl, cert.expires - swarm.clock.now() - swarm_clock.TOLERANCE_S - 60))
     t0 = time.monotonic()
     try:
         deadline = t0 + wait

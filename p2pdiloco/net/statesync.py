@@ -261,8 +261,8 @@ class StateSync:
     async def publish(self, extra: dict[str, Any]) -> None:
         """Store this node's record: per-fragment [version, digest] plus ``extra`` figures
         (the other fields of :class:`HeadsRecord`)."""
-        record = HeadsRecord(tuple((s.version, s.digest) for s in self.current()), t=time.time(), tag=self.tag,
-                             **extra)
+        record = HeadsRecord(tuple((s.version, s.digest) for s in self.current()), t=self.swarm.clock.now(),
+                             tag=self.tag, **extra)
         await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
 
     def ignoring(self) -> dict[str, str]:
@@ -276,7 +276,7 @@ class StateSync:
         the DHT accepted only when signed by that peer (and, in a private swarm, a member);
         none of a banned or ignored peer; none that stayed unchanged for ``STALE_S`` seconds of
         this node's watch (its author stopped publishing: a dead node's record outlives it by
-        up to ``HEAD_TTL``, and must neither hold a head nor corroborate a claim); none that
+        up to ``HEAD_TTL`` plus the DHT's clock slack, ``clock.TOLERANCE_S``, and must neither hold a head nor corroborate a claim); none that
         states another protocol tag than ours (:meth:`other_settings`); every refused
         (version, digest) replaced by None.
         Records that do not parse are dropped and counted (``Swarm.drop``).

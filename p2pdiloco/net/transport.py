@@ -31,6 +31,10 @@ that waits for its answers slows down instead of opening stream after stream. Ev
 a banned peer counts as a drop (its handlers refuse it, with the reason), so a banned peer
 that keeps calling is blocked too. Every call has a deadline.
 
+Time (:mod:`p2pdiloco.net.clock`): a node more than ``clock.TOLERANCE_S`` seconds off its
+initial peers' clocks is refused; a smaller offset is corrected (:attr:`Swarm.clock`, the
+swarm's time; record expiries get ``clock.TOLERANCE_S`` of slack for readers ahead).
+
 Trust (docs/trust.md): the daemon runs with the node's Ed25519 identity
 (:mod:`p2pdiloco.trust.identity`), so the peer ID libp2p authenticates on every connection
 is the key that signs. Every DHT record is wrapped in a signed envelope (:class:`SignedRecords`,
@@ -43,6 +47,7 @@ non-members are refused with :class:`~p2pdiloco.trust.errors.AccessDenied`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -56,18 +61,19 @@ from typing import Any
 import psutil
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils import get_dht_time
 
 from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError
 from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_payload: re-exported)
     Header,
     close_stream,
+    drain,
     frame,
     payload_deadline,
     read_header,
     read_payload,
     write_message,
 )
+from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.net.daemon import identity_in_use, start_daemon, start_dht
 from p2pdiloco.net.drops import MAX_DROP_PEERS, DropLedger
 from p2pdiloco.net.framing import short_error as _short
@@ -104,21 +110,6 @@ class TrafficStats:
 _BUSY = frame({"error": "busy"}, 0)
 
 
-async def _linger(reader: asyncio.StreamReader) -> None:
-    """After answering: wait up to LINGER_TIMEOUT s for the caller to close its end, reading
-    and discarding at most LINGER_DISCARD_BYTES meanwhile. Never raises (but CancelledError)."""
-    left = LINGER_DISCARD_BYTES
-    try:
-        async with asyncio.timeout(LINGER_TIMEOUT):
-            while left > 0:
-                chunk = await reader.read(min(left, 1 << 16))
-                if not chunk:
-                    return
-                left -= len(chunk)
-    except (TimeoutError, ConnectionError, OSError):
-        pass
-
-
 class _Drop(Exception):
     """An inbound request that is not served: counted under ``reason``; answered ``message``
     unless ``answer`` is false (the stream is gone)."""
@@ -148,8 +139,10 @@ class Swarm:
     """
 
     def __init__(self, p2p: P2P, dht: DHTNode, daemon_pid: int | None, identity: Identity,
-                 membership: Membership, records: SignedRecords):
+                 membership: Membership, records: SignedRecords, clock: swarm_clock.SwarmClock | None = None):
         self._p2p, self._dht = p2p, dht
+        self.clock = clock if clock is not None else swarm_clock.SwarmClock()
+        self._clock_task: asyncio.Task | None = None
         self.peer_id: str = p2p.peer_id.to_base58()
         self.daemon_pid = daemon_pid
         self.identity, self.membership, self.records = identity, membership, records
@@ -207,6 +200,8 @@ class Swarm:
             IdentityError: the identity file is unusable, or a running peer of the swarm
                 already uses this identity (checked through ``initial_peers`` before the
                 daemon starts, for an identity loaded from an existing file).
+            ClockSkewError: this machine's clock is more than ``clock.TOLERANCE_S`` seconds
+                off the initial peers' (the median of their offsets); the daemon is shut down.
             NetworkError: the daemon did not start (port in use...) or none of the initial
                 peers answered within ``bootstrap_timeout`` seconds.
             AccessDenied: ``admission_key`` given and the swarm refuses this node; the daemon
@@ -222,12 +217,19 @@ class Swarm:
                     "this swarm; a second node with the same identity would steal its connections. Stop the "
                     "other node, or give this one its own --data-dir (or trust.identity) to get a new identity")
         p2p, daemon_pid = await start_daemon(identity, initial_peers, host_maddrs, announce_maddrs, startup_timeout)
+        clock = swarm_clock.SwarmClock()
+        try:
+            strict = await swarm_clock.check_initial(clock, p2p, initial_peers)
+        except BaseException:
+            await p2p.shutdown()
+            raise
         records = SignedRecords(identity, membership)
-        dht = await start_dht(p2p, initial_peers, bootstrap_timeout, records)
-        swarm = cls(p2p, dht, daemon_pid, identity, membership, records)
+        dht = await start_dht(p2p, initial_peers, bootstrap_timeout, records, strict=strict)
+        swarm = cls(p2p, dht, daemon_pid, identity, membership, records, clock)
         if swarm.peer_id != identity.peer_id:  # p2pd must run with exactly our key
             await swarm.shutdown()
             raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
+        swarm._clock_task = asyncio.create_task(swarm_clock.watch(swarm.clock, p2p))
         await swarm.add_handler("trust.hello", swarm._on_hello)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
         if admission_key is not None:
@@ -237,6 +239,12 @@ class Swarm:
                 await swarm.shutdown()
                 raise
         return swarm
+
+    async def measure_clock(self) -> int:
+        """Measure the clock offset to up to ``clock.MAX_PEERS`` random connected peers now and
+        update :attr:`clock` (the median counts this node too: ``p2pdiloco.net.clock``);
+        returns how many answered."""
+        return await swarm_clock.measure_connected(self.clock, self._p2p)
 
     async def _on_hello(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
         return {"swarm": self.membership.name}, b""
@@ -291,9 +299,14 @@ class Swarm:
 
     # ---- DHT ----------------------------------------------------------------------------
     async def store(self, key: str, subkey: str, value: Any, ttl: float) -> bool:
-        """Store ``value`` (msgpack-able) under ``key``/``subkey`` for ``ttl`` seconds."""
+        """Store ``value`` (msgpack-able) under ``key``/``subkey`` for ``ttl`` seconds of the
+        swarm's time (:attr:`clock`), plus ``clock.TOLERANCE_S`` seconds of slack: every node
+        drops a record by its own clock, and one whose clock is up to that far ahead must still
+        see it. Readers that need a record's age read its ``t`` field (swarm time), not the
+        DHT's expiry."""
+        expiration = self.clock.now() + ttl + swarm_clock.TOLERANCE_S
         try:
-            return bool(await self._dht.store(key, value, get_dht_time() + ttl, subkey=subkey))
+            return bool(await self._dht.store(key, value, expiration, subkey=subkey))
         except Exception as e:
             raise NetworkError(f"DHT store of {key!r} failed: {_short(e)}") from None
 
@@ -357,7 +370,7 @@ class Swarm:
                 if self._tarpit[remote] < TARPIT_PER_PEER and sum(self._tarpit.values()) < TARPIT_MAX:
                     self._tarpit[remote] += 1  # held unanswered: a caller that waits for answers slows down
                     try:
-                        await _hold(reader, TARPIT_S)
+                        await drain(reader, TARPIT_S)
                     finally:
                         self._tarpit[remote] -= 1
                         if self._tarpit[remote] <= 0:
@@ -412,7 +425,7 @@ class Swarm:
             self.drop(remote, "reply_timeout" if isinstance(e, TimeoutError) else "reply_broken")
             return
         self.stats.bytes_out += len(body)
-        await _linger(reader)
+        await drain(reader, LINGER_TIMEOUT, LINGER_DISCARD_BYTES)
 
     async def _answer(self, name: str, handler: Handler, max_payload: int, remote: str,
                       reader: asyncio.StreamReader) -> tuple[Header, Header, bytes]:
@@ -562,10 +575,18 @@ class Swarm:
             raise AccessDenied(f"answer of {peer_id[-8:]} to {name} dropped: {e}", e.reason) from None
         return reply, body
 
+    def daemon_running(self) -> bool:
+        """Whether p2pd still runs (True when its PID is unknown)."""
+        with contextlib.suppress(psutil.Error):
+            return self.daemon_pid is None or psutil.Process(self.daemon_pid).status() != psutil.STATUS_ZOMBIE
+        return False
+
     async def shutdown(self) -> None:
         """Stop the DHT node and the daemon; waits for p2pd to exit."""
-        try:
-            await asyncio.wait_for(self._dht.shutdown(), 5)
+        if self._clock_task is not None:
+            self._clock_task.cancel()
+        try:  # a daemon that is gone (SIGTERM to a session leader's group) cannot answer: no 5 s wait
+            await asyncio.wait_for(self._dht.shutdown(), 5 if self.daemon_running() else 0.5)
         except Exception as e:
             log.debug("DHT shutdown: %s", e)
         try:
@@ -577,15 +598,3 @@ class Swarm:
                 psutil.Process(self.daemon_pid).kill()
             except psutil.Error:
                 pass
-
-
-async def _hold(reader: asyncio.StreamReader, seconds: float, discard: int = 1 << 20) -> None:
-    """Wait until the caller closes its end (EOF), ``seconds`` pass, or it sent ``discard``
-    bytes (read and thrown away), whichever comes first."""
-    got = 0
-    try:
-        async with asyncio.timeout(seconds):
-            while got < discard and (chunk := await reader.read(65536)):
-                got += len(chunk)
-    except (TimeoutError, ConnectionError, OSError):
-        pass

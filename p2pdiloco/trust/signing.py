@@ -24,6 +24,9 @@ Purposes and fields (``sha256`` is the 32-byte digest of exactly the payload byt
                    declarations, gatherings), see ``p2pdiloco.net.transport``.
 ``cert``           certificate body, see :mod:`p2pdiloco.trust.certificates`.
 ``revocations``    revocation-list body, see :mod:`p2pdiloco.trust.certificates`.
+``run.manifest``   [format, run ID, [[setting, value]...], initial peers, target tokens,
+                   created (Unix s), owner public key]: a run's manifest, signed by its
+                   owner's identity key, see :mod:`p2pdiloco.manifest`.
 =================  =====================================================================
 """
 
@@ -41,7 +44,7 @@ __all__ = ["PREFIX", "message", "sign", "verify", "verify_by_peer", "sha256", "c
            "merged_fields"]
 
 PREFIX = b"p2pdiloco/v1/"
-PURPOSES = ("ar.contrib", "ar.merged", "dht.record", "cert", "revocations")
+PURPOSES = ("ar.contrib", "ar.merged", "dht.record", "cert", "revocations", "run.manifest")
 
 
 def message(purpose: str, fields: Sequence[Any]) -> bytes:

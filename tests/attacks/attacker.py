@@ -50,7 +50,7 @@ from node.runtime import protocol_tag
 HEAD_TTL = 8.0  # seconds the attacker's records live: short, so one attack does not leak into the next test
 TAKEOVER_AHEAD = 10**9  # versions ahead claimed by the takeover attack
 FOLLOW_LIMIT = 10**6  # an honest node at a version this high followed an attacker's claim
-NO_LEDGER = [-1, 0, 0.0, 0]  # a state answer's ledger before any round (core.outer.Ledger())
+NO_LEDGER = [-1, 0, 0.0, 0, 0]  # a state answer's ledger before any round (core.outer.Ledger())
 _LENGTH = struct.Struct(">I")
 
 
@@ -76,7 +76,7 @@ class World:
         named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         frags = balanced_fragments(named, cfg.outer.fragments, model.embedding_names())
         shapes = tuple(tuple(tuple(s.shape) for s in f.slots) for f in frags)
-        return cls(run_id, cfg, protocol_tag(cfg), shapes, maddr)
+        return cls(run_id, cfg, protocol_tag(cfg, frags), shapes, maddr)
 
     @property
     def fragments(self) -> int:

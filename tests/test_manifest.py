@@ -1,0 +1,156 @@
+"""Run manifests: made once by the run's owner, verified by every node, refused when altered;
+nodes that join with one train together; a node whose own setting differs is refused with one
+line naming it, before any daemon starts (real nodes over loopback for the last two)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+import zlib
+
+import msgpack
+import pytest
+
+from conftest import TINY, read_report, wait_for
+from p2pdiloco import manifest
+from p2pdiloco.config import load_config
+from p2pdiloco.errors import ConfigError
+from p2pdiloco.trust.identity import Identity
+
+PEER = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWLjcrBiAfYefCLrWvn1dxAg8fTnBN4ZUhWEUbnRXgD4Av"
+
+
+def _made(**overrides: str) -> tuple[manifest.RunManifest, Identity]:
+    owner = Identity.generate()
+    cfg = load_config(env={}, overrides={"swarm.run_id": "r1", "swarm.initial_peers": PEER, **overrides})
+    return manifest.RunManifest.create(owner, cfg, target_tokens=10**6, now=1_800_000_000), owner
+
+
+def test_a_manifest_round_trips_as_a_file_and_as_a_string(tmp_path):
+    m, owner = _made(**{"outer.sync_every": "50", "model.n_embd": "64"})
+    assert m.settings["outer.sync_every"] == 50 and m.settings["model.n_embd"] == 64 and m.settings["seed"] == 0
+    assert m.owner_id == owner.peer_id and m.initial_peers == (PEER,) and m.target_tokens == 10**6
+    path = tmp_path / "r1.manifest"
+    m.save(path)
+    for handle in (str(path), m.to_string()):
+        got = manifest.load(handle)
+        assert got == m and got.digest == m.digest
+    # only the settings that differ from the defaults travel: the string stays short
+    changed = msgpack.unpackb(m.encode())[2]
+    assert changed == [["model.n_embd", 64], ["outer.sync_every", 50]]
+    assert len(m.to_string()) < 400
+
+
+def test_an_altered_or_foreign_manifest_is_refused_with_one_line():
+    m, _ = _made()
+    fields = msgpack.unpackb(m.encode())
+
+    def string(f: list) -> str:
+        return manifest.PREFIX + base64.urlsafe_b64encode(zlib.compress(msgpack.packb(f))).decode()
+
+    altered = [*fields[:2], [["outer.sync_every", 50]], manifest.settings_digest(
+        {**m.settings, "outer.sync_every": 50}), *fields[4:]]
+    other_defaults = [*fields[:3], b"\0" * 16, *fields[4:]]
+    cases = {
+        "signature": string(altered),  # a setting changed after signing (digest made to match)
+        "version": string(other_defaults),  # made where the defaults differ
+        "unknown setting": string([*fields[:2], [["outer.nope", 1]], *fields[3:]]),
+        "wrong type": string([*fields[:2], [["outer.sync_every", "50"]], *fields[3:]]),
+        "format": string([2, *fields[1:]]),
+        "damaged": m.to_string()[:-1] + ("A" if m.to_string()[-1] != "A" else "B"),
+        "not a file": "/nonexistent/r1.manifest",
+        "oversized": manifest.PREFIX + base64.urlsafe_b64encode(zlib.compress(bytes(10**6))).decode(),
+    }
+    for name, handle in cases.items():
+        with pytest.raises(ConfigError) as e:
+            manifest.load(handle)
+        assert "\n" not in str(e.value), name
+    rng = random.Random(0)
+    for _ in range(2000):  # hostile bytes: a ConfigError, never anything else
+        data = bytearray(m.encode())
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            assert manifest.decode(bytes(data)) == m
+        except ConfigError:
+            pass
+
+
+def test_a_factory_outside_p2pdiloco_needs_the_nodes_consent():
+    ours, _ = _made(**{"model.factory": "p2pdiloco.models.torch_lm:decoder_lm"})
+    manifest.check_factory(ours, None)
+    theirs = dataclasses.replace(ours, settings={**ours.settings, "model.factory": "somepkg.lm:build"})
+    with pytest.raises(ConfigError, match=r"confirm with --set model.factory=somepkg.lm:build"):
+        manifest.check_factory(theirs, None)
+    manifest.check_factory(theirs, "somepkg.lm:build")
+
+
+def test_a_setting_that_differs_from_the_run_is_refused_naming_it(tmp_path):
+    m, _ = _made(**{"outer.sync_every": "50"})
+    run = manifest.pinned(m)
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path), "outer.sync_every": "50"}, run=run)
+    assert cfg.outer.sync_every == 50 and cfg.swarm.run_id == "r1" and cfg.data_dir == str(tmp_path)
+    toml = tmp_path / "node.toml"
+    toml.write_text("[model]\nn_embd = 64\n")
+    for kwargs, name in [({"overrides": {"outer.sync_every": "24"}}, "outer.sync_every"),
+                         ({"overrides": {"swarm.run_id": "r2"}}, "swarm.run_id"),
+                         ({"env": {"P2PDILOCO_INNER_LR": "0.01"}}, "inner.lr"),
+                         ({"path": toml}, "model.n_embd")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(**{"env": {}, **kwargs}, run=run, run_source="the manifest of run 'r1'")
+        assert str(e.value).startswith(f"{name} = ") and "the manifest of run 'r1'" in str(e.value)
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_join_with_the_manifest_only_and_a_differing_one_is_refused(harness):
+    maddr = harness.bootstrap()
+    run_settings = {k: v for k, v in TINY.items() if k not in ("eval_every", "data.eval_batches")}
+    owner = harness.tmp / "owner"
+    owner.mkdir()
+    made = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "run", "init", "--run-id", "joined", "--initial-peers",
+                           maddr, "--identity", str(owner / "owner.key"), "--out", str(owner / "joined.manifest"),
+                           "--target-tokens", "10000000",
+                           *(a for k, v in run_settings.items() for a in ("--set", f"{k}={v}"))],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    path = owner / "joined.manifest"
+    m = manifest.load(str(path))
+
+    def join(name: str, *extra: str):
+        d = harness.tmp / name
+        d.mkdir()
+        return harness.spawn(["-m", "node", "run", "--join", str(path), "--host", "127.0.0.1", "--port", "0",
+                              "--name", name, "--data-dir", str(d), "--report-file", str(d / "report.json"),
+                              "--duration", "20", "--set", "settle=3", *extra], d / "node.log"), d
+
+    refused, rd = join("n2", "--set", "model.n_embd=32")
+    assert harness.wait(refused, 60, rd / "node.log") == 2
+    lines = (rd / "node.log").read_text().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("p2pdiloco: model.n_embd = 32 "), lines
+    assert not (rd / "p2p.key").exists()  # refused before the node made its identity, let alone a daemon
+    nodes = [join(f"n{i}") for i in range(2)]
+
+    def published() -> list:  # the nodes keep the manifest in the run's DHT: `swarm status` lists it
+        out = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "swarm", "status", "--initial-peers", maddr,
+                              "--run-id", "joined", "--json", "--wait", "5"], capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout or "{}").get("manifests") if out.returncode == 0 else None
+
+    assert wait_for(published, 60, "the manifest in the DHT", every=1.0) == [
+        {"digest": m.digest, "owner": m.owner_id, "target_tokens": 10**7}]
+    for proc, d in nodes:
+        assert harness.wait(proc, 180, d / "node.log") == 0, (d / "node.log").read_text()[-3000:]
+    reports = [read_report(d) for _, d in nodes]
+    assert all(r["run_id"] == "joined" and r["manifest"]["digest"] == m.digest for r in reports)
+    assert all(r["rounds_with_peers"] > 0 for r in reports), [r["recent_rounds"] for r in reports]
+    assert len({r["global_digest"] for r in reports}) == 1, [r["fragments"] for r in reports]
+    # the run's progress, from the equal states' ledgers: the same on both; the target from the manifest
+    progress = [r["progress"] for r in reports]
+    tokens = progress[0]["tokens"]
+    assert tokens > 0 and all(p["tokens"] == tokens and p["target_tokens"] == 10**7 for p in progress)
+    assert all(p["done"] == round(tokens / 10**7, 4) and 0 < p["share"] <= 1 for p in progress), progress
+    assert dataclasses.asdict(load_config(env={}, overrides=run_settings).model) == {
+        k.split(".")[1]: v for k, v in m.settings.items() if k.startswith("model.")}
