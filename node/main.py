@@ -305,8 +305,8 @@ async def share_manifest(swarm: Swarm, cfg: NodeConfig, manifest: RunManifest | 
         for m in published(await swarm.get(key)):
             diff = next(((k, v, mine[k]) for k, v in m.settings.items() if mine.get(k) != v), None)
             if diff is not None:
-                log.warning("this node's %s = %s differs from run %r's manifest (%s, by %s): it will merge only with "
-                            "nodes that share its settings; join with `--join` to use the run's", diff[0], diff[2],
+                log.warning("this node's %s = %s differs from the manifest of run %r (%s, by %s): it will merge only "
+                            "with nodes that share its settings; join with `--join` to use the run's", diff[0], diff[2],
                             m.run_id, diff[1], m.owner_id)
 
 
