@@ -32,6 +32,7 @@ from p2pdiloco.net.transport import Swarm
 
 from node.control import ControlServer, start_metrics
 from node.runtime import Node
+from node.status_view import progress, swarm_rate
 from node.setup import Setup
 
 log = logging.getLogger(__name__)
@@ -140,22 +141,6 @@ class SwarmView:
         }, frags
 
 
-def progress(merged: int, mine: float, target: int, records: dict[str, HeadsRecord] | None) -> dict[str, Any]:
-    """The run's progress as one node sees it: ``merged`` tokens the swarm merged into its
-    states (``core.outer.run_tokens``), ``mine`` of them this node's own, ``target`` the
-    run's target in tokens (its manifest; 0: none); the swarm's rate is the sum of the live
-    nodes' published tokens/s (``records``). Returns tokens, target, done (fraction of the
-    target), tokens_per_s, eta_s (seconds to the target at that rate) and share (this node's
-    fraction of the merged tokens); None where unknown."""
-    rate = sum(r.tps for r in records.values() if not r.done) if records else None
-    left = max(0, target - merged) if target else None
-    return {"tokens": merged, "target_tokens": target or None,
-            "done": round(min(1.0, merged / target), 4) if target else None,
-            "tokens_per_s": round(rate, 1) if rate is not None else None,
-            "eta_s": round(left / rate) if left is not None and rate else (0 if left == 0 else None),
-            "share": round(mine / merged, 4) if merged else None}
-
-
 def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None = None,
              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The node's figures as one JSON-able dict: the status file, the report, `node status`,
@@ -200,7 +185,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "hardware": hardware(node.cfg, node.setup),
         "progress": progress(run_tokens(node.committed), st.tokens_merged,
                              ((extra or {}).get("manifest") or {}).get("target_tokens", 0),
-                             view.records if view else None), "clock": swarm.clock.status(),
+                             swarm_rate(view.records) if view else None), "clock": swarm.clock.status(),
         **(extra or {}),
     }
 

@@ -60,6 +60,27 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def swarm_rate(records: dict[str, Any] | None) -> float | None:
+    """Tokens/s of the live nodes among parsed heads ``records`` (their published rates); None
+    before any read."""
+    return None if records is None else sum(r.tps for r in records.values() if not r.done)
+
+
+def progress(merged: int, mine: float | None, target: int, rate: float | None) -> dict[str, Any]:
+    """The run's progress: ``merged`` tokens the swarm merged into the global model
+    (``core.outer.run_tokens``), ``mine`` of them one node's own (None: no node's view),
+    ``target`` the run's target in tokens (its manifest; 0: none), ``rate`` the swarm's
+    tokens/s (:func:`swarm_rate`). Returns tokens, target_tokens, done (fraction of the
+    target), tokens_per_s, eta_s (seconds to the target at that rate) and share (the node's
+    fraction of the merged tokens); None where unknown."""
+    left = max(0, target - merged) if target else None
+    return {"tokens": merged, "target_tokens": target or None,
+            "done": round(min(1.0, merged / target), 4) if target else None,
+            "tokens_per_s": round(rate, 1) if rate is not None else None,
+            "eta_s": round(left / rate) if left is not None and rate else (0 if left == 0 else None),
+            "share": round(mine / merged, 4) if merged and mine is not None else None}
+
+
 def progress_text(p: Any) -> str:
     """One line of the run's progress (``progress`` of a node's snapshot), "" when unknown."""
     if not isinstance(p, dict) or not p.get("tokens"):
@@ -248,7 +269,7 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
     merged = max((r.merged for r in good.values()), default=0)
     return {"run_id": run_id, "peers": peers, "newest": [h.version if h else None for h in heads],
             "malformed": malformed, "gone": len(records) - malformed - len(good),
-            "progress": {"tokens": merged, "tokens_per_s": round(sum(r.tps for r in good.values() if not r.done), 1),
+            "progress": {"tokens": merged, "tokens_per_s": round(swarm_rate(good), 1),
                          "shares": {p: round(r.mine / merged, 4) for p, r in good.items()} if merged else {}}}
 
 
@@ -304,9 +325,7 @@ async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.
                              for m in published(await swarm.get(f"{run_id}/manifest"))]
         target = max((m["target_tokens"] for m in view["manifests"]), default=0)
         p = view["progress"]
-        left = max(0, target - p["tokens"]) if target else None
-        p.update(target_tokens=target or None, done=round(min(1.0, p["tokens"] / target), 4) if target else None,
-                 eta_s=round(left / p["tokens_per_s"]) if left and p["tokens_per_s"] else (0 if left == 0 else None))
+        p.update({k: v for k, v in progress(p["tokens"], None, target, p["tokens_per_s"]).items() if k != "share"})
         return view
     finally:
         await swarm.shutdown()

@@ -26,8 +26,8 @@ import psutil
 import pytest
 
 from node.control import TEMP_PREFIX, ControlServer, ControlUnreachable, find_socket, query, temp_sockets
-from node.main import progress, reachability
-from node.status_view import render_node, summarize_swarm
+from node.main import reachability
+from node.status_view import progress, render_node, summarize_swarm, swarm_rate
 from p2pdiloco.cli import main
 from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError, NetworkError
@@ -374,7 +374,7 @@ def test_reachability_and_views_of_crafted_records():
     assert view["progress"] == {"tokens": 10000, "tokens_per_s": 5.0, "shares": {peer_a: 0.6, peer_b: 0.4}}
     # a node's own figures: 5000 of a 20000-token target at 50 tokens/s: 25 %, 300 s left
     live = {peer_a: parse_heads(records[peer_a] | {"tps": 50.0})}
-    assert progress(5000, 1000.0, 20000, live) == {"tokens": 5000, "target_tokens": 20000, "done": 0.25,
+    assert progress(5000, 1000.0, 20000, swarm_rate(live)) == {"tokens": 5000, "target_tokens": 20000, "done": 0.25,
                                                    "tokens_per_s": 50.0, "eta_s": 300, "share": 0.2}
     assert progress(0, 0, 0, None) == {"tokens": 0, "target_tokens": None, "done": None, "tokens_per_s": None,
                                        "eta_s": None, "share": None}
