@@ -10,6 +10,7 @@ stays fast).
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections import Counter
 from typing import Any
@@ -266,11 +267,12 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
             "tokens_merged": r.mine,
             "behind": behind, "last_seen_s": round(now - r.t, 1),
         })
-    merged = max((r.merged for r in good.values()), default=0)
+    # the highest median of the nodes' counts: one peer claiming a giant count moves it no further
+    merged = statistics.median_high([r.merged for r in good.values()]) if good else 0
     return {"run_id": run_id, "peers": peers, "newest": [h.version if h else None for h in heads],
             "malformed": malformed, "gone": len(records) - malformed - len(good),
             "progress": {"tokens": merged, "tokens_per_s": round(swarm_rate(good), 1),
-                         "shares": {p: round(r.mine / merged, 4) for p, r in good.items()} if merged else {}}}
+                         "shares": {p: round(min(1.0, r.mine / merged), 4) for p, r in good.items()} if merged else {}}}
 
 
 def render_swarm(view: dict[str, Any]) -> RenderableType:
@@ -287,7 +289,7 @@ def render_swarm(view: dict[str, Any]) -> RenderableType:
             versions.append(("" if i == 0 else " ") + str(v), style="yellow" if i in p["behind"] else "")
         t.add_row("…" + p["peer_id"][-8:], str(p.get("name") or "-"), str(p.get("state") or "-"), str(p.get("step", "-")),
                   fmt_num(p.get("tokens_per_s"), ",.0f"), fmt_num(p.get("loss")),
-                  f"{100 * p.get('tokens_merged', 0) / merged:.1f}%" if merged else "-", versions,
+                  f"{100 * min(1.0, p.get('tokens_merged', 0) / merged):.1f}%" if merged else "-", versions,
                   f"{fmt_age(p.get('last_seen_s'))} ago")
     notes = [Text(f"newest fragment versions: {' '.join(str(v) for v in view['newest']) or '-'}"
                   "   (yellow: behind the newest, or another digest at it)")]

@@ -120,6 +120,16 @@ def test_round_fraction_follows_the_ledger_over_periods():
     assert round_fraction(led, 0, 501, 100, first=0.0) == (0.0, Ledger(500, 2000, 5000.0, 410, 2000))
 
 
+def test_claimed_token_counts_saturate_so_the_state_stays_sendable():
+    """A round claiming 2^53 tokens on a ledger already at 2^53: the counts stay at 2^53 (what a
+    state answer may carry), and the state seals and packs (<qqdqq)."""
+    f, led = round_fraction(Ledger(0, 2**53, 1.0, 0, 2**53), 2**53, 1, 24, first=1.0)
+    assert (led.period_tokens, led.total_tokens) == (2**53, 2**53) and f == 1.0
+    assert FragmentState.create(0, 1, [torch.zeros(1)], [torch.zeros(1)], led).ledger == led
+    with pytest.raises(ValueError, match="ledger"):
+        FragmentState.create(0, 1, [torch.zeros(1)], [torch.zeros(1)], Ledger(0, 0, 1.0, 0, 2**53 + 1))
+
+
 def test_the_rounds_of_one_period_add_up_to_at_most_one_step():
     """First period, four learners merging one after the other, each alone (1000 tokens, span
     shares 1, 1/2, 1/3, 1/4 as span_fraction gives them): the first takes the whole step, the

@@ -33,6 +33,7 @@ FRACTION_GRID = 1024  # a round's fraction is a multiple of 1/FRACTION_GRID (exa
 MAX_SPAN = 64  # a contribution is counted as spread over at most this many rounds
 RATE_DECAY = 0.5  # weight of the previous estimate when a period completes (Ledger.rate)
 RATE_GROWTH = 4.0  # a completed period counts at most this many times the previous rate
+MAX_TOKENS = 2**53  # a ledger's token counts saturate here (what a state answer may carry: net.records.MAX_COUNT)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ class FragmentState:
             raise ValueError("theta and momentum must have the same number of tensors and shapes")
         if ledger.period_start < -1 or ledger.period_tokens < 0 or not (math.isfinite(ledger.rate)
                                                                         and ledger.rate >= 0) \
-                or not 0 <= ledger.period_fraction <= FRACTION_GRID or ledger.total_tokens < 0:
+                or not 0 <= ledger.period_fraction <= FRACTION_GRID or not 0 <= ledger.total_tokens <= MAX_TOKENS \
+                or ledger.period_tokens > MAX_TOKENS:
             raise ValueError(f"ledger out of range: {ledger}")
         return cls(index, version, tuple(theta), tuple(momentum),
                    fragment_digest(index, version, theta, momentum, ledger), ledger)
@@ -187,7 +189,8 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     end-of-budget flush) moves Θ by almost nothing; a slower learner's rounds, behind the
     schedule, count in the period they arrive in. Computed by every member from the anchor's
     ledger and the counters the reducers state under their signatures, never from a node's
-    own view of the swarm (invariant I9; docs/architecture.md "Partial rounds"). Raises
+    own view of the swarm (invariant I9; docs/architecture.md "Partial rounds"). Token counts
+    saturate at ``MAX_TOKENS``, so claimed counts cannot make a state unsendable. Raises
     ValueError on negative tokens or position, sync_every < 1 or ``first`` outside [0, 1]."""
     if tokens < 0 or position < 0 or sync_every < 1 or not 0.0 <= first <= 1.0:
         raise ValueError(f"bad round counters: tokens={tokens} position={position} H={sync_every} first={first}")
@@ -203,8 +206,8 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     units = _units(min(1.0, tokens / rate) if rate > 0 else first, tokens > 0)
     if units:
         units = max(1, min(units, FRACTION_GRID - used))
-    return units / FRACTION_GRID, Ledger(start, start_tokens + tokens, rate, min(FRACTION_GRID, used + units),
-                                         ledger.total_tokens + tokens)
+    return units / FRACTION_GRID, Ledger(start, min(MAX_TOKENS, start_tokens + tokens), rate,
+                                         min(FRACTION_GRID, used + units), min(MAX_TOKENS, ledger.total_tokens + tokens))
 
 
 def span_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) -> float:
