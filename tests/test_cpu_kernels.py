@@ -19,14 +19,16 @@ SCRIPT = r"""
 import hashlib, json, sys
 import torch
 from p2pdiloco.core.merge import merge_pseudo_gradients, robust_merge
-from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
+from p2pdiloco.core.outer import FragmentState, Ledger, nesterov_outer_step
 from p2pdiloco.model import ModelConfig, build_model
 
 inputs = torch.load(sys.argv[1])
 state = FragmentState.create(0, 0, inputs["theta"], [torch.zeros_like(t) for t in inputs["theta"]])
 digests = []
-for k, deltas in enumerate(inputs["deltas"]):  # ten outer steps, full and partial (fractions of a period)
-    state = nesterov_outer_step(state, deltas, 0.7, 0.9, (1.0, 0.5, 0.3330078125, 1 / 1024)[k % 4])
+for k, deltas in enumerate(inputs["deltas"]):  # ten outer steps, partial (fractions of a period) and full
+    f, units = ((0.5, 512), (0.3330078125, 853), (1 / 1024, 854), (1.0, 1024))[k % 4]
+    start = 100 * (k - k % 4) + (100 * k if k % 4 == 3 else 0)  # the full step begins a period of its own
+    state = nesterov_outer_step(state, deltas, 0.7, 0.9, f, Ledger(start, 0, 1.0, units, 0))
     digests.append(state.digest)
 merged = merge_pseudo_gradients(inputs["members"], inputs["weights"], inputs["embedding_mask"])
 robust = robust_merge(inputs["members"], inputs["weights"], inputs["embedding_mask"])

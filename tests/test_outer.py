@@ -61,13 +61,14 @@ def test_nesterov_hand_numbers_and_no_mutation():
 
 
 def test_fractional_step_hand_numbers():
-    """f = 0.5 of a period, μ = 0.81 (so a = μ^0.5 = 0.9 exactly), lr 0.5, the numbers above:
-    b' = 0.9·b + 0.5·Δ = [0.55, -0.7]; Δ + μ·b' = [0.2 + 0.4455, 0.4 − 0.567] = [0.6455, −0.167];
-    Θ' = Θ − (0.5·0.5)·(…) = [1 − 0.161375, 2 + 0.04175] = [0.838625, 2.04175]."""
+    """Θ = [1, 2], b = [0.5, -1], Δ = [0.2, 0.4], lr 0.5, μ 0.9, f = 0.5, the period's first
+    round (u = 0, d = 1): b' = (1 − 0.5·0.1)·b + 0.5·Δ = [0.575, −0.75];
+    (1 + μ)·Δ + μ²·b = [0.38 + 0.405, 0.76 − 0.81] = [0.785, −0.05];
+    Θ' = Θ − (0.5·0.5)·(…) = [0.80375, 2.0125]."""
     s = FragmentState.create(0, 3, [torch.tensor([1.0, 2.0])], [torch.tensor([0.5, -1.0])])
-    n = nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], lr=0.5, momentum=0.81, fraction=0.5)
-    assert torch.allclose(n.momentum[0], torch.tensor([0.55, -0.7]), atol=1e-7)
-    assert torch.allclose(n.theta[0], torch.tensor([0.838625, 2.04175]), atol=1e-6)
+    n = nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], lr=0.5, momentum=0.9, fraction=0.5)
+    assert torch.allclose(n.momentum[0], torch.tensor([0.575, -0.75]), atol=1e-7)
+    assert torch.allclose(n.theta[0], torch.tensor([0.80375, 2.0125]), atol=1e-6)
     # f = 1 is the plain Nesterov step bit for bit; f = 0 changes nothing but the version
     full = nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], lr=0.5, momentum=0.9)
     assert nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], 0.5, 0.9, 1.0).digest == full.digest
@@ -77,19 +78,41 @@ def test_fractional_step_hand_numbers():
         nesterov_outer_step(s, [torch.tensor([0.2, 0.4])], 0.5, 0.9, 0.3)
 
 
-def test_k_rounds_of_one_kth_move_like_one_full_round_per_period():
+def test_second_round_of_a_period_uses_what_is_left_of_the_buffer_hand_numbers():
+    """The period's second half round (the state's ledger shows u = 512/1024 applied in the same
+    period), μ = 0.5, lr 0.5, f = 0.5: d = 1 − 0.5·0.5 = 0.75; b' = (1 − 0.5·0.5/0.75)·b + 0.5·Δ
+    = ⅔·[0.5, −1] + [0.1, 0.2] = [13/30, −7/15]; (1 + μ)·Δ + (μ²/d)·b = [0.3, 0.6] + ⅓·[0.5, −1]
+    = [7/15, 4/15]; Θ' = Θ − 0.25·(…) = [53/60, 29/15]. A ledger of another period counts as
+    its first round (u = 0)."""
+    before = Ledger(100, 10, 20.0, 512, 10)
+    s = FragmentState.create(0, 3, [torch.tensor([1.0, 2.0])], [torch.tensor([0.5, -1.0])], before)
+    d = [torch.tensor([0.2, 0.4])]
+    n = nesterov_outer_step(s, d, lr=0.5, momentum=0.5, fraction=0.5, ledger=Ledger(100, 20, 20.0, 1024, 20))
+    assert torch.allclose(n.momentum[0], torch.tensor([13 / 30, -7 / 15]), atol=1e-7)
+    assert torch.allclose(n.theta[0], torch.tensor([53 / 60, 29 / 15]), atol=1e-6)
+    new_period = nesterov_outer_step(s, d, 0.5, 0.5, 0.5, Ledger(200, 10, 20.0, 512, 20))
+    first = nesterov_outer_step(FragmentState.create(0, 3, s.theta, s.momentum), d, 0.5, 0.5, 0.5)
+    assert torch.equal(new_period.theta[0], first.theta[0]) and torch.equal(new_period.momentum[0], first.momentum[0])
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_k_rounds_of_one_kth_move_like_one_full_round_per_period(k):
     """I9 in steady state: with a constant Δ, a period merged as one round and a period merged
-    as two half rounds move Θ at rates within 5 % of each other after many periods (μ = 0.9);
-    without the fraction, two rounds per period would move it twice as fast."""
+    as k rounds of 1/k (each continuing the period's ledger) move Θ at rates within 0.3 % of
+    each other after many periods (μ = 0.9); without the fraction, two rounds per period
+    would move it twice as fast."""
     s = FragmentState.create(0, 0, [torch.zeros(1)], [torch.zeros(1)])
-    one, two, twice = s, s, s
+    one, many, twice = s, s, s
     d = [torch.ones(1)]
-    for _ in range(200):
+    units = round(1024 / k)
+    for period in range(200):
         one = nesterov_outer_step(one, d, 0.1, 0.9)
-        two = nesterov_outer_step(nesterov_outer_step(two, d, 0.1, 0.9, 0.5), d, 0.1, 0.9, 0.5)
+        for j in range(k):
+            led = Ledger(period * 100, 0, 1.0, min(1024, units * (j + 1)), 0)
+            many = nesterov_outer_step(many, d, 0.1, 0.9, min(units, 1024 - units * j) / 1024, led)
         twice = nesterov_outer_step(nesterov_outer_step(twice, d, 0.1, 0.9), d, 0.1, 0.9)
     rate = lambda st: -float(st.theta[0])  # noqa: E731
-    assert 0.95 < rate(two) / rate(one) < 1.0
+    assert abs(rate(many) / rate(one) - 1) < 0.003
     assert rate(twice) / rate(one) > 1.99
 
 

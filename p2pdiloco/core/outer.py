@@ -157,8 +157,7 @@ class FragmentState:
         return hash(self.digest)
 
 
-OUTER_STEP_RULE = "nesterov-fractional-3"  # changes when the outer step or its fraction changes (protocol tag)
-_DECAY_GRID = 2.0 ** 24  # μ^f is rounded to a multiple of 2^-24, so no libm's last bit matters
+OUTER_STEP_RULE = "nesterov-fractional-4"  # changes when the outer step or its fraction changes (protocol tag)
 
 
 def _units(f: float, any_progress: bool) -> int:
@@ -246,18 +245,27 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
     """Apply the outer step for a fraction f of a period with the merged pseudo-gradient Δ;
     returns the next version, carrying ``ledger`` (default: the state's own).
 
-    merged: one tensor per slot (slot shapes, converted to fp32). With a = μ^f:
-    b ← a·b + f·Δ; Θ ← Θ − (lr·f)·(Δ + μ·b), into new tensors: the input state is never
-    modified. f = 1 is DiLoCo's Nesterov step exactly (b ← μ·b + Δ; Θ ← Θ − lr·(Δ + μ·b));
-    f → 0 leaves Θ and b as they were; in steady state k rounds of f = 1/k move Θ at the same
-    rate per period as one full round (within 5 % at μ = 0.9), since the buffer decays by μ
-    per period however many rounds it saw (``round_fraction``, docs/architecture.md "Partial
-    rounds"). Every operation is one fp32 multiply or add by itself, each rounded once (IEEE
-    754), with a rounded to a multiple of 2^-24 and f to one of 1/FRACTION_GRID, so the result
-    is bit-identical on every CPU kernel set (``ATEN_CPU_CAPABILITY`` default, avx2, avx512);
+    merged: one tensor per slot (slot shapes, converted to fp32). f = 1 is DiLoCo's Nesterov
+    step: b ← μ·b + Δ; Θ ← Θ − lr·(Δ + μ·b), i.e. Θ − lr·((1 + μ)·Δ + μ²·b_old). A round for
+    f < 1 applies that step's share f, linear in f, as if the period's rounds together made one
+    step with Δ = Σ f_i·Δ_i: with u the step the period's earlier rounds applied (``ledger``'s
+    ``period_fraction`` before this round when ``ledger`` continues the state's period, else
+    0) and d = 1 − u·(1 − μ) (the share of the period-start buffer b̂ still in b, so b̂ ≈ b/d):
+    b ← (1 − f·(1 − μ)/d)·b + f·Δ; Θ ← Θ − (lr·f)·((1 + μ)·Δ + (μ²/d)·b_old). k rounds of
+    1/k with equal Δ then give the period-start buffer's decay to μ, the Δ's buffer entry and
+    its total (long-run) movement of a full step to within 0.1 % (``tests/test_outer.py``);
+    the earlier rule (b ← μ^f·b + f·Δ; Θ ← Θ − lr·f·(Δ + μ·b)) let each round's Δ enter the
+    buffer before the next round's step and fell 6.6 % short at k = 4, μ = 0.9, which left
+    four learners merging one after another 1.5 % worse in process
+    (docs/benchmarks/partial_rounds.md). f → 0 leaves Θ and b as they were. Every operation is
+    one fp32 multiply or add by itself, each rounded once (IEEE 754), by scalars computed from
+    f (a multiple of 1/FRACTION_GRID), u and μ in Python floats, so the result is
+    bit-identical on every CPU kernel set (``ATEN_CPU_CAPABILITY`` default, avx2, avx512);
     ``torch.optim.SGD``'s ``add(alpha=)`` is a fused multiply-add in the vectorised kernels
     only (invariant I1; ``OUTER_STEP_RULE`` is part of the protocol tag). Source: DiLoCo
-    (arXiv 2311.08105) outer Nesterov, kept per fragment by Decoupled DiLoCo (arXiv 2604.21428).
+    (arXiv 2311.08105) outer Nesterov, kept per fragment by Decoupled DiLoCo (arXiv
+    2604.21428); the split of one step over a period's rounds is this project's
+    (docs/architecture.md "Partial rounds").
     Raises ValueError on a count/shape mismatch, lr < 0 or non-finite, μ outside [0, 1), f
     outside [0, 1] or off the grid.
     """
@@ -269,14 +277,24 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
         raise ValueError(f"fraction must be a multiple of 1/{FRACTION_GRID} in [0, 1], got {fraction}")
     if len(merged) != len(state.theta):
         raise ValueError(f"{len(merged)} merged tensors for {len(state.theta)} slots")
-    decay = momentum if fraction == 1.0 else round(momentum ** fraction * _DECAY_GRID) / _DECAY_GRID
+    if fraction == 1.0:  # DiLoCo's step, bit for bit the float32 computation of its formula
+        keep, kick, carry = momentum, 1.0, momentum
+    else:
+        same = ledger is not None and ledger.period_start == state.ledger.period_start >= 0
+        used = state.ledger.period_fraction / FRACTION_GRID if same else 0.0
+        d = 1.0 - used * (1.0 - momentum)  # >= μ
+        keep = max(0.0, 1.0 - fraction * (1.0 - momentum) / d) if d > 0 else 0.0
+        kick, carry = fraction, (momentum * momentum / d if d > 0 else 0.0)
     theta, buf = [], []
     for th, b, d in zip(state.theta, state.momentum, merged):
         if d.shape != th.shape:
             raise ValueError(f"merged shape {tuple(d.shape)} != slot shape {tuple(th.shape)}")
         d = d.detach().to("cpu", torch.float32)
-        nb = b.mul(decay).add_(d.mul(fraction))  # b ← a·b + f·Δ
-        u = nb.mul(momentum).add_(d)  # Δ + μ·b (no add(alpha=): that is fused on avx2/avx512 only)
+        nb = b.mul(keep).add_(d.mul(kick) if kick != 1.0 else d)  # b ← c·b + f·Δ
+        if fraction == 1.0:
+            u = nb.mul(momentum).add_(d)  # Δ + μ·b' (no add(alpha=): that is fused on avx2/avx512 only)
+        else:
+            u = d.mul(1.0 + momentum).add_(b.mul(carry))  # (1 + μ)·Δ + (μ²/d)·b_old
         theta.append(th.sub(u.mul_(lr * fraction)))  # Θ ← Θ − (lr·f)·u
         buf.append(nb)
     return FragmentState._seal(state.index, state.version + 1, theta, buf, state.ledger if ledger is None else ledger)
