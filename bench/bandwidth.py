@@ -2,11 +2,13 @@
 loss at an equal token budget, for DDP, synchronous DiLoCo, torchft's DiLoCo and p2pdiloco at
 several H and wire precisions.
 
-    python bench/bandwidth.py            # about 11 minutes on a loaded 2-core machine
-    python bench/bandwidth.py --quick    # a smoke run (tiny budget, few systems)
+    python bench/bandwidth.py                   # about 11 minutes on a loaded 2-core machine
+    python bench/bandwidth.py --seeds 0 1 2     # every system with three seeds (tables: means)
+    python bench/bandwidth.py --quick           # a smoke run (tiny budget, few systems)
 
 Every system trains the same model from the same seed on the same data shards for the same
-number of inner steps per process (``--steps``; the cosine ends there), with ``--nodes``
+number of inner steps per process (``--steps``; the cosine ends there) and seed (``--seeds``:
+the model's initial weights and every process's data order), with ``--nodes``
 processes, each system inside its own network namespace: the bytes are the namespace's
 loopback transmit counter (every byte that crossed a socket between its processes, with
 TCP/IP headers; for p2pdiloco it includes the bootstrap peer, the DHT and libp2p), divided
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -33,11 +36,12 @@ import common as c  # noqa: E402
 LIGHTHOUSE = str(Path(c.PY).parent / "torchft_lighthouse")
 DDP_FACTOR = 500  # goal: at least this many times fewer bytes per token than DDP
 LOSS_SLACK = 0.02  # goal: held-out loss within 2% of DDP
+SYNC_SLACK = 0.01  # goal: p2pdiloco's held-out loss within 1% of synchronous DiLoCo at the same H
 
 
-def run_baseline(mode: str, n: int, steps: int, H: int | None, work: Path) -> dict:
+def run_baseline(mode: str, n: int, steps: int, H: int | None, work: Path, seed: int = 0) -> dict:
     """DDP / synchronous DiLoCo / torchft DiLoCo: n worker processes in one namespace."""
-    values = c.settings(inner__total_steps=steps)
+    values = c.settings(inner__total_steps=steps, seed=seed)
     work.mkdir(parents=True, exist_ok=True)
     with c.NetNS(mode) as ns, c.processes() as procs:
         before, t0 = ns.tx_bytes(), time.monotonic()
@@ -60,13 +64,13 @@ def run_baseline(mode: str, n: int, steps: int, H: int | None, work: Path) -> di
     return {"system": {"ddp": "DDP", "diloco": "sync DiLoCo", "torchft": "torchft DiLoCo"}[mode], "H": H or 1,
             "precision": "fp32", "nodes": n, "tokens": tokens, "bytes": sent, "payload": None,
             "bytes_per_token": sent / tokens, "loss": results[0]["end_loss"], "seconds": seconds,
-            "isolated": ns.isolated,
+            "isolated": ns.isolated, "seed": seed,
             "notes": (f"{results[0].get('commits', 0)} commits" if mode == "torchft" else "")}
 
 
-def run_p2p(n: int, steps: int, H: int, precision: str, work: Path) -> dict:
+def run_p2p(n: int, steps: int, H: int, precision: str, work: Path, seed: int = 0) -> dict:
     values = {**c.settings(inner__total_steps=steps, outer__sync_every=H, outer__wire_precision=precision,
-                           eval_every=10 * steps), **c.SWARM}
+                           eval_every=10 * steps, seed=seed), **c.SWARM}
     work.mkdir(parents=True, exist_ok=True)
     with c.NetNS(f"p2p{H}{precision}") as ns, c.processes() as procs:
         before, t0 = ns.tx_bytes(), time.monotonic()
@@ -84,7 +88,7 @@ def run_p2p(n: int, steps: int, H: int, precision: str, work: Path) -> dict:
     return {"system": "p2pdiloco", "H": H, "precision": precision, "nodes": n, "tokens": tokens, "bytes": sent,
             "payload": sum(r["bytes_out"] for r in reports), "bytes_per_token": sent / tokens,
             "loss": sum(r["end_loss"] for r in reports) / n, "seconds": seconds, "isolated": ns.isolated,
-            "notes": f"{rounds} rounds ({alone} alone), {sum(r['catchups'] for r in reports)} catch-ups"
+            "seed": seed, "notes": f"{rounds} rounds ({alone} alone), {sum(r['catchups'] for r in reports)} catch-ups"
                      + ("" if len(digests) == 1 else f", {len(digests)} different final states")}
 
 
@@ -141,7 +145,8 @@ def main() -> None:
     p.add_argument("--H", type=int, nargs="+", default=[25, 100, 250], help="H values (int4 and sync DiLoCo)")
     p.add_argument("--precision-H", type=int, default=100, help="H at which every wire precision is run")
     p.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8", "int4"])
-    p.add_argument("--no-torchft", action="store_true")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds; every system runs once per seed")
+    p.add_argument("--no-torchft", action="store_true", help="leave torchft out (else: run at the first seed only)")
     p.add_argument("--quick", action="store_true", help="smoke run: 60 steps, H 30, int4 and fp32")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
@@ -169,30 +174,74 @@ def main() -> None:
 
     if any(a.steps % H for H in {*a.H, a.precision_H}):
         raise SystemExit("bandwidth: every H must divide --steps (the synchronous baselines sync on the last step)")
-    go("DDP", run_baseline, "ddp", a.nodes, a.steps, None, work / "ddp")
-    for H in a.H:
-        go(f"sync DiLoCo H={H}", run_baseline, "diloco", a.nodes, a.steps, H, work / f"diloco{H}")
-    if not a.no_torchft:
-        try:
-            import torchft  # noqa: F401, PLC0415
-        except ImportError as e:
-            print(f"bandwidth: torchft not importable ({e}); skipped", flush=True)
-        else:
-            H = a.precision_H
-            go(f"torchft DiLoCo H={H}", run_baseline, "torchft", a.nodes, a.steps, H, work / "torchft")
     runs = [(a.precision_H, prec) for prec in a.precisions]
     runs += [(H, "int4") for H in a.H if (H, "int4") not in runs]
-    for H, prec in runs:
-        go(f"p2pdiloco H={H} {prec}", run_p2p, a.nodes, a.steps, H, prec, work / f"p2p-{H}-{prec}")
+    for seed in a.seeds:
+        sw = work / f"seed{seed}"
+        go(f"DDP seed {seed}", run_baseline, "ddp", a.nodes, a.steps, None, sw / "ddp", seed)
+        for H in a.H:
+            go(f"sync DiLoCo H={H} seed {seed}", run_baseline, "diloco", a.nodes, a.steps, H, sw / f"diloco{H}", seed)
+        if not a.no_torchft and seed == a.seeds[0]:
+            try:
+                import torchft  # noqa: F401, PLC0415
+            except ImportError as e:
+                print(f"bandwidth: torchft not importable ({e}); skipped", flush=True)
+            else:
+                H = a.precision_H
+                go(f"torchft DiLoCo H={H} seed {seed}", run_baseline, "torchft", a.nodes, a.steps, H, sw / "torchft",
+                   seed)
+        for H, prec in runs:
+            go(f"p2pdiloco H={H} {prec} seed {seed}", run_p2p, a.nodes, a.steps, H, prec, sw / f"p2p-{H}-{prec}", seed)
     seconds = time.monotonic() - t0
     write(a, rows, m, seconds, isolated, work, failed)
     sys.exit(1 if failed else 0)
 
 
-def write(a: argparse.Namespace, rows: list[dict], m: dict, seconds: float, isolated: bool, work: Path,
+def mean_rows(runs: list[dict]) -> list[dict]:
+    """One row per (system, H, wire): the mean over its seeds of tokens, bytes, payload, bytes
+    per token, loss and seconds; ``seeds`` lists them; notes: the first seed's."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["system"], r["H"], r["precision"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        row = dict(rs[0], seeds=[r.get("seed", 0) for r in rs])
+        for k in ("tokens", "bytes", "bytes_per_token", "loss", "seconds"):
+            row[k] = statistics.mean(r[k] for r in rs)
+        if rs[0]["payload"] is not None:
+            row["payload"] = statistics.mean(r["payload"] for r in rs)
+        out.append(row)
+    return out
+
+
+def versus_sync(runs: list[dict], a: argparse.Namespace) -> tuple[list[list], list[tuple[str, bool]]]:
+    """p2pdiloco's held-out loss against synchronous DiLoCo at the same H and seed (the same
+    tokens): per seed, mean and worst relative change; the goal is within SYNC_SLACK."""
+    rows, checks = [], []
+    for r0 in mean_rows([r for r in runs if r["system"] == "p2pdiloco"]):
+        pairs = []
+        for seed in r0["seeds"]:
+            mine = next(r for r in runs if r["system"] == "p2pdiloco" and r["H"] == r0["H"]
+                        and r["precision"] == r0["precision"] and r.get("seed", 0) == seed)
+            sync = next((r for r in runs if r["system"] == "sync DiLoCo" and r["H"] == r0["H"]
+                         and r.get("seed", 0) == seed), None)
+            if sync:
+                pairs.append((seed, mine["loss"] / sync["loss"] - 1))
+        if not pairs:
+            continue
+        mean = statistics.mean(d for _, d in pairs)
+        rows.append([r0["H"], r0["precision"], ", ".join(f"{d:+.2%} (seed {s})" for s, d in pairs), f"{mean:+.2%}",
+                     f"{max(d for _, d in pairs):+.2%}", c.verdict(mean <= SYNC_SLACK)])
+        checks.append((f"H={r0['H']} {r0['precision']}", mean <= SYNC_SLACK))
+    return rows, checks
+
+
+def write(a: argparse.Namespace, runs: list[dict], m: dict, seconds: float, isolated: bool, work: Path,
           failed: list[str]) -> None:
+    rows = mean_rows(runs)
     ddp = next((r for r in rows if r["system"] == "DDP"), None)
-    cmd = "python bench/bandwidth.py" + (" --quick" if a.quick else "")
+    cmd = "python bench/bandwidth.py" + (" --quick" if a.quick else "") + (
+        f" --seeds {' '.join(map(str, a.seeds))}" if a.seeds != [0] else "")
     doc = c.Doc("bandwidth", "Benchmark 1: bandwidth against quality", cmd)
     doc.intro = [
         f"{a.nodes} nodes (processes) per system, {a.steps} inner steps each of {c.TOKENS_PER_STEP} tokens "
@@ -219,7 +268,7 @@ def write(a: argparse.Namespace, rows: list[dict], m: dict, seconds: float, isol
     ]
     if ddp is None:
         doc.text("DDP did not run, so no ratio can be given.")
-        doc.write(m, seconds, {"rows": rows, "workdir": str(work)})
+        doc.write(m, seconds, {"rows": runs, "workdir": str(work)})
         return
     limit_b = ddp["bytes_per_token"] / DDP_FACTOR
     limit_l = ddp["loss"] * (1 + LOSS_SLACK)
@@ -234,7 +283,13 @@ def write(a: argparse.Namespace, rows: list[dict], m: dict, seconds: float, isol
                       f"{r['seconds']:.0f}", ("**both goals met** " if ok else "") + r["notes"]])
     doc.table(["system", "H", "wire", "tokens", "socket MB", "payload MB", "bytes / node / token",
                "fewer bytes than DDP", "held-out loss", "vs DDP", "wall s", "notes"], table,
-              "All runs (one seed each):")
+              f"All runs (mean over seeds {a.seeds}" + (", torchft at the first only" if len(a.seeds) > 1 else "")
+              + "):")
+    vs_rows, vs_checks = versus_sync(runs, a)
+    if vs_rows:
+        doc.table(["H", "wire", "per seed", "mean", "worst seed", f"within {SYNC_SLACK:.0%} (mean)"], vs_rows,
+                  "p2pdiloco against synchronous DiLoCo at the same H, seed and tokens (held-out loss, relative "
+                  "change; our cost, apart from the method's):")
     p2p = [r for r in rows if r["system"] == "p2pdiloco"]
     meet = [r for r in p2p if r["bytes_per_token"] <= limit_b and r["loss"] <= limit_l]
     best_b = [r for r in p2p if r["bytes_per_token"] <= limit_b]
@@ -266,7 +321,8 @@ def write(a: argparse.Namespace, rows: list[dict], m: dict, seconds: float, isol
     if failed:
         doc.text("Runs that failed (left out above): " + "; ".join(failed))
     doc.text("![bandwidth against quality](bandwidth.png)")
-    doc.write(m, seconds, {"rows": rows, "workdir": str(work), "ddp_factor": DDP_FACTOR, "loss_slack": LOSS_SLACK})
+    doc.write(m, seconds, {"rows": runs, "workdir": str(work), "ddp_factor": DDP_FACTOR, "loss_slack": LOSS_SLACK,
+                           "sync_slack": SYNC_SLACK, "seeds": a.seeds})
     plot(rows, ddp, c.DOCS / "bandwidth.png")
     print(f"bandwidth: wrote {c.DOCS / 'bandwidth.md'} and bandwidth.png ({seconds / 60:.1f} min)", flush=True)
 

@@ -34,6 +34,15 @@ class Invalid(ValueError):
         super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
 
 
+# Upper bounds: far above any real run, low enough that a signed run manifest or a typo cannot
+# make a node allocate, wait or loop without end (docs/operating.md "Start a node").
+MAX_FRAGMENTS = 4096
+MAX_STEPS = 10**9  # inner steps (H, tau, warm-up, schedule length, budgets)
+MAX_QUORUM = 1024  # members (the matchmaker's groups are far smaller)
+MAX_WAIT_S = 3600.0  # seconds any one wait of a round may last
+MAX_DURATION_S = 10.0**8  # seconds (about 3 years)
+
+
 def _validate(*checks: tuple[str, bool, str]) -> None:
     """Raise :class:`Invalid` listing every (field, ok, message) check that failed."""
     failed = [(name, message) for name, ok, message in checks if not ok]
@@ -71,16 +80,17 @@ class OuterConfig:
 
     def __post_init__(self) -> None:
         _validate(
-            ("lr", self.lr > 0, "must be > 0"),
+            ("lr", 0 < self.lr <= 100, "must be in (0, 100]"),
             ("momentum", 0 <= self.momentum < 1, "must be in [0, 1)"),
-            ("fragments", self.fragments >= 1, "must be >= 1"),
-            ("sync_every", self.sync_every >= 1, "must be >= 1"),
-            ("overlap", self.overlap >= 0, "must be >= 0"),
-            ("min_quorum", self.min_quorum >= 1, "must be >= 1"),
+            ("fragments", 1 <= self.fragments <= MAX_FRAGMENTS, f"must be in 1..{MAX_FRAGMENTS}"),
+            ("sync_every", 1 <= self.sync_every <= MAX_STEPS, f"must be in 1..{MAX_STEPS}"),
+            ("overlap", 0 <= self.overlap <= MAX_STEPS, f"must be in 0..{MAX_STEPS}"),
+            ("min_quorum", 1 <= self.min_quorum <= MAX_QUORUM, f"must be in 1..{MAX_QUORUM}"),
             ("grace_gamma", 0 < self.grace_gamma < 1, "must be in (0, 1)"),
-            ("grace_min", 0 <= self.grace_min <= self.grace_max, "need 0 <= grace_min <= grace_max"),
-            ("quorum_timeout", self.quorum_timeout > 0, "must be > 0"),
-            ("liveness_timeout", self.liveness_timeout > 0, "must be > 0"),
+            ("grace_min", 0 <= self.grace_min <= self.grace_max <= MAX_WAIT_S,
+             f"need 0 <= grace_min <= grace_max <= {MAX_WAIT_S:g} (seconds)"),
+            ("quorum_timeout", 0 < self.quorum_timeout <= MAX_WAIT_S, f"must be in (0, {MAX_WAIT_S:g}] (seconds)"),
+            ("liveness_timeout", 0 < self.liveness_timeout <= MAX_WAIT_S, f"must be in (0, {MAX_WAIT_S:g}] (seconds)"),
             ("wire_precision", self.wire_precision in WIRE_DTYPES, f"must be one of {', '.join(WIRE_DTYPES)}"),
             ("on_arrival", self.on_arrival in ("keep", "overwrite"), "must be keep or overwrite"),
         )
@@ -141,12 +151,12 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _validate(
-            ("num_shards", self.num_shards >= 1, "must be >= 1"),
+            ("num_shards", 1 <= self.num_shards <= 2**20, f"must be in 1..{2**20}"),
             ("shard_index", -1 <= self.shard_index < self.num_shards, "must be -1 or in [0, num_shards)"),
-            ("batch_size", self.batch_size >= 1, "must be >= 1"),
-            ("max_bytes", self.max_bytes >= 0, "must be >= 0"),
+            ("batch_size", 1 <= self.batch_size <= 2**16, f"must be in 1..{2**16}"),
+            ("max_bytes", 0 <= self.max_bytes <= 2**50, f"must be in 0..{2**50} (0: all)"),
             ("heldout_fraction", 0 < self.heldout_fraction < 1, "must be in (0, 1)"),
-            ("eval_batches", self.eval_batches >= 1, "must be >= 1"),
+            ("eval_batches", 1 <= self.eval_batches <= 10**5, f"must be in 1..{10**5}"),
             ("path", not self.path or Path(self.path).exists(), f"{self.path!r} does not exist"),
         )
 
@@ -170,7 +180,7 @@ class TrustConfig:
 
         _validate(
             ("outliers", self.outliers in OUTLIER_POLICIES, f"must be one of {', '.join(OUTLIER_POLICIES)}"),
-            ("outlier_factor", self.outlier_factor > 1, "must be > 1"),
+            ("outlier_factor", 1 < self.outlier_factor <= 10**6, f"must be in (1, {10**6}]"),
             ("poison", self.poison in ("", "scale", "flip", "nan", "mix"), "must be scale, flip, nan or mix"),
             ("swarm_key", not self.swarm_key or _is_swarm_key(self.swarm_key),
              "expected 64 hex digits (from `p2pdiloco swarm init`) or the path of a swarm.pub file"),
@@ -231,16 +241,16 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         _validate(
-            ("max_steps", self.max_steps >= 0, "must be >= 0 (0: until stopped)"),
-            ("duration", self.duration >= 0, "must be >= 0 (0: until stopped)"),
-            ("eval_every", self.eval_every >= 1, "must be >= 1"),
-            ("threads", self.threads >= 1, "must be >= 1"),
+            ("max_steps", 0 <= self.max_steps <= MAX_STEPS, f"must be in 0..{MAX_STEPS} (0: until stopped)"),
+            ("duration", 0 <= self.duration <= MAX_DURATION_S, f"must be in 0..{MAX_DURATION_S:g} (seconds; 0: until stopped)"),
+            ("eval_every", 1 <= self.eval_every <= MAX_STEPS, f"must be in 1..{MAX_STEPS}"),
+            ("threads", 1 <= self.threads <= 1024, "must be in 1..1024"),
             ("device", self.device in ("auto", "cpu", "cuda", "mps") or (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()), "must be auto, cpu, cuda, cuda:N or mps"),
             ("memory_limit", self.memory_limit >= 0, "must be >= 0 (MiB; 0: no limit)"),
-            ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0 (0: off)"),
-            ("settle", self.settle >= 0, "must be >= 0"),
-            ("alone_after", self.alone_after > 0, "must be > 0 (seconds)"),
+            ("checkpoint_every", 0 <= self.checkpoint_every <= MAX_DURATION_S, f"must be in 0..{MAX_DURATION_S:g} (seconds; 0: off)"),
+            ("settle", 0 <= self.settle <= MAX_WAIT_S, f"must be in 0..{MAX_WAIT_S:g} (seconds)"),
+            ("alone_after", 0 < self.alone_after <= MAX_DURATION_S, f"must be in (0, {MAX_DURATION_S:g}] (seconds)"),
             ("fault", not self.fault or _is_fault(self.fault),
              "must look like kill-in-allreduce@N, fail-last-stage@N or kill-in-state-transfer@N (N >= 1)"),
             ("data_dir", _usable_dir(self.data_dir), f"{self.data_dir!r} exists and is not a folder"),

@@ -45,18 +45,18 @@ class InnerConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 < self.lr <= 10:
+            raise ValueError(f"lr must be in (0, 10], got {self.lr}")
+        if not 0 <= self.weight_decay <= 10:
+            raise ValueError(f"weight_decay must be in [0, 10], got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two values in [0, 1), got {self.betas}")
-        if not 0 <= self.warmup_steps <= self.total_steps or self.total_steps < 1:
-            raise ValueError(f"need 0 <= warmup_steps <= total_steps and total_steps >= 1: {self}")
+        if not 0 <= self.warmup_steps <= self.total_steps <= 10**12 or self.total_steps < 1:
+            raise ValueError(f"need 0 <= warmup_steps <= total_steps <= 10^12 and total_steps >= 1: {self}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not self.grad_clip >= 0:
-            raise ValueError(f"grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        if not 0 <= self.grad_clip <= 10**6:
+            raise ValueError(f"grad_clip must be in [0, 10^6] (0 disables), got {self.grad_clip}")
 
 
 def lr_at(step: int, inner: InnerConfig) -> float:
