@@ -132,6 +132,8 @@ class Node:
         await self._catch_up(initial=True)
         deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
         self.training = self.setup.training_loop(self._dispatch, deadline)
+        if self._joined and not self._resumed:  # joined in the initial catch-up: first sends on the swarm's grid
+            self.training.align()
         if data_dir is not None and self.cfg.checkpoint_every:
             self.training.checkpoint = lambda: self._checkpoint(data_dir)
             self.training.checkpoint_every = self.cfg.checkpoint_every

@@ -79,6 +79,7 @@ class TrainingLoop:
         self._requested: set[int] = set()
         self._advance = 0  # inner step to move to at the next boundary (advance_to)
         self._join = False  # ... as a joining learner
+        self._aligning: set[int] = set()  # a joiner's fragments not sent since it joined: each on its grid point
         self._lock = threading.Lock()
 
     def request(self, p: int) -> None:
@@ -90,12 +91,13 @@ class TrainingLoop:
 
     def _due(self) -> list[int]:
         """Fragments to send now: the schedule's rule (``StaggeredSchedule.due``) on this
-        learner's step, its per-fragment progress since the last install, and the fragments
-        peers asked for (:meth:`request`)."""
+        learner's step, its per-fragment progress since the last install, the fragments
+        peers asked for (:meth:`request`) and, after joining, those not sent since (aligned
+        to their grid points)."""
         with self._lock:
             requested, self._requested = self._requested, set()
         since = [self.learner.counters(p)[1] for p in range(self.schedule.P)]
-        return self.schedule.due(self.learner.step, since, requested)
+        return self.schedule.due(self.learner.step, since, requested, self._aligning)
 
     def advance_to(self, step: int, *, joining: bool = False) -> None:
         """Thread-safe: move this learner's inner step (its place in the learning-rate
@@ -104,6 +106,12 @@ class TrainingLoop:
         with self._lock:
             self._advance = max(self._advance, step)
             self._join = self._join or joining
+
+    def align(self) -> None:
+        """Before :meth:`run`: this learner has just joined the swarm (its fragments were all
+        downloaded at once), so send each fragment first at its own grid point
+        (``StaggeredSchedule.due``'s ``aligning``), spread over a period as the swarm's."""
+        self._aligning = set(range(self.schedule.P))
 
     def deliver(self, item: Delivery) -> None:
         """Thread-safe: a round or catch-up result for a fragment."""
@@ -114,6 +122,7 @@ class TrainingLoop:
             (advance, self._advance), (join, self._join) = (self._advance, 0), (self._join, False)
         if join:
             self.learner.join_at(advance)
+            self._aligning = set(range(self.schedule.P))  # first sends on the swarm's grid, spread over a period
         elif advance > self.learner.step:
             self.learner.step = advance
         while True:
@@ -197,6 +206,7 @@ class TrainingLoop:
         """Hand fragment p's pseudo-gradient to the event loop, unless its round is in flight."""
         if p in self.pending:
             return  # its previous round is still in flight: keep accumulating
+        self._aligning.discard(p)
         tokens, steps = self.learner.counters(p)
         contrib = Contribution(tuple(self.learner.pseudo_gradient(p)), tokens, steps, self.learner.span(p),
                                self.learner.step)

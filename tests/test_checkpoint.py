@@ -95,6 +95,21 @@ def test_a_joiner_takes_the_swarms_inner_step_at_a_boundary_and_never_goes_back(
     assert sorted(sent) == [(0, 3, 53), (1, 3, 53)]  # end-of-budget sends: 3 steps of progress each
 
 
+def test_a_joiners_training_loop_sends_each_fragment_first_on_its_own_grid_point() -> None:
+    """The schedule rule the training loop runs after joining: a learner that joined at the
+    swarm's step 1000 with 4 fragments, H = 8 (offsets 0, 2, 4, 6), its downloads all at
+    once, sends each first at its own grid point once it has H/2 = 4 steps of progress
+    (fragment 2 at 1004, 3 at 1006, 0 at 1008, 1 at 1010), not all four at 1008."""
+    s = Setup.build(load_config(overrides={**TINY, "data.max_bytes": "50000", "max_steps": "1011",
+                                           "outer.fragments": "4", "outer.sync_every": "8"}), "a", "QmPeer")
+    s.learner.join_at(1000)
+    sent: list[tuple[int, int]] = []  # (fragment, learner step); no result is delivered, so each is sent once
+    loop = s.training_loop(lambda p, contrib, anchor: sent.append((p, s.learner.step)))
+    loop.align()
+    loop.run()
+    assert sent == [(2, 1004), (3, 1006), (0, 1008), (1, 1010)]
+
+
 def test_a_small_folder_gives_every_node_a_nonempty_share_or_one_clear_refusal(tmp_path) -> None:
     """Three files of 40 KB (three pieces: one held out, two to train) and the default 8 shards
     picked by peer ID: a node whose shard is empty trains on all of the training text (in its

@@ -114,6 +114,31 @@ def test_schedule_counts_from_the_last_install_and_pulls_in_early_on_request():
         s.due(9, [1, 2, 3])
 
 
+def test_a_joiners_first_sends_fall_on_the_grid_spread_over_a_period():
+    """A learner that joined at the swarm's step 1000 and downloaded all 4 fragments there
+    (steps_since 0 for all), H = 20, offsets 0, 5, 10, 15: without aligning all 4 fall due
+    together at 1020; aligning, each at its first grid point with H/2 = 10 steps of progress:
+    fragment 2 at 1010, 3 at 1015, 0 at 1020, 1 at 1025 (1005 had only 5 steps), one every
+    H/P = 5 steps as the swarm sends them. A fragment whose grid point was skipped is due at
+    H + H/2 steps."""
+    s = StaggeredSchedule(H=20, P=4, tau=2)
+    sends_plain, sends_aligned, aligning = {}, {}, {0, 1, 2, 3}
+    for step in range(1001, 1041):
+        since = [step - 1000] * 4
+        plain = [p for p in s.due(step, since) if p not in sum(sends_plain.values(), [])]
+        aligned = [p for p in s.due(step, since, aligning=aligning) if p not in sum(sends_aligned.values(), [])]
+        aligning -= set(aligned)
+        if plain:
+            sends_plain[step] = plain
+        if aligned:
+            sends_aligned[step] = aligned
+    assert sends_plain == {1020: [0, 1, 2, 3]}
+    assert sends_aligned == {1010: [2], 1015: [3], 1020: [0], 1025: [1]}
+    assert s.due(1029, [29] * 4, aligning={1}) == [0, 2, 3]  # 29 < 30 steps, off the grid
+    assert s.due(1030, [30] * 4, aligning={1}) == [0, 1, 2, 3]  # the latest: H + H/2
+    assert s.due(1012, [12] * 4, requested={0}, aligning={0}) == [0]  # requested: from H/2 as before
+
+
 @pytest.mark.parametrize("H,P,tau", [(0, 1, 0), (1, 0, 0), (1, 1, -1)])
 def test_schedule_validation(H, P, tau):
     with pytest.raises(ValueError):

@@ -148,24 +148,43 @@ class StaggeredSchedule:
             raise ValueError(f"fragment {p} out of range [0, {self.P})")
         return (p * self.H) // self.P
 
-    def due(self, step: int, steps_since: Sequence[int], requested: Collection[int] = ()) -> list[int]:
+    def due(self, step: int, steps_since: Sequence[int], requested: Collection[int] = (),
+            aligning: Collection[int] = ()) -> list[int]:
         """Fragments to send after inner step ``step`` (1-based count of completed steps),
         ascending. ``steps_since[p]``: inner steps since fragment p was last installed (a
-        merge or a download); ``requested``: fragments peers are gathering for now.
+        merge or a download); ``requested``: fragments peers are gathering for now;
+        ``aligning``: fragments whose next send should fall on their place in the swarm's
+        grid (a learner that just joined: all its fragments were downloaded together).
 
         p is due once ``step >= H + offset(p)`` (the first sends staggered over H .. 2H - 1)
-        and it carries H steps of progress (``steps_since[p] >= H``), or, when requested,
-        at least ``max(1, H // 2)``. Counting from the last install instead of a fixed step
-        grid keeps H steps of progress in every contribution however long the previous round
-        took (with rounds that land at once it is the grid: sends at H + offset(p) + kH);
+        and it carries H steps of progress (``steps_since[p] >= H``), or at least
+        ``early = max(1, H // 2)`` when it is requested. While aligning, p is due instead at
+        its grid point (``(step - offset(p)) % H == 0``) or when requested, from ``early``
+        steps of progress, and at the latest from H + early (a step jump may skip its grid
+        point). Counting from the last install instead of a fixed
+        step grid keeps H steps of progress in every contribution however long the previous
+        round took (with rounds that land at once it is the grid: sends at H + offset(p) + kH);
         the early pull lets learners whose clocks drifted apart meet in one group instead of
-        merging one by one. Source: Streaming DiLoCo staggering (arXiv 2501.18512, sec. 2),
-        Decoupled DiLoCo (arXiv 2604.21428). Raises ValueError on a negative step or a
-        ``steps_since`` of another length than P."""
+        merging one by one; aligning spreads a joiner's first sends over a period, one
+        fragment every H/P steps as the others send them, instead of all P at once H steps
+        after its downloads (joiners take the swarm's inner step, so grids agree). Source:
+        Streaming DiLoCo staggering (arXiv 2501.18512, sec. 2), Decoupled DiLoCo (arXiv
+        2604.21428). Raises ValueError on a negative step or a ``steps_since`` of another
+        length than P."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if len(steps_since) != self.P:
             raise ValueError(f"{len(steps_since)} progress counters for {self.P} fragments")
         early = max(1, self.H // 2)
-        return [p for p in range(self.P) if step >= self.H + self.offset(p)
-                and (steps_since[p] >= self.H or (p in requested and steps_since[p] >= early))]
+        out = []
+        for p in range(self.P):
+            n = steps_since[p]
+            if step < self.H + self.offset(p):
+                continue
+            if p in aligning:  # on its grid point (or requested) from H/2 steps; at the latest from 3H/2
+                ok = n >= self.H + early or (n >= early and (p in requested or (step - self.offset(p)) % self.H == 0))
+            else:
+                ok = n >= self.H or (p in requested and n >= early)
+            if ok:
+                out.append(p)
+        return out
