@@ -221,6 +221,8 @@ class Node:
         self.grace.t_step.value = self.training.stats.t_step.value
         out = self.cfg.outer
         result: FragmentState | None = None
+        # the step our own progress would make: a reference for the states we may follow (StateSync.own_step)
+        self.sync.own_step(p, out.lr * (1 + out.momentum) * math.sqrt(sum(float(d.norm()) ** 2 for d in contrib.delta)))
         try:
             anchor, records = await self._rebase_if_behind(p, anchor)
             expected = self._expected(p, anchor, records)

@@ -315,6 +315,18 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
         fresh._check_plausible(FragmentState.create(0, 5, (mine * 6,), zeros))
     with pytest.raises(StateSyncError, match="not finite"):
         sync._check_plausible(FragmentState.create(0, 5, (mine * float("nan"),), zeros))
+    # early in a run with a large H one honest step moves Θ by several |theta| (measured: 26.7
+    # against |theta| 3.62 at H = 250): a node that has not seen a step yet but made progress
+    # of its own measures a step by that (10 x its own step), never below the |theta| bound
+    big = FragmentState.create(0, 5, (mine * 6,), zeros)  # moves Θ by 5 x |theta| 4 = 20 > 4 x 4
+    fresh.own_step(0, float("nan"))  # ignored
+    fresh.own_step(0, 0.1)  # 10 x 0.1 < 4 x |theta|: the |theta| bound stays
+    with pytest.raises(StateSyncError, match=r"x \|theta\|"):
+        fresh._check_plausible(big)
+    fresh.own_step(0, 2.5)  # our own last contribution would move Θ by 2.5: up to 25 per version
+    fresh._check_plausible(big)
+    with pytest.raises(StateSyncError, match="this node's own step 2.5"):
+        fresh._check_plausible(FragmentState.create(0, 5, (mine * 1000,), zeros))
 
     class Stub:
         bans = {"12D3KooWBanned": "non_finite"}

@@ -31,7 +31,10 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   publish claims, so one stranger cannot hand a newcomer its model.
 * **Bounded moves.** A downloaded state is refused (``StateSyncError``; counted in
   ``refused_states``) when it is not finite, or moves Θ away from this node's committed
-  state by more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖, or, once this node has
+  state by more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖ (or, when larger,
+  ``FOLLOW_FACTOR`` × versions apart × the outer step this node's own last contribution to
+  that fragment would make, :meth:`StateSync.own_step`: early in a run with a large H one
+  honest step moves Θ by several times ‖Θ‖), or, once this node has
   seen a step of that fragment, more than ``FOLLOW_FACTOR`` × (versions apart) × the median
   of the last ``FOLLOW_HISTORY`` per-version steps it saw. Versions apart count both paths
   from the last state this node knows another peer held too (a group formed at it, or a
@@ -229,6 +232,7 @@ class StateSync:
         self._seen: dict[int, FragmentState] = {}  # last committed state observed, per fragment
         self._shared: dict[int, int] = {}  # fragment -> version of the last state another peer held too
         self._steps: dict[int, deque[float]] = {i: deque(maxlen=FOLLOW_HISTORY) for i in range(len(self.fragments))}
+        self._own: dict[int, float] = {}  # fragment -> the outer step this node's own last contribution would make
         self._refused: set[tuple[int, int, str]] = set()  # (fragment, version, digest) not to follow
         self._strikes: dict[str, int] = {}  # holder -> failed deliveries not yet cleared by a success
         self._soft: dict[str, int] = {}  # holder -> failures that strike only from the second in a row
@@ -380,6 +384,15 @@ class StateSync:
         self._observe()
         self._shared[fragment] = version
 
+    def own_step(self, fragment: int, size: float) -> None:
+        """Record the outer step, in L2 distance of Θ, that this node's own contribution to
+        ``fragment`` would make alone (lr·(1 + μ)·‖Δ‖ from a zero buffer): a size of one
+        honest step that no peer can inflate, for the bound on followed states before this
+        node has seen a step (:meth:`_check_plausible`). Non-finite or negative sizes are
+        ignored."""
+        if math.isfinite(size) and size >= 0:
+            self._own[fragment] = size
+
     def has_seen_steps(self, fragment: int) -> bool:
         """Whether this node has seen a step of ``fragment`` (else it is joining it)."""
         self._observe()
@@ -399,7 +412,11 @@ class StateSync:
             k = max(1, (state.version - common) + (mine.version - common))
             jump = _distance(mine, state)
             size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
-            bounds = [(FOLLOW_RELATIVE * k * size, f"{FOLLOW_RELATIVE:g} x {k} version(s) x |theta| {size:.3g}")]
+            own = self._own.get(p, 0.0)
+            if FOLLOW_FACTOR * own > FOLLOW_RELATIVE * size:
+                bounds = [(FOLLOW_FACTOR * k * own, f"{FOLLOW_FACTOR:g} x {k} version(s) x this node's own step {own:.3g}")]
+            else:
+                bounds = [(FOLLOW_RELATIVE * k * size, f"{FOLLOW_RELATIVE:g} x {k} version(s) x |theta| {size:.3g}")]
             # the largest, not the median: a round for a small fraction of a period (a flush, a
             # sub-group's share: core.outer.round_fraction) makes a small step by design
             if steps and max(steps) > 0:
