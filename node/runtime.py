@@ -111,6 +111,7 @@ class Node:
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self._records_read = False  # whether the last read of the swarm's records succeeded
         self._others_seen = 0  # other nodes of the run with our settings, in the last read of the records
+        self._swarm_step = 0  # inner step two other peers' records reach (one if it is the only other): _keep_schedule
         self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag)  # no silent solo
         self.done = False
 
@@ -221,8 +222,9 @@ class Node:
         self.grace.t_step.value = self.training.stats.t_step.value
         out = self.cfg.outer
         result: FragmentState | None = None
-        # the step our own progress would make: a reference for the states we may follow (StateSync.own_step)
-        self.sync.own_step(p, out.lr * (1 + out.momentum) * math.sqrt(sum(float(d.norm()) ** 2 for d in contrib.delta)))
+        # the step H steps of our own progress would make: a reference for the states we may follow (StateSync.own_step)
+        self.sync.own_step(p, out.lr * (1 + out.momentum) * math.sqrt(sum(float(d.norm()) ** 2 for d in contrib.delta))
+                           * out.sync_every / max(contrib.steps, out.sync_every))
         try:
             anchor, records = await self._rebase_if_behind(p, anchor)
             expected = self._expected(p, anchor, records)
@@ -397,6 +399,8 @@ class Node:
         self._records_read = True
         self._live_learners = sum(1 for r in records.values() if not r.done)
         self._others_seen = sum(1 for p in records if p != self.swarm.peer_id)
+        steps = sorted((r.step for p, r in records.items() if p != self.swarm.peer_id), reverse=True)
+        self._swarm_step = steps[1] if len(steps) > 1 else steps[0] if steps else self._swarm_step
         return records
 
     def _targets(self, records: dict[str, HeadsRecord], states: list[FragmentState] | None = None) -> list:
@@ -507,8 +511,11 @@ class Node:
         state, the lower median of each round's members' positions). A slower learner would
         otherwise keep a higher rate than the swarm it merges with; a faster one keeps its own.
         Nodes holding the same versions are then at least at the same place
-        (docs/architecture.md, "Partial rounds")."""
-        swarm = max(st.ledger.period_start for st in self.committed)
+        (docs/architecture.md, "Partial rounds"). Never beyond H past the step two other
+        peers' records reach (one if it is the only other): a ledger is checked only for its
+        range, and a peer that republished our own Θ under a ledger claiming step 2^53 would
+        otherwise end our schedule."""
+        swarm = min(max(st.ledger.period_start for st in self.committed), self._swarm_step + self.cfg.outer.sync_every)
         if self.training is not None and swarm > self.training.stats.step:
             self.training.advance_to(swarm)
 

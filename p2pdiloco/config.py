@@ -36,9 +36,10 @@ class Invalid(ValueError):
 
 # Upper bounds: far above any real run, low enough that a signed run manifest or a typo cannot
 # make a node allocate, wait or loop without end (docs/operating.md "Start a node").
-MAX_FRAGMENTS = 4096
+MAX_FRAGMENTS = 1024  # what a heads record may list (net.records.MAX_FRAGMENTS; tests/test_config.py checks)
 MAX_STEPS = 10**9  # inner steps (H, tau, warm-up, schedule length, budgets)
-MAX_QUORUM = 1024  # members (the matchmaker's groups are far smaller)
+MAX_QUORUM = 256  # members of one group (net.records.MAX_GROUP)
+MAX_LOGITS = 2**32  # batch_size x block_size x vocab_size of the built-in GPT (16 GiB of fp32 logits per batch)
 MAX_WAIT_S = 3600.0  # seconds any one wait of a round may last
 MAX_DURATION_S = 10.0**8  # seconds (about 3 years)
 
@@ -261,6 +262,10 @@ class NodeConfig:
             ("outer.fragments", self.model.factory or self.outer.fragments <= self.model.num_tensors,
              f"{self.outer.fragments} exceeds the model's {self.model.num_tensors} parameter tensors "
              f"(fragments hold whole tensors); use at most {self.model.num_tensors}"),
+            ("data.batch_size", bool(self.model.factory) or self.data.batch_size * self.model.block_size
+             * self.model.vocab_size <= MAX_LOGITS,
+             f"{self.data.batch_size} x model.block_size {self.model.block_size} x model.vocab_size "
+             f"{self.model.vocab_size} logits per batch exceed {MAX_LOGITS} (16 GiB in fp32): lower one of them"),
             *_factory_problems(self.model.factory),
         )
 

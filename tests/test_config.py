@@ -176,7 +176,7 @@ def test_every_out_of_range_value_of_a_section_is_listed(tmp_path: Path) -> None
     assert problems(e) == [
         "outer.lr: must be in (0, 100]" + where,
         "outer.momentum: must be in [0, 1)" + where,
-        "outer.fragments: must be in 1..4096" + where,
+        "outer.fragments: must be in 1..1024" + where,
         "outer.grace_min: need 0 <= grace_min <= grace_max <= 3600 (seconds)" + where,
         "outer.wire_precision: must be one of fp32, fp16, bf16, int8, int4" + where,
         "data.shard_index: must be -1 or in [0, num_shards)" + where,
@@ -185,9 +185,20 @@ def test_every_out_of_range_value_of_a_section_is_listed(tmp_path: Path) -> None
     ]
 
 
+def test_config_bounds_match_what_records_and_groups_can_carry() -> None:
+    """A swarm with more fragments than a heads record may list, or a quorum larger than a
+    group may be, would run isolated without an error: the config refuses both."""
+    from p2pdiloco import config
+    from p2pdiloco.net import records
+
+    assert config.MAX_FRAGMENTS == records.MAX_FRAGMENTS and config.MAX_QUORUM == records.MAX_GROUP
+    with pytest.raises(ConfigError, match=r"data.batch_size: 4096 x model.block_size 131072 x model.vocab_size 256"):
+        load_config(env={}, overrides={"data.batch_size": "4096", "model.block_size": "131072"})
+
+
 @pytest.mark.parametrize("key, value", [
     ("outer.min_quorum", str(2**64)), ("outer.quorum_timeout", "1e308"), ("outer.liveness_timeout", "inf"),
-    ("outer.grace_max", "1e9"), ("outer.sync_every", str(10**12)), ("outer.fragments", "100000"),
+    ("outer.grace_max", "1e9"), ("outer.sync_every", str(10**12)), ("outer.fragments", "2000"), ("outer.min_quorum", "300"),
     ("outer.lr", "1e6"), ("model.vocab_size", str(10**12)), ("model.n_embd", str(2**20)),
     ("model.n_layer", "100000"), ("model.n_embd", "65536"), ("inner.lr", "1e3"), ("inner.total_steps", str(10**15)),
     ("data.batch_size", str(10**9)), ("data.num_shards", str(10**9)), ("settle", "1e12"),

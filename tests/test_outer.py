@@ -241,3 +241,17 @@ def test_create_copies_to_fp32_contiguous():
 def test_errors(call):
     with pytest.raises(ValueError):
         call(_state())
+
+
+def test_a_ledger_whose_period_starts_far_ahead_restarts_the_period_at_the_round():
+    """A state answer may carry any ledger in range: one claiming its period began at step
+    2^53 (a peer republishing honest Θ under it) would otherwise put every later round in that
+    period with its step budget spent, f = 1/1024 forever. A round more than 2H before the
+    period's start begins a new period at its own position; one within 2H (a slow learner
+    behind the schedule) still counts in the current period."""
+    forged = Ledger(2**53, 0, 1000.0, 1024, 0)
+    f, led = round_fraction(forged, 1000, 500, 100, first=1.0)
+    assert (f, led.period_start, led.period_fraction) == (1.0, 500, 1024)
+    assert led.rate == 0.5 * 1000.0 + 0.5 * 0  # the forged period is closed with its 0 tokens
+    f, led = round_fraction(Ledger(600, 500, 1000.0, 512, 0), 500, 450, 100, first=1.0)  # 150 behind: same period
+    assert (f, led.period_start, led.period_fraction) == (0.5, 600, 1024)

@@ -325,8 +325,15 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
         fresh._check_plausible(big)
     fresh.own_step(0, 2.5)  # our own last contribution would move Θ by 2.5: up to 25 per version
     fresh._check_plausible(big)
-    with pytest.raises(StateSyncError, match="this node's own step 2.5"):
+    with pytest.raises(StateSyncError, match="this node's own step"):
         fresh._check_plausible(FragmentState.create(0, 5, (mine * 1000,), zeros))
+    fresh.own_step(0, 100.0)  # never above 16 x |theta| = 64 per version
+    fresh._check_plausible(FragmentState.create(0, 5, (mine * 16,), zeros))  # moves 60
+    with pytest.raises(StateSyncError, match=r"at most 16 x \|theta\| 4"):
+        fresh._check_plausible(FragmentState.create(0, 5, (mine * 18,), zeros))  # moves 68
+    sync.own_step(0, 100.0)  # once steps were seen, only they (and |theta|) bound a follow: 9 versions
+    with pytest.raises(StateSyncError, match="largest recent step"):  # apart from v0, 10 x 9 x 0.5 = 45 < 48
+        sync._check_plausible(FragmentState.create(0, 5, (mine * 13,), zeros))
 
     class Stub:
         bans = {"12D3KooWBanned": "non_finite"}

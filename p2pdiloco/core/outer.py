@@ -177,7 +177,9 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     ``Learner.step`` at sending); sync_every: H; first: the fraction to use while the ledger knows no
     rate yet (:func:`span_fraction`). A round at a position at least H/2 past the current
     period's first round starts a new period (the start moves at most 2H at once), completing
-    the old one into ``rate``; any other round adds its tokens to the current period. Then
+    the old one into ``rate``, and so does a round more than 2H before the period's start,
+    which no honest ledger has (the period restarts at its position: a forged start far ahead
+    cannot freeze the fraction); any other round adds its tokens to the current period. Then
     f = min(1, tokens / rate): the share of a period's merged tokens this round carries, but
     never more than what is left of the period's one step (``period_fraction``): the rounds
     of one period add up to at most one outer step (at least one grid unit each with
@@ -193,12 +195,13 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     ValueError on negative tokens or position, sync_every < 1 or ``first`` outside [0, 1]."""
     if tokens < 0 or position < 0 or sync_every < 1 or not 0.0 <= first <= 1.0:
         raise ValueError(f"bad round counters: tokens={tokens} position={position} H={sync_every} first={first}")
-    if ledger.period_start < 0 or position >= ledger.period_start + sync_every // 2:  # a new period begins
+    future = ledger.period_start > position + 2 * sync_every  # never an honest ledger's: begin anew here
+    if ledger.period_start < 0 or future or position >= ledger.period_start + sync_every // 2:  # a new period begins
         rate = ledger.rate
         if ledger.period_start >= 0:
             done = float(ledger.period_tokens) if rate == 0 else min(ledger.period_tokens, RATE_GROWTH * rate)
             rate = done if rate == 0 else RATE_DECAY * rate + (1 - RATE_DECAY) * done
-        start = position if ledger.period_start < 0 else min(position, ledger.period_start + 2 * sync_every)
+        start = position if ledger.period_start < 0 or future else min(position, ledger.period_start + 2 * sync_every)
         start_tokens, used = 0, 0
     else:
         start, start_tokens, rate, used = ledger.period_start, ledger.period_tokens, ledger.rate, ledger.period_fraction
@@ -250,7 +253,9 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
     f < 1 applies that step's share f, linear in f, as if the period's rounds together made one
     step with Δ = Σ f_i·Δ_i: with u the step the period's earlier rounds applied (``ledger``'s
     ``period_fraction`` before this round when ``ledger`` continues the state's period, else
-    0) and d = 1 − u·(1 − μ) (the share of the period-start buffer b̂ still in b, so b̂ ≈ b/d):
+    0; the new ledger continues the state's period when it has the same start and its
+    ``period_fraction`` is the state's plus f, as ``round_fraction`` writes it) and
+    d = 1 − u·(1 − μ) (the share of the period-start buffer b̂ still in b, so b̂ ≈ b/d):
     b ← (1 − f·(1 − μ)/d)·b + f·Δ; Θ ← Θ − (lr·f)·((1 + μ)·Δ + (μ²/d)·b_old). k rounds of
     1/k with equal Δ then give the period-start buffer's decay to μ, the Δ's buffer entry and
     its total (long-run) movement of a full step to within 0.1 % (``tests/test_outer.py``);
@@ -280,7 +285,9 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
     if fraction == 1.0:  # DiLoCo's step, bit for bit the float32 computation of its formula
         keep, kick, carry = momentum, 1.0, momentum
     else:
-        same = ledger is not None and ledger.period_start == state.ledger.period_start >= 0
+        units = round(fraction * FRACTION_GRID)
+        same = ledger is not None and ledger.period_start == state.ledger.period_start >= 0 and \
+            ledger.period_fraction == min(FRACTION_GRID, state.ledger.period_fraction + units)  # round_fraction's continuation
         used = state.ledger.period_fraction / FRACTION_GRID if same else 0.0
         d = 1.0 - used * (1.0 - momentum)  # >= μ
         keep = max(0.0, 1.0 - fraction * (1.0 - momentum) / d) if d > 0 else 0.0

@@ -92,6 +92,7 @@ HEAD_TTL = 60.0  # seconds a heartbeat record lives without refresh
 FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the largest recent step per version
 FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
 FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
+OWN_RELATIVE = 16.0  # ... or, before any step was seen, FOLLOW_FACTOR x our own step, up to this many times ‖Θ‖
 LEAD = 1  # versions a claim may run ahead of the highest version two other peers hold
 ROLLBACK_MAX = 8  # versions a node ahead alone falls back at most (runaway_heads)
 STATE_TIMEOUT_S = 3.0  # seconds of a state download's deadline, plus its size over MIN_RATE
@@ -386,10 +387,11 @@ class StateSync:
 
     def own_step(self, fragment: int, size: float) -> None:
         """Record the outer step, in L2 distance of Θ, that this node's own contribution to
-        ``fragment`` would make alone (lr·(1 + μ)·‖Δ‖ from a zero buffer): a size of one
-        honest step that no peer can inflate, for the bound on followed states before this
-        node has seen a step (:meth:`_check_plausible`). Non-finite or negative sizes are
-        ignored."""
+        ``fragment`` would make alone (lr·(1 + μ)·‖Δ‖ from a zero buffer, for H steps of
+        progress): a size of one honest step that no peer can inflate, for the bound on
+        followed states before this node has seen a step (:meth:`_check_plausible`: up to
+        ``FOLLOW_FACTOR`` times it, never above ``OWN_RELATIVE`` × ‖Θ‖ per version).
+        Non-finite or negative sizes are ignored."""
         if math.isfinite(size) and size >= 0:
             self._own[fragment] = size
 
@@ -412,9 +414,10 @@ class StateSync:
             k = max(1, (state.version - common) + (mine.version - common))
             jump = _distance(mine, state)
             size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
-            own = self._own.get(p, 0.0)
-            if FOLLOW_FACTOR * own > FOLLOW_RELATIVE * size:
-                bounds = [(FOLLOW_FACTOR * k * own, f"{FOLLOW_FACTOR:g} x {k} version(s) x this node's own step {own:.3g}")]
+            own = min(FOLLOW_FACTOR * self._own.get(p, 0.0), OWN_RELATIVE * size) if not steps else 0.0
+            if own > FOLLOW_RELATIVE * size:  # no step seen yet, but progress of our own: its size
+                bounds = [(k * own, f"{k} version(s) x {FOLLOW_FACTOR:g} x this node's own step (at most "
+                                    f"{OWN_RELATIVE:g} x |theta| {size:.3g})")]
             else:
                 bounds = [(FOLLOW_RELATIVE * k * size, f"{FOLLOW_RELATIVE:g} x {k} version(s) x |theta| {size:.3g}")]
             # the largest, not the median: a round for a small fraction of a period (a flush, a
