@@ -240,8 +240,12 @@ def write(a: argparse.Namespace, runs: list[dict], m: dict, seconds: float, isol
           failed: list[str]) -> None:
     rows = mean_rows(runs)
     ddp = next((r for r in rows if r["system"] == "DDP"), None)
-    cmd = "python bench/bandwidth.py" + (" --quick" if a.quick else "") + (
-        f" --seeds {' '.join(map(str, a.seeds))}" if a.seeds != [0] else "")
+    cmd = "python bench/bandwidth.py" + (" --quick" if a.quick else "") + "".join(
+        f" {flag} {value}" for flag, value, default in (
+            ("--H", " ".join(map(str, a.H)), "25 100 250"), ("--precision-H", a.precision_H, 100),
+            ("--precisions", " ".join(a.precisions), "fp32 fp16 int8 int4"),
+            ("--seeds", " ".join(map(str, a.seeds)), "0")) if not a.quick and str(value) != str(default)) + (
+        " --no-torchft" if a.no_torchft else "")
     doc = c.Doc("bandwidth", "Benchmark 1: bandwidth against quality", cmd)
     doc.intro = [
         f"{a.nodes} nodes (processes) per system, {a.steps} inner steps each of {c.TOKENS_PER_STEP} tokens "
