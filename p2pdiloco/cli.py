@@ -337,9 +337,36 @@ def main(argv: list[str] | None = None) -> int:
     the preflight checks, a daemon starting) ends with one line and exit code 130, not a
     traceback and death by SIGINT."""
     try:
+        if _load_native_libraries():
+            return interrupted()
         return _main(argv)
     except KeyboardInterrupt:
         return interrupted()
+
+
+def _load_native_libraries() -> bool:
+    """Import torch and hivemind with Ctrl+C held, and say whether it was pressed meanwhile.
+    torch runs Python callbacks from its C++ initialisation (pybind11); a KeyboardInterrupt
+    raised in one ends in C++ ``terminate``: the process aborts (SIGABRT, exit -6) instead of
+    saying one line (measured: Ctrl+C 1 s after ``node run`` started on a loaded machine). A
+    SIGINT during the imports only counts; the previous handler is back afterwards. Off the
+    main thread, or when SIGINT is not Python's default handler (ignored by ``nohup``, or a
+    test's own), nothing is changed."""
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    held: list[int] = []
+    hold = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if hold:
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        import hivemind  # noqa: F401, PLC0415
+        import torch  # noqa: F401, PLC0415
+    finally:
+        if hold:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    return bool(held)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -24,6 +24,14 @@ import pytest
 POLL_S = 0.2  # seconds between two checks of a condition a test waits for
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` of the processes tests start: SIGINT back to its default, as in a
+    terminal's job. A test run started in the background by a shell without job control
+    (``cmd &`` in a script) inherits SIGINT ignored, and so would every node, which then
+    could not take the Ctrl+C that the signal tests send."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(condition: Callable[[], object], timeout: float, what: str | Callable[[], str], *,
              every: float = POLL_S, tick: Callable[[], object] | None = None):
     """Check ``condition()`` every ``every`` seconds until it returns something truthy, and
@@ -101,7 +109,7 @@ class Harness:
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=session,
-                                    process_group=None if session else 0,
+                                    process_group=None if session else 0, preexec_fn=default_sigint,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs.append(proc)
         return proc

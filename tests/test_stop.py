@@ -19,7 +19,7 @@ import pytest
 
 from node.journal import FILE as JOURNAL_FILE
 from node.journal import read_journal
-from tests.conftest import TINY, read_report, running, until, wait_for
+from tests.conftest import TINY, default_sigint, read_report, running, until, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -123,7 +123,8 @@ def test_ctrl_c_while_a_node_starts_prints_one_line_and_exits_130(after, tmp_pat
     for k, v in TINY.items():
         args += ["--set", f"{k}={v}"]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            process_group=0, env={**os.environ, "PYTHONUNBUFFERED": "1", "P2PDILOCO_LOG": "WARNING"})
+                            process_group=0, preexec_fn=default_sigint,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "P2PDILOCO_LOG": "WARNING"})
     daemons: set[psutil.Process] = set()
 
     def track() -> None:
