@@ -255,3 +255,16 @@ def test_a_ledger_whose_period_starts_far_ahead_restarts_the_period_at_the_round
     assert led.rate == 0.5 * 1000.0 + 0.5 * 0  # the forged period is closed with its 0 tokens
     f, led = round_fraction(Ledger(600, 500, 1000.0, 512, 0), 500, 450, 100, first=1.0)  # 150 behind: same period
     assert (f, led.period_start, led.period_fraction) == (0.5, 600, 1024)
+
+
+def test_the_first_period_counts_the_progress_since_step_0_as_that_many_periods():
+    """Fragment 3 of 4 with H = 100 is first sent at step 175 (H + offset 75) with 175 steps of
+    progress (1750 tokens). Its next round, 100 steps later, carries one period's progress (1000
+    tokens) and takes a whole step: the first period's rate is 1750 x 100 / 175 = 1000 tokens
+    per period, not 1750 (which gave 1000 / 1750 = 0.57 of a step)."""
+    f, led = round_fraction(Ledger(), 1750, 175, 100, first=1.0)
+    assert (f, led.period_start, led.period_tokens, led.rate) == (1.0, 175, 1750, 0.0)
+    f, led = round_fraction(led, 1000, 275, 100, first=1.0)
+    assert (f, led.rate) == (1.0, 1000.0)
+    f, led = round_fraction(Ledger(), 1000, 100, 100, first=1.0)  # fragment 0: position H, unchanged
+    assert round_fraction(led, 1000, 200, 100, first=1.0)[1].rate == 1000.0

@@ -157,7 +157,7 @@ class FragmentState:
         return hash(self.digest)
 
 
-OUTER_STEP_RULE = "nesterov-fractional-4"  # changes when the outer step or its fraction changes (protocol tag)
+OUTER_STEP_RULE = "nesterov-fractional-5"  # changes when the outer step or its fraction changes (protocol tag)
 
 
 def _units(f: float, any_progress: bool) -> int:
@@ -177,7 +177,11 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     ``Learner.step`` at sending); sync_every: H; first: the fraction to use while the ledger knows no
     rate yet (:func:`span_fraction`). A round at a position at least H/2 past the current
     period's first round starts a new period (the start moves at most 2H at once), completing
-    the old one into ``rate``, and so does a round more than 2H before the period's start,
+    the old one into ``rate`` (the first period's tokens scaled by H / its start, at most 1:
+    they are the progress of its start's steps since step 0, e.g. H + offset(p) for fragment
+    p's first, staggered send; counted as one period, they made the next rounds of fragment 3
+    of 4 take 0.57 of a step for a whole period's progress), and so does a round more than 2H
+    before the period's start,
     which no honest ledger has (the period restarts at its position: a forged start far ahead
     cannot freeze the fraction); any other round adds its tokens to the current period. Then
     f = min(1, tokens / rate): the share of a period's merged tokens this round carries, but
@@ -199,7 +203,10 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     if ledger.period_start < 0 or future or position >= ledger.period_start + sync_every // 2:  # a new period begins
         rate = ledger.rate
         if ledger.period_start >= 0:
-            done = float(ledger.period_tokens) if rate == 0 else min(ledger.period_tokens, RATE_GROWTH * rate)
+            # the first period's rounds carry the progress since step 0, which their position is:
+            # H + offset(p) steps for fragment p's first send, up to 2H (a period and a half of it)
+            first = float(ledger.period_tokens) * min(1.0, sync_every / max(1, ledger.period_start))
+            done = first if rate == 0 else min(ledger.period_tokens, RATE_GROWTH * rate)
             rate = done if rate == 0 else RATE_DECAY * rate + (1 - RATE_DECAY) * done
         start = position if ledger.period_start < 0 or future else min(position, ledger.period_start + 2 * sync_every)
         start_tokens, used = 0, 0
