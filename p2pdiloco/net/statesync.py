@@ -386,12 +386,11 @@ class StateSync:
         self._shared[fragment] = version
 
     def own_step(self, fragment: int, size: float) -> None:
-        """Record the outer step, in L2 distance of Θ, that this node's own contribution to
-        ``fragment`` would make alone (lr·(1 + μ)·‖Δ‖ from a zero buffer, for H steps of
-        progress): a size of one honest step that no peer can inflate, for the bound on
-        followed states before this node has seen a step (:meth:`_check_plausible`: up to
-        ``FOLLOW_FACTOR`` times it, never above ``OWN_RELATIVE`` × ‖Θ‖ per version).
-        Non-finite or negative sizes are ignored."""
+        """Record the outer step (L2 distance of Θ) this node's own contribution to ``fragment``
+        would make alone (lr·(1 + μ)·‖Δ‖ from a zero buffer, per H steps of progress): one
+        honest step no peer can inflate, bounding followed states before this node has seen a
+        step (:meth:`_check_plausible`: ``FOLLOW_FACTOR`` times it, at most ``OWN_RELATIVE``
+        × ‖Θ‖ per version). Non-finite or negative sizes are ignored."""
         if math.isfinite(size) and size >= 0:
             self._own[fragment] = size
 
