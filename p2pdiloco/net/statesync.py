@@ -31,10 +31,10 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   publish claims, so one stranger cannot hand a newcomer its model.
 * **Bounded moves.** A downloaded state is refused (``StateSyncError``; counted in
   ``refused_states``) when it is not finite, or moves Θ away from this node's committed
-  state by more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖ (or, when larger,
-  ``FOLLOW_FACTOR`` × versions apart × the outer step this node's own last contribution to
-  that fragment would make, :meth:`StateSync.own_step`: early in a run with a large H one
-  honest step moves Θ by several times ‖Θ‖), or, once this node has
+  state by more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖ (before a step was seen,
+  when larger: ``FOLLOW_FACTOR`` × the outer step of this node's own last contribution to
+  that fragment, :meth:`StateSync.own_step`, at most ``OWN_RELATIVE`` × ‖Θ‖, per version:
+  early with a large H one honest step moves Θ by several ‖Θ‖), or, once this node has
   seen a step of that fragment, more than ``FOLLOW_FACTOR`` × (versions apart) × the median
   of the last ``FOLLOW_HISTORY`` per-version steps it saw. Versions apart count both paths
   from the last state this node knows another peer held too (a group formed at it, or a
