@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="other bootstrap peers to link with (optional)")
     parser.add_argument("--announce", nargs="*", default=[], metavar="MULTIADDR",
                         help="public multiaddrs to announce when behind NAT")
+    parser.add_argument("--no-relay", action="store_true",
+                        help="do not serve as a circuit relay for nodes behind NAT (default: serve; docs/operating.md)")
     parser.add_argument("--identity", default=None, help="private key file: keeps the same peer ID across restarts")
     parser.add_argument("--maddrs-file", type=Path, default=None, help="also write the multiaddrs to this file")
 
@@ -51,15 +53,18 @@ async def serve(args: argparse.Namespace) -> int:
     await asyncio.to_thread(check_any_reachable, args.initial_peers)
     from p2pdiloco.net.transport import Swarm  # noqa: PLC0415  (imports hivemind: over a second)
 
+    # public: nodes must be able to dial a bootstrap peer, and p2pd serves relays only when public
     swarm = await Swarm.start(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
-                              announce_maddrs=args.announce, identity_path=args.identity)
+                              announce_maddrs=args.announce, identity_path=args.identity, reachability="public",
+                              relay=not args.no_relay)
     try:
         maddrs = await swarm.visible_maddrs()
         if args.maddrs_file:
             tmp = args.maddrs_file.with_suffix(".tmp")
             tmp.write_text("\n".join(maddrs) + "\n")
             tmp.replace(args.maddrs_file)
-        print("bootstrap peer running; nodes join with:", flush=True)
+        print("bootstrap peer running (" + ("no relay" if args.no_relay else "circuit relay for nodes behind NAT")
+              + "); nodes join with:", flush=True)
         for m in maddrs:
             print(f"  --initial-peers {m}", flush=True)
         if all("/127.0.0.1/" in m for m in maddrs):

@@ -19,14 +19,16 @@ class Alone:
     Attributes:
         reason: "no_peers" (no other node of the run seen: wrong initial peers or run id),
             "other_settings" (nodes of the run seen, all with other settings: they can never
-            merge with this one), "no_rounds" (nodes of the run with our settings seen, yet no
-            round with them: unreachable, or always at other versions).
+            merge with this one), "unreachable" (nodes of the run with our settings seen, yet
+            no round with them, and peers cannot dial this node: behind NAT with no relay slot;
+            ``net.reachability``), "no_rounds" (the same while this node is dialable or its
+            reachability unknown: they may not be, or always at other versions).
         detail: one line for a person, naming what to check.
         since: Unix time (s) of the last round merged with another node, or of the start of
             training.
     """
 
-    reason: Literal["no_peers", "other_settings", "no_rounds"]
+    reason: Literal["no_peers", "other_settings", "unreachable", "no_rounds"]
     detail: str
     since: float
 
@@ -53,17 +55,22 @@ class AloneWatch:
             log.info("merging with other nodes again")
             self.alone = None
 
-    def check(self, others_seen: int, other_settings: Mapping[str, str]) -> None:
+    def check(self, others_seen: int, other_settings: Mapping[str, str], advice: str | None = None) -> None:
         """``others_seen``: other nodes of the run with our settings in the last read of the
         records; ``other_settings``: {peer ID: its settings} of nodes of the run that state
-        other ones (``StateSync.other_settings``)."""
+        other ones (``StateSync.other_settings``); ``advice``: set when peers cannot dial this
+        node (``Reachability.advice``: behind NAT without a relay slot)."""
         if self.last_merged is None:
             return
         quiet = time.time() - self.last_merged
         if quiet < self.alone_after:
             return
         run = self.run_id
-        if others_seen:
+        if others_seen and advice:
+            alone = Alone("unreachable", f"{others_seen} other node(s) of run '{run}' seen, but no round with them "
+                          f"for {quiet:.0f} s: {advice}; nodes behind NAT without a relay cannot dial each other",
+                          self.last_merged)
+        elif others_seen:
             alone = Alone("no_rounds", f"{others_seen} other node(s) of run '{run}' seen, but no round with them for "
                           f"{quiet:.0f} s: they may not reach this node (check its reachability and announced "
                           "addresses) or be excluding its contributions", self.last_merged)

@@ -273,6 +273,8 @@ SCALAR_METRICS = (
      "resyncs"),
     ("counter", "p2pdiloco_bytes_sent", "RPC bytes sent", "bytes_out"),
     ("counter", "p2pdiloco_bytes_received", "RPC bytes received", "bytes_in"),
+    ("counter", "p2pdiloco_bytes_relayed", "RPC bytes exchanged with peers reached only through a relay",
+     "bytes_relayed"),
     ("counter", "p2pdiloco_rounds_alone", "committed rounds with no other member", "rounds_alone"),
     ("counter", "p2pdiloco_rounds_excluded", "rounds merged without this node's contribution (kept for the next)",
      "rounds_excluded"),
@@ -298,6 +300,11 @@ class SnapshotCollector:
         state = GaugeMetricFamily("p2pdiloco_state", "1 for the node's current state", labels=["state"])
         state.add_metric([str(s.get("state", "unknown"))], 1)
         yield state
+        if s.get("reachability"):
+            reach = GaugeMetricFamily("p2pdiloco_reachability", "1 for how peers can dial this node "
+                                      "(public, behind NAT, relayed, ...)", labels=["state"])
+            reach.add_metric([str(s["reachability"])], 1)
+            yield reach
 
         for kind, name, doc, key in SCALAR_METRICS:
             value = s.get(key)

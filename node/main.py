@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import ipaddress
 import json
 import logging
 import math
@@ -21,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from p2pdiloco.config import NodeConfig
+from p2pdiloco.config import NodeConfig, SwarmConfig
 from p2pdiloco.core.outer import run_tokens
 from p2pdiloco.data import bits_per_byte, evaluate
 from p2pdiloco.errors import ConfigError, NetworkError, P2PDilocoError
@@ -68,27 +67,6 @@ def _num(x: Any, ndigits: int = 4) -> float | None:
     return round(x, ndigits) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def reachability(maddrs: list[str]) -> str:
-    """How other peers can reach this node, from the addresses it announces."""
-    if any("/p2p-circuit" in m for m in maddrs):
-        return "relayed"
-    ips = []
-    for m in maddrs:
-        parts = m.strip("/").split("/")
-        if len(parts) >= 2 and parts[0] in ("ip4", "ip6"):
-            try:
-                ips.append(ipaddress.ip_address(parts[1]))
-            except ValueError:
-                continue
-        elif len(parts) >= 2 and parts[0].startswith("dns"):
-            return "direct"
-    if not ips or all(ip.is_loopback for ip in ips):
-        return "loopback only"
-    if any(ip.is_global for ip in ips):
-        return "direct"
-    return "direct, private network only"
-
-
 class SwarmView:
     """The swarm as this node last read it from the DHT (``{run}/heads``), refreshed every
     few seconds by :meth:`refresh_forever`; read by status, metrics and the live view."""
@@ -108,9 +86,9 @@ class SwarmView:
             except P2PDilocoError as e:
                 log.debug("swarm view: %s", e)
             try:
-                self.connections = await swarm.num_connected()
+                self.connections = await swarm.reach.refresh(swarm)
             except Exception as e:  # the daemon's answer is informative only
-                log.debug("swarm view: connections: %s", e)
+                log.debug("swarm view: connections and addresses: %s", e)
             await asyncio.sleep(self.REFRESH_SECONDS)
 
     def summary(self, committed: list, me: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -150,9 +128,11 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
     swarm_figures, fragments = (view or SwarmView()).summary(node.committed, swarm.peer_id)
     in_flight = sorted(getattr(node, "_in_flight", ()))
     rejected = dict(node.allreducer.stats.rejected)
+    maddrs = swarm.reach.maddrs or maddrs  # refreshed by the swarm view (a relay slot adds one)
     return {
         "name": node.setup.name, "run_id": node.cfg.swarm.run_id, "peer_id": swarm.peer_id, "maddrs": maddrs,
-        "reachability": reachability(maddrs), "connections": view.connections if view else None,
+        "reachability": swarm.reach.state(maddrs), "connections": view.connections if view else None,
+        "reach": swarm.reach.status(swarm.stats.bytes_relayed, maddrs), "bytes_relayed": swarm.stats.bytes_relayed,
         "pid": os.getpid(), "p2pd_pid": swarm.daemon_pid, "state": node.state_name(),
         "alone": None if node.solo.alone is None else {"reason": node.solo.alone.reason,
                                                        "detail": node.solo.alone.detail,
@@ -352,9 +332,7 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         # line before any daemon starts (the peer ID, which seeds the data order, is the identity's)
         setup = await asyncio.to_thread(Setup.build, cfg, name, trust.identity.peer_id)
         check_memory(cfg, setup)
-        swarm = await Swarm.start(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"],
-                                  announce_maddrs=sw.announce, identity=trust.identity, membership=trust.membership,
-                                  admission_key=f"{sw.run_id}/heads")
+        swarm = await start_swarm(sw, trust)
         try:
             return await _serve(cfg, name, setup, swarm, board, status_path, report_path, on_ready, progress, manifest)
         finally:
@@ -365,18 +343,38 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         await control.close()
 
 
+async def start_swarm(sw: SwarmConfig, trust: Any) -> Swarm:
+    """Start the node's transport (``swarm`` settings, ``trust``: a ``NodeTrust``). In
+    reachability ``auto`` a node that its initial peers could not dial back starts p2pd again
+    forced private, to reserve a relay slot (``p2pdiloco.net.reachability``); the check's
+    verdict stays in ``swarm.reach``. Raises what :meth:`Swarm.start` raises."""
+    args = dict(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"], announce_maddrs=sw.announce,
+                identity=trust.identity, membership=trust.membership, admission_key=f"{sw.run_id}/heads", relay=sw.relay)
+    swarm = await Swarm.start(**args, reachability=sw.reachability)
+    if sw.reachability != "auto" or swarm.reach.verdict != "unreachable" or not sw.relay:
+        return swarm
+    log.info("peers cannot dial this node (seen as %s): restarting p2pd to reserve a slot on a relay",
+             swarm.reach.observed)
+    checked = swarm.reach
+    await swarm.shutdown()
+    swarm = await Swarm.start(**args, reachability="private")
+    swarm.reach = replace(checked, restarted=True)
+    return swarm
+
+
 async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: Board, status_path: Path | None,
                  report_path: Path | None, on_ready, progress: bool, manifest: RunManifest | None) -> dict[str, Any]:
     maddrs = await swarm.visible_maddrs()
     where = f"--data-dir {cfg.data_dir}" if cfg.data_dir else f"--socket {board.control.path}"
     log.info("%s: status with `p2pdiloco node status %s`%s", name, where,
              f"; Prometheus metrics on {board.metrics_url}" if board.metrics_url else "")
-    if reachability(maddrs) == "loopback only":
+    if swarm.reach.state(maddrs) == "loopback only":
         log.warning("%s: only loopback addresses are announced (%s); peers on other machines cannot dial this "
                     "node: use --host 0.0.0.0, or --set swarm.announce=/ip4/PUBLIC_IP/tcp/PORT behind NAT",
                     name, ", ".join(maddrs))
     board.current = lambda: {**board.starting(), "peer_id": swarm.peer_id, "p2pd_pid": swarm.daemon_pid,
-                             "maddrs": maddrs, "reachability": reachability(maddrs)}
+                             "maddrs": maddrs, "reachability": swarm.reach.state(maddrs),
+                             "reach": swarm.reach.status(swarm.stats.bytes_relayed, maddrs)}
     setup.log_notes()
     node = Node(setup, swarm)
     view = SwarmView()

@@ -160,8 +160,16 @@ def node_lines(s: dict[str, Any]) -> Table:
     if maddrs:
         g.add_row("addresses", "\n".join(maddrs))
     if s.get("reachability"):
-        conns = s.get("connections")
-        g.add_row("reachability", s["reachability"] + ("" if conns is None else f"   ({plural(conns, 'connection')} now)"))
+        conns, reach = s.get("connections"), s.get("reach") or {}
+        line = s["reachability"] + ("" if conns is None else f"   ({plural(conns, 'connection')} now)")
+        if reach.get("relays"):
+            line += f"   relay {', '.join(r[-8:] for r in reach['relays'])}, {fmt_bytes(reach.get('bytes_relayed'))} relayed"
+        if reach.get("check") in ("reachable", "unreachable"):
+            line += f"   (dial-back check by {plural(len(reach.get('checked_by') or []), 'peer')}: {reach['check']}" \
+                    + (f", seen as {reach['observed']})" if reach.get("observed") else ")")
+        g.add_row("reachability", line)
+        if reach.get("advice"):
+            g.add_row(Text("advice", style="bold yellow"), Text(reach["advice"], style="yellow"))
     warning = address_warning(s)
     if warning:
         g.add_row(Text("warning", style="bold yellow"), Text(warning, style="yellow"))
@@ -262,7 +270,7 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
     for peer, r in sorted(good.items(), key=lambda kv: kv[1].name):
         behind = [p for p, (f, h) in enumerate(zip(r.fragments, heads)) if h and f != (h.version, h.digest)]
         peers.append({
-            "peer_id": peer, "name": r.name, "state": r.state, "done": r.done, "step": r.step,
+            "peer_id": peer, "name": r.name, "state": r.state, "done": r.done, "step": r.step, "reach": r.reach,
             "tokens_per_s": r.tps, "loss": r.loss, "versions": [f[0] if f else None for f in r.fragments],
             "tokens_merged": r.mine,
             "behind": behind, "last_seen_s": round(now - r.t, 1),
@@ -281,13 +289,15 @@ def render_swarm(view: dict[str, Any]) -> RenderableType:
     t = Table(title=f"swarm {view['run_id']}: {plural(len(peers), 'node')} with a live record, {training} training",
               title_justify="left")
     merged = (view.get("progress") or {}).get("tokens") or 0
-    for col in ("peer", "name", "state", "step", "tokens/s", "loss", "share", "fragment versions", "last seen"):
+    for col in ("peer", "name", "state", "reachability", "step", "tokens/s", "loss", "share", "fragment versions",
+                "last seen"):
         t.add_column(col, justify="right" if col in ("step", "tokens/s", "loss", "share", "last seen") else "left")
     for p in peers:
         versions = Text()
         for i, v in enumerate(p["versions"]):
             versions.append(("" if i == 0 else " ") + str(v), style="yellow" if i in p["behind"] else "")
-        t.add_row("…" + p["peer_id"][-8:], str(p.get("name") or "-"), str(p.get("state") or "-"), str(p.get("step", "-")),
+        t.add_row("…" + p["peer_id"][-8:], str(p.get("name") or "-"), str(p.get("state") or "-"),
+                  str(p.get("reach") or "-"), str(p.get("step", "-")),
                   fmt_num(p.get("tokens_per_s"), ",.0f"), fmt_num(p.get("loss")),
                   f"{100 * min(1.0, p.get('tokens_merged', 0) / merged):.1f}%" if merged else "-", versions,
                   f"{fmt_age(p.get('last_seen_s'))} ago")

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from p2pdiloco.core.learner import InnerConfig
 from p2pdiloco.errors import AddressError, ConfigError
@@ -115,6 +115,9 @@ def _is_ipv4(host: str) -> bool:
     return True
 
 
+ReachabilityMode = Literal["auto", "public", "private"]
+
+
 @dataclass(frozen=True)
 class SwarmConfig:
     """Where the node listens and whom it asks to join."""
@@ -124,6 +127,10 @@ class SwarmConfig:
     host: str = "0.0.0.0"
     port: int = 0  # 0: any free port
     announce: tuple[str, ...] = ()  # multiaddrs others should dial, when behind NAT
+    # auto: a dial-back check through the initial peers decides (net.reachability); public or
+    # private: no check. relay: reserve a circuit relay slot when behind NAT (docs/operating.md)
+    reachability: ReachabilityMode = "auto"
+    relay: bool = True
 
     def __post_init__(self) -> None:
         from p2pdiloco.net.addresses import check_announce_maddr, check_peer_maddr  # noqa: PLC0415
@@ -135,6 +142,7 @@ class SwarmConfig:
             ("port", 0 <= self.port <= 65535, "must be in 0..65535 (0: any free port)"),
             *_address_problems("initial_peers", self.initial_peers, check_peer_maddr),
             *_address_problems("announce", self.announce, check_announce_maddr),
+            ("reachability", self.reachability in typing.get_args(ReachabilityMode), "must be auto, public or private"),
         )
 
 
@@ -296,7 +304,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Convert a TOML/env/flag value to the field's annotated type (bool, int, float, str,
-    tuple[T, ...] or a fixed tuple); strings are parsed, a comma-separated string gives a tuple.
+    a ``Literal`` of strings, tuple[T, ...] or a fixed tuple); strings are parsed, a comma-separated string gives a tuple.
 
     Raises:
         ValueError: ``where: expected ..., got ...``.
@@ -334,6 +342,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"{where}: expected a string, got {value!r}")
         return value
+    if typing.get_origin(hint) is Literal:
+        if isinstance(value, str) and value.strip() in typing.get_args(hint):
+            return value.strip()
+        raise ValueError(f"{where}: expected one of {', '.join(typing.get_args(hint))}, got {value!r}")
     if typing.get_origin(hint) is tuple:
         args = typing.get_args(hint)
         if isinstance(value, str):

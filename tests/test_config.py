@@ -115,7 +115,7 @@ def test_unknown_keys_in_every_source(tmp_path: Path) -> None:
            f"or SECTION.FIELD with a section among {', '.join(SECTIONS)} (in {path})" in lines
     assert any(line.startswith("outer.lrr: unknown setting; known: fragments, grace_gamma") and
                line.endswith(f"(in {path})") for line in lines)
-    assert any(line.startswith("swarm.hostt: unknown setting; known: announce, host, initial_peers, port, run_id")
+    assert any(line.startswith("swarm.hostt: unknown setting; known: announce, host, initial_peers, port, reachability, relay, run_id")
                and line.endswith("(from environment variable P2PDILOCO_SWARM_HOSTT)") for line in lines)
     assert f"outerr.lr: unknown section 'outerr' (from the command line; known: {', '.join(SECTIONS)})" \
         in lines
@@ -357,3 +357,12 @@ def test_fragments_are_checked_against_the_model_before_anything_starts(tmp_path
     with pytest.raises(ConfigError, match=rf"use at most 12 \(in {path}\)$"):
         load_config(path, env={})
     assert load_config(path, env={}, overrides={"outer.fragments": "12"}).outer.fragments == 12
+
+
+def test_reachability_is_one_of_its_choices() -> None:
+    assert load_config(None, env={}, overrides={"swarm.reachability": "private", "swarm.relay": "false"}).swarm \
+        .reachability == "private"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, env={"P2PDILOCO_SWARM_REACHABILITY": "nat"}, overrides={})
+    assert problems(e) == ["swarm.reachability: expected one of auto, public, private, got 'nat' "
+                           "(from environment variable P2PDILOCO_SWARM_REACHABILITY)"]

@@ -48,6 +48,8 @@ VALID: dict[str, Any] = {
                        "steps": 4, "span": 2, "pos": 120, "k": b"k" * 32, "sig": b"s" * 64},
     "statement": {"c": [0, 2], "n": [2048, 120, 512], "sig": b"s" * 64, "rej": {}},
     "final_request": {"round": "abcd", "r": 0, "st": [[0, [0, 1], [2048, 120, 1024], b"h" * 32, b"s" * 64]]},
+    "dialback_request": {"ports": [31337, 4001]},
+    "dialback_answer": {"observed": "203.0.113.21", "reachable": [31337]},
 }
 DECODERS: dict[str, Callable[[Any], Any]] = {
     "heads": lambda v: rec.parse_heads(v, P),
@@ -61,6 +63,8 @@ DECODERS: dict[str, Callable[[Any], Any]] = {
     "reduce_request": lambda v: rec.parse_reduce_request(v, P),
     "statement": lambda v: rec.parse_statement(v, 3),
     "final_request": rec.parse_final_request,
+    "dialback_request": rec.parse_dialback_request,
+    "dialback_answer": rec.parse_dialback_answer,
 }
 NASTY: list[Any] = [None, True, False, 0, -1, 1, 2**31, 2**48 + 1, 2**63, -(2**63), 2**64 - 1, 1.5, -0.0,
                     math.inf, -math.inf, math.nan, 1e308, "", "x" * 10_000, D, D.upper(), "12D3KooW", b"", b"\x00" * 64,

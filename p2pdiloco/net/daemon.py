@@ -19,7 +19,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 import psutil
@@ -35,10 +36,12 @@ log = logging.getLogger(__name__)
 
 
 async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_maddrs: Sequence[str],
-                       announce_maddrs: Sequence[str], startup_timeout: float) -> tuple[P2P, int | None]:
+                       announce_maddrs: Sequence[str], startup_timeout: float,
+                       options: Mapping[str, Any] | None = None) -> tuple[P2P, int | None]:
     """Start p2pd with ``identity``'s key (a key held only in memory is written to a temporary
     file for p2pd to read, then removed); returns the daemon's handle and its PID (None if it
-    could not be found among our children).
+    could not be found among our children). ``options``: more keyword arguments of
+    ``P2P.create`` (reachability and relays: ``net.reachability.daemon_options``).
 
     Raises:
         NetworkError: the daemon did not start (port in use...), or its bootstrap through
@@ -56,6 +59,7 @@ async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_ma
             check_if_identity_free=False,  # identity_in_use instead: hivemind's check reads RSA keys only
             startup_timeout=startup_timeout,
             idle_timeout=365 * 24 * 3600,  # quiet inner phases must not kill the daemon
+            **(options or {}),
         )
     except Exception as e:
         if initial_peers and "bootstrap" in str(e):

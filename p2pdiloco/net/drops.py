@@ -1,4 +1,5 @@
-"""Drop accounting and blocks for one peer's inbound traffic (``transport.Swarm.drops``).
+"""Traffic counters (``transport.Swarm.stats``), and drop accounting and blocks for one
+peer's inbound traffic (``transport.Swarm.drops``).
 
 Every inbound message that is not served (malformed, oversized, over a limit, too slow) is a
 drop, counted by peer and by reason. A peer with ``DROP_BUDGET`` drops within
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +23,23 @@ DROP_WINDOW_S = 60.0
 BLOCK_S = 60.0  # seconds the first block lasts; doubles with each further block
 BLOCK_MAX_S = 900.0
 MAX_DROP_PEERS = 1024  # peers remembered in DropLedger.dropped (the smallest counts are evicted)
+
+
+@dataclass
+class TrafficStats:
+    """RPC payload bytes this peer sent and received (headers not counted), calls made, and
+    the bytes of both directions with ``relayed`` peers (reached only through a relay)."""
+
+    bytes_out: int = 0
+    bytes_in: int = 0
+    calls_out: int = 0
+    calls_failed: int = 0
+    bytes_relayed: int = 0
+    relayed: frozenset[str] = frozenset()
+
+    def add(self, peer: str, n_in: int = 0, n_out: int = 0) -> None:
+        self.bytes_in, self.bytes_out = self.bytes_in + n_in, self.bytes_out + n_out
+        self.bytes_relayed += (n_in + n_out) if peer in self.relayed else 0
 
 
 class DropLedger:

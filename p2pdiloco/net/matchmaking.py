@@ -11,7 +11,8 @@ joined), then answers every joiner with the same member list and round ID
 
 A learner that arrives after a group already closed at its version does not form a
 competing group (that would split the swarm's history); it reports ``late`` and the caller
-catches up with the group's result instead.
+catches up with the group's result instead (unless the group's peers did not deliver states to it:
+``Matchmaker.undeliverable``; a node that cannot fetch their state goes on with its own).
 
 Trust (docs/trust.md): declarations and gathering announcements are DHT records under the
 declaring peer's own ID, so only that peer can write or overwrite them
@@ -47,6 +48,7 @@ import logging
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -119,6 +121,9 @@ class Matchmaker:
         self._gathering_max_age: float | None = None  # seconds an announcement of the run stays current
         self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
         self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
+        # peers whose states this node cannot fetch now (StateSync.ignoring: they did not deliver,
+        # e.g. both sides behind NAT): a group of theirs at our version does not make us "late"
+        self.undeliverable: Callable[[], Container[str]] = frozenset
 
     async def start(self) -> None:
         await self.swarm.add_handler("mm.join", self._on_join, max_payload=0)
@@ -238,7 +243,8 @@ class Matchmaker:
                 entries = await self._declarations(dht_key)
                 open_peers = {p for p, is_open in entries.items() if is_open}
                 open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
-                someone_closed = any(not is_open for is_open in entries.values())
+                cannot_fetch = self.undeliverable()
+                someone_closed = any(not is_open for p, is_open in entries.items() if p not in cannot_fetch)
                 leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
                 now = time.monotonic()
                 if leader != me:

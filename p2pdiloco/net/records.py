@@ -26,6 +26,7 @@ an honest peer never sends a float where an integer belongs.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +130,8 @@ class HeadsRecord:
             ours is of the same run but cannot merge with us: its claims are not heads for us.
         merged: tokens the swarm merged into the states it holds (``core.outer.run_tokens``).
         mine: tokens of its own that rounds merged (its share of ``merged``).
+        reach: how peers can dial it as it says (``Reachability.state``: "public",
+            "behind NAT", "relayed", ...; "" when not stated).
     """
 
     fragments: tuple[tuple[int, str] | None, ...]
@@ -143,12 +146,14 @@ class HeadsRecord:
     tag: str = ""
     merged: int = 0
     mine: int = 0
+    reach: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able form that :func:`parse_heads` reads back."""
         return {"f": [list(f) if f is not None else None for f in self.fragments], "r": list(self.rounds),
                 "t": self.t, "name": self.name, "state": self.state, "done": self.done, "step": self.step,
-                "tps": self.tps, "loss": self.loss, "g": self.tag, "m": self.merged, "k": self.mine}
+                "tps": self.tps, "loss": self.loss, "g": self.tag, "m": self.merged, "k": self.mine,
+                "reach": self.reach}
 
     def without(self, index: int) -> HeadsRecord:
         """The same record with fragment ``index``'s claim replaced by None."""
@@ -190,7 +195,8 @@ def parse_heads(value: Any, num_fragments: int | None = None) -> HeadsRecord:
         _text(rec.get("state", ""), "state"), _bool(rec.get("done", False), "done"),
         _int(rec.get("step", 0), "step"), _finite(rec.get("tps", 0.0), "tps"),
         None if loss is None else _finite(loss, "loss"), _text(rec.get("g", ""), "tag"),
-        _int(rec.get("m", 0), "merged tokens", 0, MAX_COUNT), _int(rec.get("k", 0), "own merged tokens", 0, MAX_COUNT))
+        _int(rec.get("m", 0), "merged tokens", 0, MAX_COUNT), _int(rec.get("k", 0), "own merged tokens", 0, MAX_COUNT),
+        _text(rec.get("reach", ""), "reach"))
 
 
 def _bool(x: Any, what: str) -> bool:
@@ -410,6 +416,39 @@ def parse_final_request(header: Any) -> FinalRequest:
     return FinalRequest(round_id(h.get("round")), _int(h.get("r"), "reducer", 0, MAX_GROUP - 1), tuple(out))
 
 
+MAX_DIALBACK_PORTS = 4
+
+
+def parse_dialback_request(header: Any) -> tuple[int, ...]:
+    """A dial-back request (``net.reachability``): 1 to ``MAX_DIALBACK_PORTS`` TCP ports in
+    [1, 65535]; returned sorted, without duplicates."""
+    ports = _map(header, "dial-back request").get("ports")
+    if not isinstance(ports, list) or not 1 <= len(ports) <= MAX_DIALBACK_PORTS:
+        raise ProtocolError(f"dial-back request: expected 1 to {MAX_DIALBACK_PORTS} ports")
+    return tuple(sorted({_int(x, "port", 1, 65535) for x in ports}))
+
+
+@dataclass(frozen=True)
+class DialbackAnswer:
+    """A checker's answer: the IP address it saw us connect from, and which of the asked
+    ports it could open a TCP connection to there."""
+
+    observed: str
+    reachable: tuple[int, ...]
+
+
+def parse_dialback_answer(header: Any) -> DialbackAnswer:
+    h = _map(header, "dial-back answer")
+    try:
+        observed = str(ipaddress.ip_address(_text(h.get("observed"), "observed address", 45, 2)))
+    except ValueError:
+        raise ProtocolError("observed address: not an IP address") from None
+    reachable = h.get("reachable")
+    if not isinstance(reachable, list) or len(reachable) > MAX_DIALBACK_PORTS:
+        raise ProtocolError(f"dial-back answer: expected at most {MAX_DIALBACK_PORTS} ports")
+    return DialbackAnswer(observed, tuple(sorted({_int(x, "port", 1, 65535) for x in reachable})))
+
+
 def parse_many(values: dict[str, Any], parse, *args) -> tuple[dict[str, Any], list[str]]:
     """Parse every ``{peer ID: value}`` of a DHT read: (parsed, peers whose value failed).
     Subkeys that are not Ed25519 peer IDs are skipped (the DHT accepts owner-only records
@@ -427,4 +466,4 @@ def parse_many(values: dict[str, Any], parse, *args) -> tuple[dict[str, Any], li
 
 __all__ = [n for n in dir() if n.startswith(("parse_", "MAX_")) or n in (
     "HeadsRecord", "Gathering", "JoinRequest", "JoinAnswer", "StateRequest", "StateAnswer", "ReduceRequest",
-    "ReducerStatement", "FinalRequest", "digest", "version", "fragment", "members", "round_id")]
+    "ReducerStatement", "FinalRequest", "DialbackAnswer", "digest", "version", "fragment", "members", "round_id")]

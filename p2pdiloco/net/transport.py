@@ -55,7 +55,6 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -75,8 +74,10 @@ from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_pay
 )
 from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.net.daemon import identity_in_use, start_daemon, start_dht
-from p2pdiloco.net.drops import MAX_DROP_PEERS, DropLedger
+from p2pdiloco.net.drops import MAX_DROP_PEERS, DropLedger, TrafficStats
 from p2pdiloco.net.framing import short_error as _short
+from p2pdiloco.net.reachability import RPC as DIALBACK
+from p2pdiloco.net.reachability import DialbackServer, Reachability, ReachabilityMode, daemon_options
 from p2pdiloco.net.signed_records import SignedRecords
 from p2pdiloco.trust.certificates import Membership
 from p2pdiloco.trust.errors import AccessDenied, IdentityError
@@ -95,16 +96,6 @@ MAX_STREAMS = 512  # inbound streams served at once in all
 DEFAULT_MAX_REPLY = 1 << 20  # bytes: reply payload a call accepts unless told otherwise
 
 Handler = Callable[[str, Header, bytes], Awaitable[tuple[Header, bytes]]]
-
-
-@dataclass
-class TrafficStats:
-    """RPC payload bytes this peer sent and received (headers not counted), and calls made."""
-
-    bytes_out: int = 0
-    bytes_in: int = 0
-    calls_out: int = 0
-    calls_failed: int = 0
 
 
 _BUSY = frame({"error": "busy"}, 0)
@@ -157,6 +148,7 @@ class Swarm:
         self._streams_total = 0
         self.admitted = False  # a member of the swarm accepted us (check_admission)
         self.stats = TrafficStats()
+        self.reach = Reachability()  # how peers can dial us (start() sets its mode and checks)
         self.started_at = time.time()
         # injected fault: RPC name -> (matching answers left before the kill, which requests count)
         self._kill_midway: dict[str, tuple[int, Callable[[Header], bool]]] = {}
@@ -186,6 +178,8 @@ class Swarm:
         admission_key: str | None = None,
         bootstrap_timeout: float = 10.0,
         startup_timeout: float = 20.0,
+        reachability: ReachabilityMode | None = None,
+        relay: bool = True,
     ) -> Swarm:
         """Start p2pd and join the DHT through ``initial_peers`` (multiaddr strings).
 
@@ -195,6 +189,8 @@ class Swarm:
             membership: the private swarm this node belongs to; default: public swarm.
             admission_key: a DHT key of records under peer IDs (``{run}/heads``): when given,
                 :meth:`check_admission` runs before returning.
+            reachability, relay: ``p2pdiloco.net.reachability`` (None: p2pd decides, no
+                dial-back check; ``auto``: :attr:`reach` holds the check's verdict).
 
         Raises:
             IdentityError: the identity file is unusable, or a running peer of the swarm
@@ -216,7 +212,8 @@ class Swarm:
                     f"identity {identity.path} (peer ID {identity.peer_id}) is already used by a running node of "
                     "this swarm; a second node with the same identity would steal its connections. Stop the "
                     "other node, or give this one its own --data-dir (or trust.identity) to get a new identity")
-        p2p, daemon_pid = await start_daemon(identity, initial_peers, host_maddrs, announce_maddrs, startup_timeout)
+        p2p, daemon_pid = await start_daemon(identity, initial_peers, host_maddrs, announce_maddrs, startup_timeout,
+                                             daemon_options(reachability, relay, initial_peers))
         clock = swarm_clock.SwarmClock()
         try:
             strict = await swarm_clock.check_initial(clock, p2p, initial_peers)
@@ -231,6 +228,8 @@ class Swarm:
             raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
         swarm._clock_task = asyncio.create_task(swarm_clock.watch(swarm.clock, p2p))
         await swarm.add_handler("trust.hello", swarm._on_hello)
+        await swarm.add_handler(DIALBACK, DialbackServer(swarm))
+        swarm.reach = Reachability(reachability or "auto", relay)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
         if admission_key is not None:
             try:
@@ -238,6 +237,8 @@ class Swarm:
             except BaseException:
                 await swarm.shutdown()
                 raise
+        if reachability == "auto":
+            await swarm.reach.check(swarm, initial_peers)
         return swarm
 
     async def measure_clock(self) -> int:
@@ -288,14 +289,13 @@ class Swarm:
         reply, _ = await self.call(peer, "trust.hello", {}, timeout=timeout)
         return str(reply.get("swarm", "?"))
 
-    async def visible_maddrs(self) -> list[str]:
-        """Multiaddrs (with /p2p/ID) that other peers can dial, as strings."""
-        maddrs = await self._p2p.get_visible_maddrs()
-        return [str(m) for m in maddrs]
+    async def visible_maddrs(self, latest: bool = False) -> list[str]:
+        """Multiaddrs (with /p2p/ID) that peers can dial (``latest``: ask p2pd again)."""
+        return [str(m) for m in await self._p2p.get_visible_maddrs(latest=latest)]
 
-    async def num_connected(self) -> int:
-        """Number of peers the daemon is connected to now."""
-        return len(await self._p2p.list_peers())
+    async def connections(self) -> dict[str, list[str]]:
+        """Peer ID -> remote multiaddrs of the daemon's open connections to it."""
+        return {i.peer_id.to_base58(): [str(a) for a in i.addrs] for i in await self._p2p.list_peers()}
 
     # ---- DHT ----------------------------------------------------------------------------
     async def store(self, key: str, subkey: str, value: Any, ttl: float) -> bool:
@@ -424,7 +424,7 @@ class Swarm:
         except (TimeoutError, ConnectionError, OSError) as e:
             self.drop(remote, "reply_timeout" if isinstance(e, TimeoutError) else "reply_broken")
             return
-        self.stats.bytes_out += len(body)
+        self.stats.add(remote, n_out=len(body))
         await drain(reader, LINGER_TIMEOUT, LINGER_DISCARD_BYTES)
 
     async def _answer(self, name: str, handler: Handler, max_payload: int, remote: str,
@@ -463,7 +463,7 @@ class Swarm:
                                            f"{payload_deadline(n):.0f} s") from None
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             raise _Drop("truncated", "stream closed inside the payload", answer=False) from None
-        self.stats.bytes_in += n
+        self.stats.add(remote, n_in=n)
         try:
             reply, body = await handler(remote, header, payload)
             if self.membership.private:
@@ -557,10 +557,10 @@ class Swarm:
                 sending.cancel()  # done: no-op; still writing: the reply came first (a refusal)
                 sent = await asyncio.gather(sending, return_exceptions=True)
                 if sent[0] is None:
-                    self.stats.bytes_out += len(payload)
+                    self.stats.add(peer_id, n_out=len(payload))
             if writer is not None:
                 close_stream(writer)
-        self.stats.bytes_in += len(body)
+        self.stats.add(peer_id, n_in=len(body))
         if "error" in reply:
             if "denied" in reply:
                 raise AccessDenied(f"{peer_id[-8:]} refused {name}: {reply['error']}", str(reply["denied"]))

@@ -1,0 +1,110 @@
+"""Reachability (``p2pdiloco.net.reachability``): the rules by hand, and the dial-back check
+between real peers over loopback. Behind-NAT cases run in network namespaces:
+tests/internet/test_nat.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from p2pdiloco.errors import ProtocolError
+from p2pdiloco.net import reachability as reach
+from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
+from p2pdiloco.net.reachability import Reachability, daemon_options, listen_ports, observed_ip, relays_in
+
+from tests.conftest import swarms
+
+RELAY = "12D3KooWRe1ayRe1ayRe1ayRe1ayRe1ayRe1ayRe1ayRe1ayRe1a"
+ME = "12D3KooWMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMe"
+BOOT = "/ip4/203.0.113.10/tcp/31337/p2p/" + RELAY
+
+
+def test_daemon_options_per_mode():
+    assert daemon_options(None, True, [BOOT]) == {}  # library callers: p2pd decides, as before
+    assert daemon_options("auto", True, [BOOT]) == {"use_relay": True, "force_reachability": None,
+                                                    "use_auto_relay": True, "trusted_relays": [BOOT]}
+    assert daemon_options("private", True, []) == {"use_relay": True, "force_reachability": "private",
+                                                   "use_auto_relay": True, "trusted_relays": None}
+    # a public node serves relays (p2pd's relay service runs on public nodes) and reserves none
+    assert daemon_options("public", True, [BOOT]) == {"use_relay": True, "force_reachability": "public"}
+    assert daemon_options("private", False, [BOOT]) == {"use_relay": False, "force_reachability": "private"}
+
+
+def test_addresses_ports_relays_and_observed_ip():
+    maddrs = [f"/ip4/10.1.0.2/tcp/4001/p2p/{ME}", f"/ip4/127.0.0.1/tcp/4001/p2p/{ME}", "/ip4/10.1.0.2/udp/4001/quic",
+              f"/ip4/203.0.113.10/tcp/31337/p2p/{RELAY}/p2p-circuit/p2p/{ME}", "/ip6/::1/tcp/4002"]
+    assert listen_ports(maddrs) == [4001, 4002]  # the relay's port is not ours
+    assert relays_in(maddrs) == [RELAY]
+    assert relays_in(maddrs[:3]) == []
+    assert listen_ports([f"/ip4/1.2.3.4/tcp/{p}" for p in range(1, 10)]) == [1, 2, 3, 4]  # MAX_DIALBACK_PORTS
+    assert observed_ip([f"/ip4/203.0.113.10/tcp/1/p2p/{RELAY}/p2p-circuit", "/ip4/198.51.100.7/tcp/5"]) == "198.51.100.7"
+    assert observed_ip([f"/ip4/203.0.113.10/tcp/1/p2p/{RELAY}/p2p-circuit"]) is None
+    assert observed_ip(["/ip4/999.1.1.1/tcp/5", "/dns4/x/tcp/1"]) is None
+
+
+@pytest.mark.parametrize("mode, relay, verdict, maddrs, state, advice", [
+    ("auto", True, "unknown", ["/ip4/127.0.0.1/tcp/1"], "loopback only", False),
+    ("auto", True, "unknown", ["/ip4/8.8.8.8/tcp/1"], "direct", False),
+    ("auto", True, "unknown", ["/ip4/192.168.1.5/tcp/1"], "direct, private network only", False),
+    ("auto", True, "reachable", ["/ip4/203.0.113.11/tcp/1"], "public", False),
+    ("public", True, "unknown", ["/ip4/203.0.113.10/tcp/1"], "public", False),
+    ("auto", True, "unreachable", ["/ip4/10.1.0.2/tcp/1"], "behind NAT", True),
+    ("private", False, "unknown", ["/ip4/10.1.0.2/tcp/1"], "behind NAT", True),
+    ("private", True, "unreachable", ["/ip4/10.1.0.2/tcp/1", f"/ip4/203.0.113.10/tcp/1/p2p/{RELAY}/p2p-circuit"],
+     "relayed", False),
+])
+def test_state_and_advice(mode, relay, verdict, maddrs, state, advice):
+    r = Reachability(mode, relay, verdict, maddrs=maddrs)
+    assert r.state() == state
+    assert (r.advice() is not None) == advice
+    if advice:
+        assert ("relays are off" in r.advice()) == (not relay)
+    status = r.status(bytes_relayed=7)
+    assert status["state"] == state and status["check"] == verdict and status["bytes_relayed"] == 7
+    assert status["relays"] == ([RELAY] if state == "relayed" else [])
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_dialback_between_real_peers_on_loopback(monkeypatch, no_daemon_left):
+    """b asks a to dial it back: reachable at b's own port, seen as 127.0.0.1; a closed port is
+    not reachable; a second check within MIN_INTERVAL_S and a malformed request are refused
+    (answered as errors, nothing else happens); a checker that is gone gives "unknown"."""
+    async with swarms(3) as (a, b, c):
+        a_maddrs = await a.visible_maddrs()
+        assert await b.reach.check(b, a_maddrs) == "reachable"
+        assert b.reach.observed == "127.0.0.1" and b.reach.checked_by == [a.peer_id]
+        with pytest.raises(ProtocolError, match="busy"):
+            await b.call(a.peer_id, reach.RPC, {"ports": [1]}, timeout=10)
+        with pytest.raises(ProtocolError, match="ports"):
+            await c.call(a.peer_id, reach.RPC, {"ports": list(range(1, 100))}, timeout=10)
+        monkeypatch.setattr(reach, "MIN_INTERVAL_S", 0.0)
+        closed = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = closed.sockets[0].getsockname()[1]
+        closed.close()
+        await closed.wait_closed()
+        header, _ = await c.call(a.peer_id, reach.RPC, {"ports": [port]}, timeout=10)
+        assert header == {"observed": "127.0.0.1", "reachable": []}
+        gone = a_maddrs
+        await a.shutdown()
+        fresh = Reachability()
+        assert await fresh.check(c, gone) == "unknown" and fresh.checked_by == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_group_of_peers_that_cannot_deliver_their_state_does_not_make_a_node_late(no_daemon_left):
+    """b closed a group at a's version (its declaration under the key is closed): a is "late"
+    and would catch up with b's result. When b is among the peers a cannot fetch states from
+    (both behind NAT without a relay: ``StateSync.ignoring``), catching up is impossible, so a
+    merges on its own instead of waiting for a state it can never download."""
+    async with swarms(2) as (a, b):
+        key = GroupKey(0, 3, "c" * 64)
+        mm_a = Matchmaker(a, "run", 1)
+        await mm_a.start()
+        await b.store(key.dht_key("run"), b.peer_id, {"open": False, "t": b.clock.now()}, 60)
+        assert await mm_a.form_group(key, grace=0.5, quorum_timeout=2.0, expected=2) == ("late", None)
+        mm_a.undeliverable = lambda: {b.peer_id}
+        outcome, group = await mm_a.form_group(key, grace=0.5, quorum_timeout=2.0, expected=2)
+        assert outcome == "group" and group.members == (a.peer_id,)
