@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -28,7 +27,7 @@ import torch
 
 from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.learner import lr_at
-from p2pdiloco.core.outer import OUTER_STEP_RULE, FragmentState, nesterov_outer_step, round_fraction, run_tokens
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, run_tokens
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
@@ -41,27 +40,18 @@ from node.alone import AloneWatch
 from node.checkpoint import load_checkpoint, save_checkpoint
 from node.journal import FILE as JOURNAL_FILE
 from node.journal import Journal, save_round_trace
-from node.setup import Setup
+from node.setup import Setup, protocol_tag
 from node.stats import NodeStats, RoundRecord
 from node.training import TrainingLoop
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 2  # bump on any change of the RPC formats
 CATCHUP_SECONDS = 2.0
 PUBLISH_SECONDS = 5.0
 GATHER_POLL_SECONDS = 0.5
 ALONE_POLL_SECONDS = 2.0  # how often a training node checks whether it has merged with nobody for too long
 LEAVE_S = 2.5  # seconds from a stop request (SIGINT/SIGTERM) for rounds in flight to finish; then abandoned
 NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
-
-
-def protocol_tag(cfg, fragments) -> str:
-    """A short hash of the settings every group member must share and of the fragments' tensor names and shapes."""
-    out = cfg.outer
-    shared = (WIRE_VERSION, OUTER_STEP_RULE, repr(cfg.model), cfg.seed, out.fragments, out.wire_precision, out.lr,
-              out.momentum, out.sync_every, [[(s.name, s.shape) for s in f.slots] for f in fragments])
-    return hashlib.sha256(repr(shared).encode()).hexdigest()[:10]
 
 
 class Node:
@@ -74,9 +64,8 @@ class Node:
         self.journal = Journal(Path(self.cfg.data_dir) / JOURNAL_FILE if self.cfg.data_dir else None)
         out = self.cfg.outer
         self.grace = GraceWindow(tau=out.overlap, gamma=out.grace_gamma, minimum=out.grace_min, maximum=out.grace_max)
-        # Learners that would exchange bytes must agree on everything that shapes them: model,
-        # fragments, wire precision and outer optimizer. They only ever meet under this tag,
-        # so a mismatched peer is never matched, instead of crashing deep in a transfer.
+        # learners meet only under the tag of everything that shapes their bytes (protocol_tag):
+        # a mismatched peer is never matched, instead of crashing deep in a transfer
         tag = protocol_tag(self.cfg, setup.fragments)
         self.matchmaker = Matchmaker(swarm, f"{self.cfg.swarm.run_id}/{tag}", out.min_quorum, len(setup.fragments))
         trust = self.cfg.trust  # signed contributions (run and tag in every signature), robust merge
@@ -85,6 +74,7 @@ class Node:
                                      outliers=trust.outliers, outlier_factor=trust.outlier_factor, poison=trust.poison)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed,
                               on_event=self.journal.record, tag=tag)
+        self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
         self.training: TrainingLoop | None = None
@@ -110,7 +100,8 @@ class Node:
         self._resumed = False
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self._records_read = False  # whether the last read of the swarm's records succeeded
-        self._others_seen = 0  # other nodes of the run with our settings, in the last read of the records
+        self._others_seen: set[str] = set()  # other nodes of the run with our settings, in the last read of the records
+        self._stepped: set[int] = set()  # fragments with an own outer step from a round of ours (StateSync.own_step)
         self._swarm_step = 0  # inner step two other peers' records reach (one if it is the only other): _keep_schedule
         self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag)  # no silent solo
         self.done = False
@@ -225,6 +216,7 @@ class Node:
         # the step H steps of our own progress would make: a reference for the states we may follow (StateSync.own_step)
         self.sync.own_step(p, out.lr * (1 + out.momentum) * math.sqrt(sum(float(d.norm()) ** 2 for d in contrib.delta))
                            * out.sync_every / max(contrib.steps, out.sync_every))
+        self._stepped.add(p)
         try:
             anchor, records = await self._rebase_if_behind(p, anchor)
             expected = self._expected(p, anchor, records)
@@ -293,8 +285,7 @@ class Node:
                     self.stats.rounds_late += 1
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, outcome))
         except ContributionExcluded as e:
-            # the others merged without our progress: it stays with us, rebased on their state
-            # (not marked as ours: see _follow), and goes into our next round
+            # the others merged without our progress: kept, rebased on their state (not ours: _follow)
             self.stats.rounds_excluded += 1
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "excluded"))
             log.warning("round f%d v%d: our contribution was left out (%s); kept for the next round",
@@ -343,7 +334,9 @@ class Node:
 
     async def _alone_step(self) -> None:
         if self.training is not None and not self.done:
-            self.solo.check(self._others_seen, self.sync.other_settings())
+            # peers ignored for not delivering their state are nodes of the run too (behind NAT, say)
+            seen = len(self._others_seen | self.sync.ignoring().keys())
+            self.solo.check(seen, self.sync.other_settings(), self.swarm.reach.advice())
 
     def state_name(self) -> str:
         """The life-cycle state shown in status and published in the record: ``stats.state``,
@@ -398,7 +391,7 @@ class Node:
             return {}
         self._records_read = True
         self._live_learners = sum(1 for r in records.values() if not r.done)
-        self._others_seen = sum(1 for p in records if p != self.swarm.peer_id)
+        self._others_seen = {p for p in records if p != self.swarm.peer_id}
         steps = sorted((r.step for p, r in records.items() if p != self.swarm.peer_id), reverse=True)
         self._swarm_step = steps[1] if len(steps) > 1 else steps[0] if steps else self._swarm_step
         return records
@@ -427,6 +420,7 @@ class Node:
         """Follow every fragment the swarm holds newer (or, at equal version, the winning
         digest of a split brain, invariant I7). On joining, also take the swarm's inner step,
         so that the learning-rate schedule continues where the swarm is."""
+        await self._estimate_own_steps()
         records = await self._records()
         targets = self._targets(records)
         followed = []
@@ -460,6 +454,15 @@ class Node:
             self._joined = True
         if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
             self.stats.state = "training"
+
+    async def _estimate_own_steps(self) -> None:
+        """Before its first round of a fragment, its progress so far gives the node's own outer step
+        (``StateSync.own_step``: lr·(1 + μ)·‖Θ_p − θ_p‖), which bounds the states it may follow (without
+        it a node at a long H refused its peers' first state and isolated itself). An estimate."""
+        out, learner = self.cfg.outer, self.setup.learner
+        for p in range(len(self.committed)) if self.training is not None else ():
+            if p not in self._stepped and learner.counters(p)[1] > 0:
+                self.sync.own_step(p, out.lr * (1 + out.momentum) * await asyncio.to_thread(learner.progress_norm, p))
 
     async def _follow(self, p: int, head, records: dict[str, HeadsRecord], *,
                       initial: bool = False) -> FragmentState | None:
@@ -577,6 +580,7 @@ class Node:
             "loss": round(st.loss, 4) if st and math.isfinite(st.loss) else None,
             "rounds": tuple(self._round_ids),  # the round that made each fragment's state
             "merged": run_tokens(self.committed), "mine": int(self.stats.tokens_merged),
+            "reach": self.swarm.reach.state(),
         }
 
     async def _publish(self) -> None:

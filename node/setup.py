@@ -13,6 +13,7 @@ import torch.nn as nn
 from p2pdiloco.config import NodeConfig
 from p2pdiloco.core.fragments import Fragment, StaggeredSchedule, balanced_fragments
 from p2pdiloco.core.learner import Learner
+from p2pdiloco.core.outer import OUTER_STEP_RULE
 from p2pdiloco.data import (BatchSampler, EmptyShard, collect_text_files, default_corpus_files, heldout_batches,
                             load_corpus)
 from p2pdiloco.errors import ConfigError
@@ -21,6 +22,16 @@ from p2pdiloco.model import build_model
 from node.training import Dispatch, TrainingLoop
 
 log = logging.getLogger(__name__)
+
+WIRE_VERSION = 2  # bump on any change of the RPC formats
+
+
+def protocol_tag(cfg, fragments) -> str:
+    """A short hash of the settings every group member must share and of the fragments' tensor names and shapes."""
+    out = cfg.outer
+    shared = (WIRE_VERSION, OUTER_STEP_RULE, repr(cfg.model), cfg.seed, out.fragments, out.wire_precision, out.lr,
+              out.momentum, out.sync_every, [[(s.name, s.shape) for s in f.slots] for f in fragments])
+    return hashlib.sha256(repr(shared).encode()).hexdigest()[:10]
 
 
 def _mps() -> bool:

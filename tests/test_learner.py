@@ -98,6 +98,12 @@ def test_counters_and_pseudo_gradient_sign():
         param = dict(learner.model.named_parameters())[f0.slots[0].name]
         param.copy_(learner.global_states[0].theta[0] - 0.5)
     assert torch.allclose(learner.pseudo_gradient(0)[0], torch.full(f0.slots[0].shape, 0.5), atol=1e-6)
+    # progress_norm: the L2 norm over every slot of the fragment; by hand for the move above
+    with torch.no_grad():
+        for s, a in zip(f0.slots, learner.global_states[0].theta):
+            dict(learner.model.named_parameters())[s.name].copy_(a - 0.5)
+    count = sum(math.prod(s.shape) for s in f0.slots)
+    assert learner.progress_norm(0) == pytest.approx(0.5 * math.sqrt(count), rel=1e-5)
 
 
 def test_pseudo_gradient_does_not_alias():

@@ -181,6 +181,11 @@ class Learner:
         Source: arXiv 2604.21428 (pseudo-gradient). Raises ValueError on an unknown fragment."""
         return [a - _cpu32(q) for a, q in zip(self.global_states[self._check(p)].theta, self._params[p])]
 
+    def progress_norm(self, p: int) -> float:
+        """‖Δ_p‖₂ = ‖anchor Θ_p − θ_p‖ over all of fragment p's slots (fp32, a float): the size of
+        the local progress not yet merged. Raises ValueError on an unknown fragment."""
+        return math.sqrt(sum(float(d.norm()) ** 2 for d in self.pseudo_gradient(p)))
+
     def install(self, state: FragmentState, rebase: bool = False) -> None:
         """Adopt a new global state of fragment ``state.index`` as its anchor.
 
