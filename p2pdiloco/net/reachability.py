@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from p2pdiloco.errors import NetworkError, ProtocolError
-from p2pdiloco.net.records import MAX_DIALBACK_PORTS, parse_dialback_answer, parse_dialback_request
+from p2pdiloco.net.records import MAX_DIALBACK_PORTS, DialbackAnswer, parse_dialback_answer, parse_dialback_request
 
 if TYPE_CHECKING:
     from p2pdiloco.net.transport import Swarm
@@ -125,7 +125,7 @@ class Reachability:
         if not ports or not peers:
             return self.verdict
 
-        async def ask(peer: str) -> tuple[str, Any]:
+        async def ask(peer: str) -> tuple[str, DialbackAnswer | None]:
             try:
                 header, _ = await swarm.call(peer, RPC, {"ports": ports}, timeout=CALL_TIMEOUT_S, max_reply=0)
                 return peer, parse_dialback_answer(header)
