@@ -358,7 +358,7 @@ async def start_swarm(sw: SwarmConfig, trust: Any) -> Swarm:
     checked = swarm.reach
     await swarm.shutdown()
     swarm = await Swarm.start(**args, reachability="private")
-    swarm.reach = replace(checked, restarted=True)
+    swarm.reach = replace(checked, restarted=True, maddrs=await swarm.visible_maddrs())
     return swarm
 
 

@@ -74,7 +74,7 @@ class Node:
                                      outliers=trust.outliers, outlier_factor=trust.outlier_factor, poison=trust.poison)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed,
                               on_event=self.journal.record, tag=tag)
-        self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys()
+        self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
         self.training: TrainingLoop | None = None
@@ -461,7 +461,7 @@ class Node:
         it a node at a long H refused its peers' first state and isolated itself). An estimate."""
         out, learner = self.cfg.outer, self.setup.learner
         for p in range(len(self.committed)) if self.training is not None else ():
-            if p not in self._stepped and learner.counters(p)[1] > 0:
+            if p not in self._stepped and not self.sync.has_seen_steps(p) and learner.counters(p)[1] > 0:
                 self.sync.own_step(p, out.lr * (1 + out.momentum) * await asyncio.to_thread(learner.progress_norm, p))
 
     async def _follow(self, p: int, head, records: dict[str, HeadsRecord], *,

@@ -98,13 +98,56 @@ async def test_a_group_of_peers_that_cannot_deliver_their_state_does_not_make_a_
     """b closed a group at a's version (its declaration under the key is closed): a is "late"
     and would catch up with b's result. When b is among the peers a cannot fetch states from
     (both behind NAT without a relay: ``StateSync.ignoring``), catching up is impossible, so a
-    merges on its own instead of waiting for a state it can never download."""
-    async with swarms(2) as (a, b):
+    merges on its own instead of waiting for a state it can never download; a closer it can
+    fetch from (c) still makes it late."""
+    async with swarms(3) as (a, b, c):
         key = GroupKey(0, 3, "c" * 64)
         mm_a = Matchmaker(a, "run", 1)
         await mm_a.start()
         await b.store(key.dht_key("run"), b.peer_id, {"open": False, "t": b.clock.now()}, 60)
         assert await mm_a.form_group(key, grace=0.5, quorum_timeout=2.0, expected=2) == ("late", None)
         mm_a.undeliverable = lambda: {b.peer_id}
-        outcome, group = await mm_a.form_group(key, grace=0.5, quorum_timeout=2.0, expected=2)
+        outcome, group = await mm_a.form_group(key, grace=0.5, quorum_timeout=2.0, expected=3)
         assert outcome == "group" and group.members == (a.peer_id,)
+        # another closer whose state a can fetch: late again (it catches up from that one)
+        await c.store(key.dht_key("run"), c.peer_id, {"open": False, "t": c.clock.now()}, 60)
+        assert await mm_a.form_group(key, grace=0.5, quorum_timeout=2.0, expected=3) == ("late", None)
+
+
+class _Connections:
+    """The one call ``DialbackServer`` makes of its transport: every peer is connected from
+    127.0.0.1; answers wait until ``release`` is set (holds checks in flight)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def connections(self) -> dict[str, list[str]]:
+        await self.release.wait()
+        return {p: ["/ip4/127.0.0.1/tcp/5"] for p in PEERS}
+
+
+PEERS = [f"peer{i}" for i in range(40)]
+
+
+@pytest.mark.asyncio
+async def test_dialback_limits_concurrent_and_total_checks(monkeypatch):
+    """Checks from distinct peers (peer IDs cost nothing): at most MAX_CONCURRENT in flight,
+    counted before the handler's first await (six arriving together: four run, two are
+    refused busy), and at most MAX_PER_INTERVAL started per MIN_INTERVAL_S in all."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = _Connections()
+    dialback = reach.DialbackServer(transport)
+    calls = [asyncio.create_task(dialback(p, {"ports": [port]}, b"")) for p in PEERS[:6]]
+    done = await asyncio.gather(*calls[4:], return_exceptions=True)  # the two over the limit: refused at once
+    assert all(isinstance(e, ProtocolError) and "busy" in str(e) for e in done)
+    transport.release.set()
+    answers = await asyncio.gather(*calls[:4])
+    assert all(a == ({"observed": "127.0.0.1", "reachable": [port]}, b"") for a in answers)
+    # 4 started so far; 28 more fit in this interval, the next is refused
+    for p in PEERS[6:6 + reach.MAX_PER_INTERVAL - 4]:
+        await dialback(p, {"ports": [port]}, b"")
+    with pytest.raises(ProtocolError, match="busy"):
+        await dialback(PEERS[-1], {"ports": [port]}, b"")
+    server.close()
+    await server.wait_closed()

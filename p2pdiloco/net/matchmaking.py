@@ -11,8 +11,8 @@ joined), then answers every joiner with the same member list and round ID
 
 A learner that arrives after a group already closed at its version does not form a
 competing group (that would split the swarm's history); it reports ``late`` and the caller
-catches up with the group's result instead (unless the group's peers did not deliver states to it:
-``Matchmaker.undeliverable``; a node that cannot fetch their state goes on with its own).
+catches up with the group's result instead (unless it cannot fetch their state at all: a node
+behind NAT without a relay slot, ``Matchmaker.undeliverable``; it then goes on with its own).
 
 Trust (docs/trust.md): declarations and gathering announcements are DHT records under the
 declaring peer's own ID, so only that peer can write or overwrite them
@@ -121,8 +121,8 @@ class Matchmaker:
         self._gathering_max_age: float | None = None  # seconds an announcement of the run stays current
         self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
         self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
-        # peers whose states this node cannot fetch now (StateSync.ignoring: they did not deliver,
-        # e.g. both sides behind NAT): a group of theirs at our version does not make us "late"
+        # peers whose states this node cannot fetch now (the node sets it: StateSync.ignoring while
+        # it is behind NAT without a relay slot): a group of theirs at our version does not make us "late"
         self.undeliverable: Callable[[], Container[str]] = frozenset
 
     async def start(self) -> None:

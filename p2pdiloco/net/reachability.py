@@ -25,8 +25,8 @@ or that hold a connection to it. Relay limits are p2pd's defaults, which hivemin
 ``P2P.create`` cannot change: 128 reservations, 16 circuits per peer, each relayed
 connection reset after 30 min or 4 GiB each way (our RPCs then open a new one).
 
-Served checks are bounded: one per peer per ``MIN_INTERVAL_S``, ``MAX_CONCURRENT`` at once,
-at most ``records.MAX_DIALBACK_PORTS`` ports, each a single TCP connect with a
+Served checks are bounded: one per peer per ``MIN_INTERVAL_S``, ``MAX_CONCURRENT`` at once and
+``MAX_PER_INTERVAL`` per ``MIN_INTERVAL_S`` in all, at most ``records.MAX_DIALBACK_PORTS`` ports, each a single TCP connect with a
 ``CONNECT_TIMEOUT_S`` deadline, and only to the caller's own observed IP address (no
 third party can be made a target).
 """
@@ -60,7 +60,8 @@ CHECKERS = 3  # initial peers asked
 CALL_TIMEOUT_S = 10.0  # seconds for one peer's whole answer (its connects included)
 CONNECT_TIMEOUT_S = 3.0  # seconds for one TCP connect of a checker
 MIN_INTERVAL_S = 10.0  # a peer gets one check per this many seconds ...
-MAX_CONCURRENT = 4  # ... and at most this many checks run at once
+MAX_CONCURRENT = 4  # ... at most this many checks run at once ...
+MAX_PER_INTERVAL = 32  # ... and at most this many start per MIN_INTERVAL_S (peer IDs are free to make)
 MAX_REMEMBERED = 4096  # peers whose last check time is kept (oldest forgotten)
 RELAY_BOOT_DELAY_S = 180.0  # measured: autorelay's first reservation after the start
 
@@ -116,7 +117,15 @@ class Reachability:
 
     async def check(self, swarm: Swarm, initial_peers: Sequence[str]) -> Verdict:
         """Ask up to ``CHECKERS`` of ``initial_peers`` (multiaddrs with /p2p/) to dial us back
-        at our listening ports; sets :attr:`verdict`, :attr:`observed`, :attr:`checked_by`."""
+        at our listening ports; sets :attr:`verdict`, :attr:`observed`, :attr:`checked_by`. A
+        failure of the check itself (the daemon's answers) leaves the verdict ``unknown``."""
+        try:
+            return await self._check(swarm, initial_peers)
+        except Exception as e:  # informative only: the node runs without a verdict
+            log.info("dial-back check failed: %s", e)
+            return self.verdict
+
+    async def _check(self, swarm: Swarm, initial_peers: Sequence[str]) -> Verdict:
         self.maddrs = await swarm.visible_maddrs()
         ports = listen_ports(self.maddrs)
         peers = list(dict.fromkeys(m.rsplit("/p2p/", 1)[-1] for m in initial_peers if "/p2p/" in m))
@@ -221,17 +230,20 @@ class DialbackServer:
     async def __call__(self, peer: str, header: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
         ports = parse_dialback_request(header)
         now = time.monotonic()
-        if now - self.last.get(peer, -MIN_INTERVAL_S) < MIN_INTERVAL_S or self.running >= MAX_CONCURRENT:
-            raise ProtocolError(f"busy: one dial-back check per peer per {MIN_INTERVAL_S:g} s")
+        recent = sum(1 for t in self.last.values() if now - t < MIN_INTERVAL_S)  # at most MAX_REMEMBERED
+        if now - self.last.get(peer, -MIN_INTERVAL_S) < MIN_INTERVAL_S or self.running >= MAX_CONCURRENT \
+                or recent >= MAX_PER_INTERVAL:
+            raise ProtocolError(f"busy: one dial-back check per peer per {MIN_INTERVAL_S:g} s, "
+                                f"{MAX_CONCURRENT} at once, {MAX_PER_INTERVAL} per {MIN_INTERVAL_S:g} s")
         self.last[peer] = now
         self.last.move_to_end(peer)
         while len(self.last) > MAX_REMEMBERED:
             self.last.popitem(last=False)
-        ip = observed_ip((await self.swarm.connections()).get(peer, []))
-        if ip is None:
-            raise ProtocolError("no direct connection from you: cannot tell your address")
-        self.running += 1
+        self.running += 1  # counted before the first await: concurrent requests see it
         try:
+            ip = observed_ip((await self.swarm.connections()).get(peer, []))
+            if ip is None:
+                raise ProtocolError("no direct connection from you: cannot tell your address")
             opened = await asyncio.gather(*(_connects(ip, port) for port in ports))
         finally:
             self.running -= 1

@@ -231,14 +231,14 @@ class Swarm:
         await swarm.add_handler(DIALBACK, DialbackServer(swarm))
         swarm.reach = Reachability(reachability or "auto", relay)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
-        if admission_key is not None:
-            try:
+        try:  # on any failure, also cancellation (Ctrl+C), the daemon must not outlive us
+            if admission_key is not None:
                 await swarm.check_admission(admission_key)
-            except BaseException:
-                await swarm.shutdown()
-                raise
-        if reachability == "auto":
-            await swarm.reach.check(swarm, initial_peers)
+            if reachability == "auto":
+                await swarm.reach.check(swarm, initial_peers)
+        except BaseException:
+            await swarm.shutdown()
+            raise
         return swarm
 
     async def measure_clock(self) -> int:
@@ -280,12 +280,8 @@ class Swarm:
             raise AccessDenied(f"the swarm refused this node ({self.peer_id}): {refusal}", refusal.reason)
 
     async def hello(self, peer: str, timeout: float = 5.0) -> str:
-        """Ask ``peer`` whether it accepts us; returns its swarm's name.
-
-        Raises:
-            AccessDenied: ``peer`` refused us (we are not a member of its private swarm).
-            NetworkError: no answer.
-        """
+        """Ask ``peer`` whether it accepts us; returns its swarm's name. Raises AccessDenied
+        (``peer`` refused us: not a member of its private swarm) or NetworkError (no answer)."""
         reply, _ = await self.call(peer, "trust.hello", {}, timeout=timeout)
         return str(reply.get("swarm", "?"))
 
@@ -295,7 +291,10 @@ class Swarm:
 
     async def connections(self) -> dict[str, list[str]]:
         """Peer ID -> remote multiaddrs of the daemon's open connections to it."""
-        return {i.peer_id.to_base58(): [str(a) for a in i.addrs] for i in await self._p2p.list_peers()}
+        out: dict[str, list[str]] = {}
+        for info in await self._p2p.list_peers():  # one entry per connection
+            out.setdefault(info.peer_id.to_base58(), []).extend(str(a) for a in info.addrs)
+        return out
 
     # ---- DHT ----------------------------------------------------------------------------
     async def store(self, key: str, subkey: str, value: Any, ttl: float) -> bool:
