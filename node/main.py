@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -33,6 +33,9 @@ from node.control import ControlServer, start_metrics
 from node.runtime import Node
 from node.status_view import progress, swarm_rate
 from node.setup import Setup
+
+if TYPE_CHECKING:
+    from p2pdiloco.trust import NodeTrust
 
 log = logging.getLogger(__name__)
 
@@ -343,8 +346,8 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         await control.close()
 
 
-async def start_swarm(sw: SwarmConfig, trust: Any) -> Swarm:
-    """Start the node's transport (``swarm`` settings, ``trust``: a ``NodeTrust``). In
+async def start_swarm(sw: SwarmConfig, trust: NodeTrust) -> Swarm:
+    """Start the node's transport (``swarm`` settings, the node's identity and membership). In
     reachability ``auto`` a node that its initial peers could not dial back starts p2pd again
     forced private, to reserve a relay slot (``p2pdiloco.net.reachability``); the check's
     verdict stays in ``swarm.reach``. Raises what :meth:`Swarm.start` raises."""
