@@ -130,6 +130,10 @@ def run_phase(k: int, label: str, a: argparse.Namespace, values: dict[str, str],
         **{f"fourth_mbit_{k}": 8e-6 * delta(fourth, f"bytes_{k}") / max(1e-9, delta(fourth, "time")) for k in ("in", "out")},
         "bytes_relayed": {h: after[h].get("bytes_relayed", 0) for h in nodes},
         "bytes_relayed_window": {h: delta(h, "bytes_relayed") for h in nodes},
+        "link_measured_mbit": {h: 8e-6 * float(after[h].get("link_bytes_per_s") or 0) for h in nodes},
+        # the fourth node's part of each reduction (bandwidth-aware shares) in its last rounds with peers
+        "fourth_shares": [r.get("share", 0.0) for r in after[fourth].get("recent_rounds") or []
+                          if r.get("committed") and r.get("members", 0) > 1],
     })
     print(f"home_links: {label}: n1-n3 merged {out['fast_merged_per_s']:,.0f} tokens/s", flush=True)
     return out
@@ -201,7 +205,7 @@ def write(a: argparse.Namespace, results: dict[str, dict[str, Any]], failed: dic
     rows, summary = [], {}
     for label in a.phases:
         if label in failed:
-            rows.append([label] + ["failed"] + [""] * 7)
+            rows.append([label] + ["failed"] + [""] * 9)
             continue
         r = results[label]
         ratio = r["fast_merged_per_s"] / ref if ref else None
@@ -213,10 +217,11 @@ def write(a: argparse.Namespace, results: dict[str, dict[str, Any]], failed: dic
                      f"{f4['tokens_per_s']:,.0f} / {f4['merged_per_s']:,.0f}",
                      f"{r['fourth_rounds_with_peers']:.0f} ({r['fourth_rounds_total']})",
                      f"{r['fourth_mbit_in']:.2f} / {r['fourth_mbit_out']:.2f}",
-                     f"{r['bytes_relayed'][r['fourth']] / 1e6:.2f} MB", r["reachability"][r["fourth"]]])
+                     f"{r['bytes_relayed'][r['fourth']] / 1e6:.2f} MB", r["reachability"][r["fourth"]],
+                     f"{r['link_measured_mbit'][r['fourth']]:.1f}", _shares(r.get("fourth_shares") or [])])
     header = ["phase", "4th node", "n1-n3 merged tok/s", f"ratio (goal >= {GOAL:.2f})", "4th trained / merged tok/s",
               "4th rounds with peers in window (total)", "4th payload Mbit/s in / out", "4th bytes relayed",
-              "4th reachability"]
+              "4th reachability", "4th measured link Mbit/s", "4th share reduced (last rounds with peers)"]
     doc.table(header, rows)
     print("\n" + doc.sections[-1] + "\n", flush=True)
     lines = [f"Goal: with one node on {a.slow_mbit:g} Mbit/s, and with one node relayed, the fast nodes' merged "
@@ -235,6 +240,16 @@ def write(a: argparse.Namespace, results: dict[str, dict[str, Any]], failed: dic
     doc.write(m, seconds, {"settings": vars(a) | {"workdir": str(work)}, "results": results, "failed": failed,
                            "ratios": summary, "goal": GOAL})
     print(f"home_links: wrote {c.DOCS / 'home_links.md'} ({seconds / 60:.1f} min; logs in {work})", flush=True)
+
+
+def _shares(shares: list[float]) -> str:
+    """The fourth node's reduction shares, e.g. "0.00 x4, 0.25 x1" (equal shares in a group of 4: 0.25)."""
+    if not shares:
+        return "-"
+    counts: dict[str, int] = {}
+    for x in shares:
+        counts[f"{x:.2f}"] = counts.get(f"{x:.2f}", 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
 
 
 def why(a: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:

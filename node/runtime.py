@@ -253,8 +253,7 @@ class Node:
                 if self.committed[p].digest != anchor.digest:  # another state was installed meanwhile
                     self.stats.rounds_failed += 1
                     self._failed_round[p] = group.round_id  # its result holds our progress: see _follow
-                    self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, False,
-                                             "superseded"))
+                    self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, False, "superseded"))
                     log.warning("round f%d v%d merged, but fragment %d moved to v%d meanwhile: result dropped",
                                 p, new.version, p, self.committed[p].version)
                 else:
@@ -271,7 +270,8 @@ class Node:
                     # tokens are counted per fragment: a fragment carries 1/P of every token
                     self.stats.tokens_merged += contrib.tokens / len(self.committed)
                     self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True,
-                                             digest=new.short(), fraction=fraction))
+                                             digest=new.short(), fraction=fraction,
+                                             share=group.share_of(self.swarm.peer_id)))
                     log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version,
                              len(group.members), time.monotonic() - t0, new.short())
                     self._publish_now.set()

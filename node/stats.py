@@ -17,6 +17,7 @@ class RoundRecord:
     reason: str = ""
     digest: str = ""  # the committed state's (12 hex), else ""
     fraction: float = 0.0  # of an outer period, the step this round applied (round_fraction); committed only
+    share: float = 0.0  # of the fragment, the part this node reduced (bandwidth-aware shares); committed only
 
 
 @dataclass

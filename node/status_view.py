@@ -26,6 +26,11 @@ PRIVATE_HINT = ("only private-network addresses are announced: peers outside thi
 
 
 # ---- formatting -----------------------------------------------------------------------------
+def _link(rate: object) -> str:
+    """A measured link rate (bytes/s) in Mbit/s, or "not measured yet"."""
+    return f"{float(rate) * 8 / 1e6:.1f} Mbit/s" if isinstance(rate, (int, float)) and rate > 0 else "not measured yet"
+
+
 def fmt_num(x: Any, spec: str = ".3f") -> str:
     return "-" if not isinstance(x, (int, float)) or x != x else format(x, spec)
 
@@ -206,7 +211,8 @@ def node_lines(s: dict[str, Any]) -> Table:
         if s.get("allreduce"):
             g.add_row("all-reduce", ", ".join(f"{n} {k}" for k, n in s["allreduce"].items()))
         g.add_row("traffic", f"sent {fmt_bytes(s.get('bytes_out'))}   received {fmt_bytes(s.get('bytes_in'))}   "
-                             f"({s.get('rpc_calls', 0)} calls, {s.get('rpc_failed', 0)} failed)")
+                             f"({s.get('rpc_calls', 0)} calls, {s.get('rpc_failed', 0)} failed)   "
+                             f"link {_link(s.get('link_bytes_per_s'))}")
         if s.get("global_digest"):
             g.add_row("global digest", s["global_digest"])
     g.add_row("control", str(s.get("control_socket", "-")) + (f"   metrics {s['metrics']}" if s.get("metrics") else ""))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 __all__ = ["TensorSlot", "Fragment", "balanced_fragments", "assign_parts", "StaggeredSchedule"]
 
@@ -49,17 +50,21 @@ class Fragment:
         return [s.is_embedding for s in self.slots]
 
 
-def _greedy_pack(sizes: Sequence[int], num_buckets: int) -> list[list[int]]:
-    """Largest-first greedy packing of items (by position) into the lightest bucket.
+def _greedy_pack(sizes: Sequence[int], num_buckets: int, weights: Sequence[int] | None = None) -> list[list[int]]:
+    """Largest-first greedy packing of items (by position) into buckets.
 
-    Items are taken by decreasing size, ties by position; each goes into the currently
-    lightest bucket, ties to the lowest bucket index. Returns sorted item positions per bucket.
+    Items are taken by decreasing size, ties by position; each goes into the bucket whose load
+    after taking it, divided by the bucket's weight, is smallest (exact rational comparison),
+    ties to the lowest bucket index; a bucket of weight 0 takes nothing. Without ``weights``
+    (all 1) that is the currently lightest bucket. Returns sorted item positions per bucket.
     """
+    w = [1] * num_buckets if weights is None else list(weights)
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     load = [0] * num_buckets
     buckets: list[list[int]] = [[] for _ in range(num_buckets)]
+    open_ = [k for k in range(num_buckets) if w[k] > 0]
     for i in order:
-        b = min(range(num_buckets), key=lambda k: (load[k], k))
+        b = min(open_, key=lambda k: (Fraction(load[k] + sizes[i], w[k]), k))
         buckets[b].append(i)
         load[b] += sizes[i]
     return [sorted(b) for b in buckets]
@@ -103,18 +108,29 @@ def balanced_fragments(
     )
 
 
-def assign_parts(slots_numel: Sequence[int], num_members: int) -> tuple[tuple[int, ...], ...]:
+def assign_parts(slots_numel: Sequence[int], num_members: int,
+                 shares: Sequence[int] = ()) -> tuple[tuple[int, ...], ...]:
     """Split a fragment's tensors among the ``num_members`` reducers of an all-reduce group.
 
     slots_numel: element count per slot. Same greedy packing as ``balanced_fragments`` (ties by
     slot index); reducer r owns the sorted slot indices of tuple r, which may be empty when
-    there are fewer tensors than members. Raises ValueError if num_members < 1 or a numel < 0.
+    there are fewer tensors than members. ``shares``: one non-negative integer per member, the
+    part of the fragment each should reduce (bandwidth-aware rounds: the group leader's
+    ``net.balance.bandwidth_shares``, after hivemind's load balancing); each tensor goes to the
+    reducer whose load per share is then smallest, a member of share 0 reduces nothing (only
+    sends and receives, as hivemind's client mode). Empty: equal shares. Integers and exact
+    rationals only, so every member computes the same split.
+
+    Raises ValueError if num_members < 1, a numel < 0, or ``shares`` is not empty and not
+    ``num_members`` non-negative integers with a positive sum.
     """
     if num_members < 1:
         raise ValueError(f"num_members must be >= 1, got {num_members}")
     if any(n < 0 for n in slots_numel):
         raise ValueError("slot numels must be >= 0")
-    return tuple(tuple(b) for b in _greedy_pack(list(slots_numel), num_members))
+    if shares and (len(shares) != num_members or min(shares) < 0 or sum(shares) <= 0):
+        raise ValueError(f"shares must be {num_members} non-negative integers with a positive sum, got {shares}")
+    return tuple(tuple(b) for b in _greedy_pack(list(slots_numel), num_members, shares or None))
 
 
 @dataclass(frozen=True)

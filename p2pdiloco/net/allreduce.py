@@ -1,7 +1,9 @@
 """Butterfly all-reduce of one fragment's pseudo-gradients within a closed group, signed and robust.
 
 The fragment's tensors are split among the members with the same greedy balanced packing
-as fragments (``assign_parts``); member r reduces the tensors it owns. Every member sends
+as fragments (``assign_parts``), weighted by the group's shares (the leader's
+bandwidth-aware split, ``matchmaking.bandwidth_shares``; equal when the group has none);
+member r reduces the tensors it owns, a member of share 0 none. Every member sends
 each reducer its slice of the pseudo-gradient with its token and step counts, in one
 ``ar.reduce`` request. Whole tensors per reducer mean every norm of the radial-directional
 merge is computed by exactly one peer, and everyone receives the same bytes.
@@ -101,6 +103,7 @@ class _Round:
     digest: str
     members: tuple[str, ...]
     index: int  # this reducer's position in members
+    shares: tuple[int, ...]  # the group's all-reduce shares (() = equal)
     slots: tuple[int, ...]  # fragment slots this reducer merges
     creator: str = ""  # the member whose slice created this round here
     created: float = field(default_factory=time.monotonic)
@@ -160,11 +163,11 @@ class AllReducer:
 
     def _slice_bytes(self, group: Group, r: int) -> int:
         """Bytes of reducer r's merged slice in ``group`` on the wire."""
-        parts = self._parts(group.key.fragment, len(group.members))
+        parts = self._parts(group.key.fragment, len(group.members), group.shares)
         return wire.wire_nbytes(self._shapes(group.key.fragment, parts[r]), self.precision)
 
-    def _parts(self, fragment: int, n: int) -> tuple[tuple[int, ...], ...]:
-        return assign_parts([s.numel for s in self.fragments[fragment].slots], n)
+    def _parts(self, fragment: int, n: int, shares: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        return assign_parts([s.numel for s in self.fragments[fragment].slots], n, shares)
 
     # ---- signatures ------------------------------------------------------------------------
     def _sign(self, purpose: str, fields: list) -> bytes:
@@ -228,10 +231,10 @@ class AllReducer:
                                first / FRACTION_GRID, (me,))
         if self.poison:  # fault injection (benchmarks, tests): what is sent to the others
             contrib = self._poison(contrib)
-        parts = self._parts(frag, len(members))
+        parts = self._parts(frag, len(members), group.shares)
         reducers = [r for r in range(len(members)) if parts[r]]
         base = {"round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,
-                "members": list(members), "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
+                "members": list(members), "s": list(group.shares), "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
                 "pos": contrib.position, "k": self.swarm.identity.public_key}
 
         received: dict[int, torch.Tensor] = {}  # slot -> what the reducers decode from our slices
@@ -243,7 +246,7 @@ class AllReducer:
             fields = signing.contribution_fields(self.run_id, frag, group.key.version, group.key.digest,
                                                  group.round_id, members, r, contrib.tokens, contrib.steps,
                                                  contrib.span, contrib.position,
-                                                 self._digest(payload, signing_side=True))
+                                                 self._digest(payload, signing_side=True), group.shares)
             head, payload = self._outgoing(r, dict(base, r=r, sig=self._sign("ar.contrib", fields)), payload)
             if members[r] == me:
                 reply, body = await self._receive(me, head, payload)
@@ -394,7 +397,7 @@ class AllReducer:
             if len(pending) >= MAX_PENDING or \
                     sum(r.creator == peer for r in pending) >= MAX_PENDING_PER_PEER * len(self.fragments):
                 raise ProtocolError("too many open rounds")
-            slots = self._parts(req.fragment, len(members))[req.reducer]
+            slots = self._parts(req.fragment, len(members), req.shares)[req.reducer]
             if not slots:
                 raise ProtocolError("this member reduces no tensor in that round")
             if len(self._rounds) >= MAX_KEPT:  # bounded: forget the oldest decided rounds
@@ -402,12 +405,13 @@ class AllReducer:
                                   key=lambda r: r.created)[:len(self._rounds) - MAX_KEPT + 1]:
                     self._forget(old)
             rnd = self._rounds[req.round] = _Round(req.round, req.fragment, req.version, req.digest, members,
-                                                   req.reducer, slots, creator=peer)
+                                                   req.reducer, req.shares, slots, creator=peer)
             loop = asyncio.get_running_loop()
             loop.call_later(self.timeout, self._deadline, rnd)
             loop.call_later(self.timeout + KEEP_DECIDED_SECONDS, self._forget, rnd)
-        elif (rnd.members, rnd.fragment, rnd.version, rnd.digest) != (members, req.fragment, req.version, req.digest):
-            raise ProtocolError("request differs from the round's members, fragment, version or digest")
+        elif (rnd.members, rnd.shares, rnd.fragment, rnd.version, rnd.digest) != \
+                (members, req.shares, req.fragment, req.version, req.digest):
+            raise ProtocolError("request differs from the round's members, shares, fragment, version or digest")
         return rnd
 
     async def _receive(self, peer: str, head: Header, payload: bytes) -> tuple[Header, bytes]:
@@ -452,7 +456,7 @@ class AllReducer:
             return "wrong_key", []
         fields = signing.contribution_fields(self.run_id, rnd.fragment, rnd.version, rnd.digest, rnd.round_id,
                                              rnd.members, rnd.index, req.tokens, req.steps, req.span, req.position,
-                                             self._digest(payload, signing_side=False))
+                                             self._digest(payload, signing_side=False), rnd.shares)
         if not self._verify(peer, "ar.contrib", fields, req.signature):
             return "bad_signature", []
         if req.tokens < 0 or req.steps < 0 or req.span < 1 or req.position < 0:
@@ -536,7 +540,7 @@ class AllReducer:
         if rnd is None or peer not in rnd.members or req.reducer != rnd.index:
             raise ProtocolError("unknown or expired round")
         await rnd.decided.wait()
-        reducers = [r for r, slots in enumerate(self._parts(rnd.fragment, len(rnd.members))) if slots]
+        reducers = [r for r, slots in enumerate(self._parts(rnd.fragment, len(rnd.members), rnd.shares)) if slots]
         statements = {r: (c, n, h, sig) for r, c, n, h, sig in req.statements}
         if sorted(statements) != reducers or len(req.statements) != len(reducers):
             raise ProtocolError("phase-2 request does not hold one statement per reducer")

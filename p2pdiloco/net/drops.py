@@ -1,4 +1,4 @@
-"""Traffic counters (``transport.Swarm.stats``), and drop accounting and blocks for one
+"""Traffic counters and the link-rate estimate (``transport.Swarm.stats``), and drop accounting and blocks for one
 peer's inbound traffic (``transport.Swarm.drops``).
 
 Every inbound message that is not served (malformed, oversized, over a limit, too slow) is a
@@ -12,9 +12,10 @@ are forgotten first). Drops are logged at DEBUG only: a flood must not flood the
 from __future__ import annotations
 
 import logging
+import statistics
 import time
-from collections import Counter
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +24,40 @@ DROP_WINDOW_S = 60.0
 BLOCK_S = 60.0  # seconds the first block lasts; doubles with each further block
 BLOCK_MAX_S = 900.0
 MAX_DROP_PEERS = 1024  # peers remembered in DropLedger.dropped (the smallest counts are evicted)
+RATE_MIN_BYTES = 256 << 10  # payloads at least this large (bytes) are timed for the link rate
+RATE_SAMPLES = 16  # the link rate is the median of the last this many timed payloads ...
+RATE_MIN_SAMPLES = 3  # ... once there are this many ...
+RATE_MAX_AGE_S = 600.0  # ... younger than this (seconds)
+
+
+class LinkMeter:
+    """This node's link rate (bytes/s), measured on what it receives: the median rate of its
+    last ``RATE_SAMPLES`` inbound RPC payloads of at least ``RATE_MIN_BYTES`` (all-reduce
+    slices and merged slices, state downloads), each timed from its first to its last byte
+    (``framing.read_payload``). A payload arrives at the slower of the sender's uplink and
+    this node's downlink, so with most peers faster than this node the median is this node's
+    link; the median ignores the few payloads that sat in buffers while the node was busy.
+    Feeds the bandwidth-aware shares of all-reduce groups (``matchmaking.bandwidth_shares``)."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=RATE_SAMPLES)  # (monotonic s, bytes/s)
+
+    def add(self, n_bytes: int, seconds: float) -> None:
+        if n_bytes >= RATE_MIN_BYTES and seconds > 0:
+            self._samples.append((time.monotonic(), n_bytes / seconds))
+
+    def estimate(self) -> float | None:
+        """Bytes/second, or None with fewer than ``RATE_MIN_SAMPLES`` recent samples."""
+        now = time.monotonic()
+        rates = [r for t, r in self._samples if now - t <= RATE_MAX_AGE_S]
+        return statistics.median(rates) if len(rates) >= RATE_MIN_SAMPLES else None
 
 
 @dataclass
 class TrafficStats:
-    """RPC payload bytes this peer sent and received (headers not counted), calls made, and
-    the bytes of both directions with ``relayed`` peers (reached only through a relay)."""
+    """RPC payload bytes this peer sent and received (headers not counted), calls made, the
+    bytes of both directions with ``relayed`` peers (reached only through a relay), and the
+    link rate measured on inbound payloads (``link``)."""
 
     bytes_out: int = 0
     bytes_in: int = 0
@@ -36,9 +65,12 @@ class TrafficStats:
     calls_failed: int = 0
     bytes_relayed: int = 0
     relayed: frozenset[str] = frozenset()
+    link: LinkMeter = field(default_factory=LinkMeter)
 
-    def add(self, peer: str, n_in: int = 0, n_out: int = 0) -> None:
+    def add(self, peer: str, n_in: int = 0, n_out: int = 0, seconds: float = 0.0) -> None:
+        """Count payload bytes with ``peer``; ``seconds``: how long the ``n_in`` bytes took to arrive."""
         self.bytes_in, self.bytes_out = self.bytes_in + n_in, self.bytes_out + n_out
+        self.link.add(n_in, seconds)
         self.bytes_relayed += (n_in + n_out) if peer in self.relayed else 0
 
 

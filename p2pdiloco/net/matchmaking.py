@@ -6,8 +6,17 @@ Among the learners declared open under a key, the one whose peer ID hashes lowes
 key (``leader_rank``: sha256 of the DHT key and the peer ID) leads: the others send it a
 long-poll ``mm.join`` request; the leader closes the group once the
 minimum quorum K is reached and the grace window has passed (or everyone declared has
-joined), then answers every joiner with the same member list and round ID
-(Decoupled DiLoCo, arXiv 2604.21428, sec. 3: minimum quorum and grace window).
+joined), then answers every joiner with the same member list, round ID and all-reduce
+shares (Decoupled DiLoCo, arXiv 2604.21428, sec. 3: minimum quorum and grace window).
+
+Bandwidth-aware shares (:func:`bandwidth_shares`): every joiner reports its measured link
+rate (``drops.LinkMeter``, KiB/s) in its ``mm.join``; the leader splits the fragment among
+the members with hivemind's load balancing (``hivemind.averaging.load_balancing``: the split
+that minimises the slowest member's traffic over its rate, as hivemind's butterfly
+all-reduce does), so a member on a slow link reduces less or nothing and only sends its
+slices and receives the result. Rates count at most at the group's median, so a report
+can lower its author's share but never raise it above that of a member at the median rate
+(at most about 2/n of the fragment): lying buys no larger part of the merge.
 
 A learner that arrives after a group already closed at its version does not form a
 competing group (that would split the swarm's history); it reports ``late`` and the caller
@@ -46,11 +55,14 @@ import asyncio
 import hashlib
 import logging
 import secrets
+import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from hivemind.averaging.load_balancing import load_balance_peers
 
 from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
 from p2pdiloco.net import records as rec
@@ -88,6 +100,14 @@ class Group:
     members: tuple[str, ...]
     formed_in: float  # seconds from declaring to the group closing, on this member
     leader: str = ""  # the peer that closed it
+    shares: tuple[int, ...] = ()  # all-reduce share per member (core.fragments.assign_parts); () = equal
+
+    def share_of(self, peer: str) -> float:
+        """The part of the fragment's elements ``peer`` was given to reduce, in [0, 1] (its
+        share over their sum; 1/len(members) with equal shares). Raises ValueError for a
+        peer that is not a member."""
+        i = self.members.index(peer)
+        return self.shares[i] / sum(self.shares) if self.shares else 1 / len(self.members)
 
 
 def leader_rank(dht_key: str, peer: str) -> bytes:
@@ -95,10 +115,32 @@ def leader_rank(dht_key: str, peer: str) -> bytes:
     return hashlib.sha256(f"{dht_key}\x00{peer}".encode()).digest()
 
 
+def bandwidth_shares(rates: Sequence[float | None]) -> tuple[int, ...]:
+    """All-reduce shares of a group's members (integers summing to ``records.SHARE_GRID``)
+    from their link rates (bytes/s, same order; None: not measured).
+
+    Rates above the median of the measured ones count at the median; unmeasured
+    members count at the mean (hivemind's rule). The split is hivemind's
+    ``load_balance_peers``: a linear program minimising max_i (1 + (n - 2) x_i) / rate_i, the
+    traffic of member i in a butterfly all-reduce where it reduces the fraction x_i, over its
+    rate (``hivemind.averaging.load_balancing.optimize_parts_lp``). Returns ``()`` (equal
+    shares) for groups of 1 or 2 (every split moves the same bytes) or with fewer than two
+    measured rates. Only the leader calls it; members use the integers it sends.
+    """
+    known = [r for r in rates if r is not None and r > 0]
+    if len(rates) < 3 or len(known) < 2:
+        return ()
+    cap = statistics.median(known)
+    capped = [None if r is None or r <= 0 else min(float(r), cap) for r in rates]
+    shares = tuple(int(x) for x in load_balance_peers(rec.SHARE_GRID, capped))
+    return shares if sum(shares) == rec.SHARE_GRID and min(shares) >= 0 else ()
+
+
 @dataclass
 class _Gathering:
     key: GroupKey
     joiners: dict[str, asyncio.Future] = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)  # joiner -> its reported link rate (bytes/s)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
 
@@ -294,7 +336,9 @@ class Matchmaker:
         other joiners are redirected when the gathering ends (``_abdicate``)."""
         gathering.closed = True
         members = tuple(sorted({self.swarm.peer_id, *joined}))
-        group = Group(secrets.token_hex(8), gathering.key, members, time.monotonic() - t0, self.swarm.peer_id)
+        me, own = self.swarm.peer_id, self.swarm.stats.link.estimate()
+        shares = bandwidth_shares([own if m == me else gathering.rates.get(m) for m in members])
+        group = Group(secrets.token_hex(8), gathering.key, members, time.monotonic() - t0, me, shares)
         for peer in joined:
             fut = gathering.joiners[peer]
             if not fut.done():
@@ -310,7 +354,9 @@ class Matchmaker:
         gathering.joiners.clear()
 
     async def _join(self, leader: str, key: GroupKey, dht_key: str, timeout: float) -> Group | str:
-        request = {"f": key.fragment, "v": key.version, "d": key.digest}
+        rate = self.swarm.stats.link.estimate()
+        request = {"f": key.fragment, "v": key.version, "d": key.digest,
+                   "bw": min(rec.MAX_RATE_KIB, round(rate / 1024)) if rate else 0}
         try:
             reply, _ = await self.swarm.call(leader, "mm.join", request, timeout=timeout)
         except ProtocolError as e:
@@ -343,7 +389,7 @@ class Matchmaker:
             if ghosts:
                 self.swarm.ban(leader, f"led a group with {len(ghosts)} member(s) that never declared at its key")
                 return "gone"
-            return Group(answer.round, key, members, answer.formed_in, leader)
+            return Group(answer.round, key, members, answer.formed_in, leader, answer.shares)
         if answer.status == "redirect":
             await asyncio.sleep(POLL_SECONDS)  # let the DHT show the other leader
             return "redirect"
@@ -368,6 +414,8 @@ class Matchmaker:
         if old is not None and not old.done():
             old.set_result("redirect")
         gathering.joiners[peer] = fut
+        if request.bandwidth and (peer in gathering.rates or len(gathering.rates) < 4 * rec.MAX_GROUP):
+            gathering.rates[peer] = request.bandwidth * 1024.0
         gathering.arrived.set()
         try:
             async with asyncio.timeout(JOIN_HOLD_S):
@@ -378,5 +426,6 @@ class Matchmaker:
             if gathering.joiners.get(peer) is fut:
                 del gathering.joiners[peer]
         if isinstance(result, Group):
-            return {"members": list(result.members), "round": result.round_id, "t": result.formed_in}, b""
+            return {"members": list(result.members), "round": result.round_id, "t": result.formed_in,
+                    "s": list(result.shares)}, b""
         return {"status": "redirect"}, b""

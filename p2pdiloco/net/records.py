@@ -17,7 +17,9 @@ Bounds (module constants; far above anything an honest peer sends):
 * member lists: 1 to ``MAX_GROUP`` Ed25519 peer IDs, sorted, no duplicates;
 * counters (tokens, steps): ``0 <= n <= MAX_COUNT`` (2**53, exact in a float);
 * other numbers finite; names and states at most ``MAX_TEXT`` characters;
-* signatures 64 bytes, public keys 32 bytes.
+* signatures 64 bytes, public keys 32 bytes;
+* link rates (``mm.join``'s ``bw``): 0 to ``MAX_RATE_KIB`` KiB/s; all-reduce shares: one
+  integer in [0, ``SHARE_GRID``] per member, summing to 1 .. ``SHARE_GRID`` (or absent: equal).
 
 Integers must be ``int`` (not ``bool``, not ``float``): msgpack keeps the distinction, and
 an honest peer never sends a float where an integer belongs.
@@ -42,6 +44,8 @@ MAX_ROUND_ID = 64
 MAX_TEXT = 64
 MAX_COUNT = 2**53
 MAX_RECORD_KEYS = 32
+MAX_RATE_KIB = 2**32  # KiB/s: 4 TiB/s
+SHARE_GRID = 1000  # all-reduce shares are integers in [0, SHARE_GRID] (matchmaking.bandwidth_shares)
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -101,6 +105,20 @@ def members(x: Any) -> tuple[str, ...]:
     if not all(is_peer_id(m) for m in x):
         raise ProtocolError("members: not an Ed25519 peer ID")
     return tuple(x)
+
+
+def shares(x: Any, group_size: int) -> tuple[int, ...]:
+    """All-reduce shares of a group (``core.fragments.assign_parts``): absent (None) or empty
+    means equal shares, ``()``; else ``group_size`` integers in [0, SHARE_GRID] whose sum is
+    in [1, SHARE_GRID]. The length is checked before the items."""
+    if x is None or x == []:
+        return ()
+    if not isinstance(x, list) or len(x) != group_size:
+        raise ProtocolError(f"shares: expected a list of {group_size} integers")
+    out = tuple(_int(v, "share", 0, SHARE_GRID) for v in x)
+    if not 1 <= sum(out) <= SHARE_GRID:
+        raise ProtocolError(f"shares: the sum must be in [1, {SHARE_GRID}]")
+    return out
 
 
 def _map(value: Any, what: str) -> dict:
@@ -246,34 +264,40 @@ def parse_declaration(value: Any) -> bool:
 # ---- RPC messages ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class JoinRequest:
-    """``mm.join``: the (fragment, version, digest) the joiner wants to merge at."""
+    """``mm.join``: the (fragment, version, digest) the joiner wants to merge at, and its
+    measured link rate ``bandwidth`` in KiB/s (``drops.LinkMeter``; 0: not measured yet)."""
 
     fragment: int
     version: int
     digest: str
+    bandwidth: int = 0
 
 
 def parse_join_request(header: Any, num_fragments: int) -> JoinRequest:
     h = _map(header, "join request")
-    return JoinRequest(fragment(h.get("f"), num_fragments), version(h.get("v")), digest(h.get("d")))
+    return JoinRequest(fragment(h.get("f"), num_fragments), version(h.get("v")), digest(h.get("d")),
+                       _int(h.get("bw", 0), "bandwidth", 0, MAX_RATE_KIB))
 
 
 @dataclass(frozen=True)
 class JoinAnswer:
-    """A leader's answer to ``mm.join``: a closed group (``members`` and ``round``), or a
-    ``status`` of "redirect" (another peer leads) or "closed"."""
+    """A leader's answer to ``mm.join``: a closed group (``members``, ``round`` and the
+    members' all-reduce ``shares``, see :func:`shares`), or a ``status`` of "redirect"
+    (another peer leads) or "closed"."""
 
     status: str
     members: tuple[str, ...] = ()
     round: str = ""
     formed_in: float = 0.0
+    shares: tuple[int, ...] = ()
 
 
 def parse_join_answer(header: Any) -> JoinAnswer:
     h = _map(header, "join answer")
     if "members" in h:
-        return JoinAnswer("group", members(h["members"]), round_id(h.get("round")),
-                          max(0.0, _finite(h.get("t", 0.0), "t")))
+        group = members(h["members"])
+        return JoinAnswer("group", group, round_id(h.get("round")), max(0.0, _finite(h.get("t", 0.0), "t")),
+                          shares(h.get("s"), len(group)))
     status = h.get("status")
     if status not in ("redirect", "closed"):
         raise ProtocolError("join answer: neither a group nor a status")
@@ -330,7 +354,8 @@ class ReduceRequest:
         spans (``Learner.span``; signed; values < 1 parse, rejected as ``bad_counters``
         too); position: its schedule position (``Learner.step``; signed; negative values
         parse, rejected as ``bad_counters``); key: its raw Ed25519 public key (32 bytes);
-        signature: 64 bytes over ``signing.contribution_fields``.
+        signature: 64 bytes over ``signing.contribution_fields``; shares: the group's
+        all-reduce shares (:func:`shares`; ``()``: equal).
     """
 
     round: str
@@ -345,6 +370,7 @@ class ReduceRequest:
     position: int
     key: bytes
     signature: bytes
+    shares: tuple[int, ...] = ()
 
 
 def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
@@ -355,7 +381,7 @@ def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
         group, _int(h.get("r"), "reducer", 0, len(group) - 1), _int(h.get("tokens"), "tokens", -MAX_COUNT),
         _int(h.get("steps"), "steps", -MAX_COUNT), _int(h.get("span"), "span", -MAX_COUNT),
         _int(h.get("pos"), "position", -MAX_COUNT), _bytes(h.get("k"), "key", 32),
-        _bytes(h.get("sig"), "signature", 64))
+        _bytes(h.get("sig"), "signature", 64), shares(h.get("s"), len(group)))
 
 
 @dataclass(frozen=True)

@@ -456,13 +456,13 @@ class Swarm:
             raise _Drop("too_large", f"{name} payload of {n} bytes exceeds the limit of {max_payload}")
         try:
             async with asyncio.timeout(payload_deadline(n)):
-                payload = await read_payload(reader, n)
+                t0, payload = time.monotonic(), await read_payload(reader, n)
         except TimeoutError:
             raise _Drop("payload_timeout", f"payload of {n} bytes not received within "
                                            f"{payload_deadline(n):.0f} s") from None
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             raise _Drop("truncated", "stream closed inside the payload", answer=False) from None
-        self.stats.add(remote, n_in=n)
+        self.stats.add(remote, n_in=n, seconds=time.monotonic() - t0)
         try:
             reply, body = await handler(remote, header, payload)
             if self.membership.private:
@@ -539,7 +539,8 @@ class Swarm:
                     self.drop(peer_id, "reply_too_large")
                     raise ProtocolError(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of "
                                         f"{max_reply}")
-                body = await read_payload(reader, n)
+                t0, body = time.monotonic(), await read_payload(reader, n)
+                received = time.monotonic() - t0
         except ProtocolError:
             self.stats.calls_failed += 1
             raise
@@ -559,7 +560,7 @@ class Swarm:
                     self.stats.add(peer_id, n_out=len(payload))
             if writer is not None:
                 close_stream(writer)
-        self.stats.add(peer_id, n_in=len(body))
+        self.stats.add(peer_id, n_in=len(body), seconds=received)
         if "error" in reply:
             if "denied" in reply:
                 raise AccessDenied(f"{peer_id[-8:]} refused {name}: {reply['error']}", str(reply["denied"]))

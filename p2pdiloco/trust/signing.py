@@ -80,10 +80,11 @@ def sha256(data: bytes) -> bytes:
 
 def contribution_fields(run: str, fragment: int, version: int, digest: str, round_id: str,
                         members: Sequence[str], reducer: int, tokens: int, steps: int, span: int,
-                        position: int, payload_sha256: bytes) -> list[Any]:
-    """Fields of an ``ar.contrib`` signature, in order."""
+                        position: int, payload_sha256: bytes, shares: Sequence[int] = ()) -> list[Any]:
+    """Fields of an ``ar.contrib`` signature, in order (``shares``: the group's all-reduce
+    shares, which decide the slots of the slice; empty for equal shares)."""
     return [run, fragment, version, digest, round_id, list(members), reducer, tokens, steps, span, position,
-            payload_sha256]
+            payload_sha256, list(shares)]
 
 
 def merged_fields(run: str, fragment: int, version: int, digest: str, round_id: str, reducer: int,
