@@ -17,7 +17,7 @@ from test_trust_net import FRAGMENT, KEY, SHAPES, delta, expected_merge
 from p2pdiloco.core.fragments import assign_parts
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net import records as rec
-from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult
+from p2pdiloco.net.allreduce import MAX_ROUND_WAIT_S, AllReducer, Contribution, RoundResult, round_wait
 from p2pdiloco.net.drops import RATE_MIN_BYTES, LinkMeter
 from p2pdiloco.net.matchmaking import Matchmaker, bandwidth_shares
 from p2pdiloco.trust.identity import Identity
@@ -64,6 +64,26 @@ def test_link_meter_takes_the_median_of_large_recent_payloads():
     for seconds in (1.0, 2.0, 0.001):  # the last one sat in a buffer: the median ignores it
         meter.add(RATE_MIN_BYTES, seconds)
     assert meter.estimate() == RATE_MIN_BYTES / 1.0
+    # deadlines: a transfer is held to the ceiling, or to this node's own rate shared among
+    # its transfers in flight when that is slower (256 KiB/s own, 4 downloads: 64 KiB/s each)
+    assert meter.held_to(1 << 20) == RATE_MIN_BYTES and meter.held_to(1 << 20, ways=4) == RATE_MIN_BYTES / 4
+    assert meter.held_to(1024) == 1024 and LinkMeter().held_to(1024, ways=8) == 1024
+
+
+def test_round_wait_scales_with_payload_over_the_slowest_link():
+    mib = 1 << 20
+    # 1 MiB fragment, 4 members at 1024 KiB/s, equal shares: a member moves 1 + 2/4 = 1.5 MiB
+    # each way, 1.5 s; x3 slack = 4.5 s, below the 10 s liveness timeout
+    assert round_wait(10.0, mib, (), (1024,) * 4) == 10.0
+    # one member at 64 KiB/s and share 0 moves 1 MiB: 16 s, x3 = 48 s; the fast ones
+    # (share 1/3: 1 + 2/3 MiB at 1024 KiB/s, 1.67 s) do not set it
+    assert round_wait(10.0, mib, (334, 333, 333, 0), (1024, 1024, 1024, 64)) == 48.0
+    # the same member with an equal share would move 1.5 MiB: 72 s
+    assert round_wait(10.0, mib, (), (1024, 1024, 1024, 64)) == 72.0
+    # unknown rates (0) do not count; none known, a lone member, or absurd rates: bounded
+    assert round_wait(10.0, mib, (), (0, 0, 1024, 0)) == 10.0
+    assert round_wait(10.0, mib, (), ()) == round_wait(10.0, mib, (), (5,)) == 10.0
+    assert round_wait(10.0, 1 << 40, (), (1, 1)) == MAX_ROUND_WAIT_S
 
 
 def test_share_and_rate_fields_are_bounded():
@@ -73,6 +93,10 @@ def test_share_and_rate_fields_are_bounded():
     for bad in ([1001], [0], [500, 500], [True], "x", [1.0]):
         with pytest.raises(ProtocolError):
             rec.parse_join_answer(dict(answer, s=bad))
+    assert rec.parse_join_answer(dict(answer, bw=[6104])).rates == (6104,)
+    for bad in ([-1], [2**33], [1, 2], [None]):
+        with pytest.raises(ProtocolError):
+            rec.parse_join_answer(dict(answer, bw=bad))
     req = {"f": 0, "v": 1, "d": "ab" * 32}
     assert rec.parse_join_request(dict(req, bw=1024), 4).bandwidth == 1024
     assert rec.parse_join_request(req, 4).bandwidth == 0
@@ -119,8 +143,9 @@ async def test_a_slow_member_only_sends_and_receives_and_the_group_agrees():
         outcomes = await asyncio.gather(*(m.form_group(KEY, grace=3.0, quorum_timeout=10.0, expected=4) for m in mms))
         groups = [g for _, g in outcomes]
         assert [o for o, _ in outcomes] == ["group"] * 4
-        assert len({(g.members, g.shares, g.round_id) for g in groups}) == 1
+        assert len({(g.members, g.shares, g.rates, g.round_id) for g in groups}) == 1
         group = groups[0]
+        assert group.rates[group.members.index(slow)] == round(SLOW / 1024)
         assert len(group.members) == 4 and sum(group.shares) == rec.SHARE_GRID
         assert group.shares[group.members.index(slow)] == 0
         assert all(group.shares[i] > 0 for i, p in enumerate(group.members) if p != slow)

@@ -28,10 +28,11 @@ the bytes; they compute the round's fraction of a period from those counters and
 anchor's ledger (``core.outer.round_fraction``, invariant I9).
 
 Agreement (invariants I1, I2: every member reaches the same result or none). A reducer
-answers once every member's slice is accepted or rejected, or ``timeout`` seconds after the
-round's first slice (missing members are then left out, reason ``missing``); a slice that
-arrives after that gets the same answer. Each reducer sends one statement to all members,
-so every member that hears from every reducer sees the same statements:
+answers once every member's slice is accepted or rejected, or :func:`round_wait` seconds
+after the round's first slice (``timeout``, longer when the link rates the leader put in the
+group predict a slower transfer; missing members are then left out, reason ``missing``); a
+slice that arrives after that gets the same answer. Each reducer sends one statement to all
+members, so every member that hears from every reducer sees the same statements:
 
 * all reducers used the same contributor set S: phase 1 is the result;
 * otherwise (a slice rejected or missing at one reducer only, an outlier dropped at one
@@ -91,6 +92,27 @@ POISONS = ("", "scale", "flip", "nan", "mix")
 MAX_PENDING = 256  # undecided rounds one reducer holds at most
 MAX_PENDING_PER_PEER = 2  # ... of which one member may have opened at most this many per fragment
 MAX_KEPT = 1024  # rounds (decided or not) held at most; the oldest decided are forgotten first
+TRANSFER_SLACK = 3.0  # a round may take this many times the transfer time its link rates predict ...
+MAX_ROUND_WAIT_S = 600.0  # ... but at most this long (seconds)
+
+
+def round_wait(timeout: float, fragment_bytes: int, shares: Sequence[int], rates: Sequence[int]) -> float:
+    """Seconds a reducer waits for missing slices after a round's first (deadlines scale with
+    payload size over bandwidth): ``timeout`` (the node's liveness timeout), or longer when
+    the members' link ``rates`` (KiB/s as the leader had them, 0: unknown; ``Group.rates``)
+    predict a slower transfer: ``TRANSFER_SLACK`` x max_m S·(1 + (n − 2)·x_m) / rate_m, the
+    bytes member m moves in one direction when it reduces the fraction x_m (``shares``; 1/n
+    when empty) of a fragment of S bytes on the wire (hivemind's load-balancing model), at
+    most ``MAX_ROUND_WAIT_S``. The same inputs give the same value on every member (plain
+    IEEE double arithmetic), so members and reducers agree on it.
+    """
+    n = len(rates)
+    if n < 2 or not any(rates):
+        return timeout
+    total = sum(shares) if shares else n
+    x = [s / total for s in shares] if shares else [1 / n] * n
+    slowest = max(fragment_bytes * (1 + (n - 2) * xm) / (1024 * r) for xm, r in zip(x, rates) if r > 0)
+    return min(MAX_ROUND_WAIT_S, max(timeout, TRANSFER_SLACK * slowest))
 
 
 @dataclass
@@ -104,6 +126,7 @@ class _Round:
     members: tuple[str, ...]
     index: int  # this reducer's position in members
     shares: tuple[int, ...]  # the group's all-reduce shares (() = equal)
+    rates: tuple[int, ...]  # the members' link rates in the group (KiB/s; () = unknown): set the deadline
     slots: tuple[int, ...]  # fragment slots this reducer merges
     creator: str = ""  # the member whose slice created this round here
     created: float = field(default_factory=time.monotonic)
@@ -150,11 +173,11 @@ class AllReducer:
         if poison:
             log.warning("this node sends POISONED pseudo-gradients (trust.poison=%s): benchmarks and tests only", poison)
         self._rounds: dict[str, _Round] = {}
+        self._fragment_bytes = [wire.wire_nbytes([s.shape for s in f.slots], precision) for f in self.fragments]
         self.stats = AllReduceStats()
 
     async def start(self) -> None:
-        biggest = max(wire.wire_nbytes([s.shape for s in f.slots], self.precision) for f in self.fragments)
-        await self.swarm.add_handler("ar.reduce", self._on_reduce, max_payload=biggest)
+        await self.swarm.add_handler("ar.reduce", self._on_reduce, max_payload=max(self._fragment_bytes))
         await self.swarm.add_handler("ar.final", self._on_final, max_payload=0)
 
     def _shapes(self, fragment: int, slots: Sequence[int]) -> list[tuple[int, ...]]:
@@ -165,6 +188,16 @@ class AllReducer:
         """Bytes of reducer r's merged slice in ``group`` on the wire."""
         parts = self._parts(group.key.fragment, len(group.members), group.shares)
         return wire.wire_nbytes(self._shapes(group.key.fragment, parts[r]), self.precision)
+
+    def _wait(self, fragment: int, shares: Sequence[int], rates: Sequence[int]) -> float:
+        """:func:`round_wait` for a round of ``fragment`` (seconds)."""
+        return round_wait(self.timeout, self._fragment_bytes[fragment], shares, rates)
+
+    def _call_timeout(self, group: Group) -> float:
+        """Seconds a member waits for a reducer's answer: the reducers' wait, then as long
+        again as the wait exceeds ``timeout`` (the merged slices travel back), plus 5 s."""
+        wait = self._wait(group.key.fragment, group.shares, group.rates)
+        return 2 * wait - self.timeout + 5
 
     def _parts(self, fragment: int, n: int, shares: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         return assign_parts([s.numel for s in self.fragments[fragment].slots], n, shares)
@@ -234,8 +267,9 @@ class AllReducer:
         parts = self._parts(frag, len(members), group.shares)
         reducers = [r for r in range(len(members)) if parts[r]]
         base = {"round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,
-                "members": list(members), "s": list(group.shares), "tokens": contrib.tokens, "steps": contrib.steps, "span": contrib.span,
-                "pos": contrib.position, "k": self.swarm.identity.public_key}
+                "members": list(members), "s": list(group.shares), "bw": list(group.rates), "tokens": contrib.tokens,
+                "steps": contrib.steps, "span": contrib.span, "pos": contrib.position,
+                "k": self.swarm.identity.public_key}
 
         received: dict[int, torch.Tensor] = {}  # slot -> what the reducers decode from our slices
 
@@ -253,8 +287,8 @@ class AllReducer:
                 if "error" in reply:
                     raise RoundFailed(f"own reducer part: {reply['error']}")
             else:
-                reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload, timeout=self.timeout + 5,
-                                                    max_reply=len(payload))
+                reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload,
+                                                    timeout=self._call_timeout(group), max_reply=len(payload))
             contributors, counters = self._check_answer(group, r, 1, reply, body)
             return r, contributors, counters, reply["sig"], body
 
@@ -324,7 +358,7 @@ class AllReducer:
             if group.members[r] == me:
                 reply, body = await self._finalize(me, head)
             else:
-                reply, body = await self.swarm.call(group.members[r], "ar.final", head, timeout=self.timeout + 5,
+                reply, body = await self.swarm.call(group.members[r], "ar.final", head, timeout=self._call_timeout(group),
                                                     max_reply=self._slice_bytes(group, r))
             contributors, counters = self._check_answer(group, r, 2, reply, body)
             if contributors != common:
@@ -405,12 +439,13 @@ class AllReducer:
                                   key=lambda r: r.created)[:len(self._rounds) - MAX_KEPT + 1]:
                     self._forget(old)
             rnd = self._rounds[req.round] = _Round(req.round, req.fragment, req.version, req.digest, members,
-                                                   req.reducer, req.shares, slots, creator=peer)
+                                                   req.reducer, req.shares, req.rates, slots, creator=peer)
+            wait = self._wait(req.fragment, req.shares, req.rates)
             loop = asyncio.get_running_loop()
-            loop.call_later(self.timeout, self._deadline, rnd)
-            loop.call_later(self.timeout + KEEP_DECIDED_SECONDS, self._forget, rnd)
-        elif (rnd.members, rnd.shares, rnd.fragment, rnd.version, rnd.digest) != \
-                (members, req.shares, req.fragment, req.version, req.digest):
+            loop.call_later(wait, self._deadline, rnd)
+            loop.call_later(wait + KEEP_DECIDED_SECONDS, self._forget, rnd)
+        elif (rnd.members, rnd.shares, rnd.rates, rnd.fragment, rnd.version, rnd.digest) != \
+                (members, req.shares, req.rates, req.fragment, req.version, req.digest):
             raise ProtocolError("request differs from the round's members, shares, fragment, version or digest")
         return rnd
 

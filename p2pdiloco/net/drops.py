@@ -46,6 +46,13 @@ class LinkMeter:
         if n_bytes >= RATE_MIN_BYTES and seconds > 0:
             self._samples.append((time.monotonic(), n_bytes / seconds))
 
+    def held_to(self, ceiling: float, ways: int = 1) -> float:
+        """The rate (bytes/s) a transfer may be held to: ``ceiling``, or this node's measured
+        link rate split ``ways`` ways (transfers in flight) when that is slower, so that a node
+        on a slow link gives its peers longer deadlines rather than blaming them."""
+        own = self.estimate()
+        return ceiling if own is None else min(ceiling, own / max(1, ways))
+
     def estimate(self) -> float | None:
         """Bytes/second, or None with fewer than ``RATE_MIN_SAMPLES`` recent samples."""
         now = time.monotonic()

@@ -101,6 +101,7 @@ class Group:
     formed_in: float  # seconds from declaring to the group closing, on this member
     leader: str = ""  # the peer that closed it
     shares: tuple[int, ...] = ()  # all-reduce share per member (core.fragments.assign_parts); () = equal
+    rates: tuple[int, ...] = ()  # link rate per member as the leader had it (KiB/s, 0 = unknown); () = none known
 
     def share_of(self, peer: str) -> float:
         """The part of the fragment's elements ``peer`` was given to reduce, in [0, 1] (its
@@ -337,8 +338,10 @@ class Matchmaker:
         gathering.closed = True
         members = tuple(sorted({self.swarm.peer_id, *joined}))
         me, own = self.swarm.peer_id, self.swarm.stats.link.estimate()
-        shares = bandwidth_shares([own if m == me else gathering.rates.get(m) for m in members])
-        group = Group(secrets.token_hex(8), gathering.key, members, time.monotonic() - t0, me, shares)
+        rates = [own if m == me else gathering.rates.get(m) for m in members]
+        kib = tuple(min(rec.MAX_RATE_KIB, round(r / 1024)) if r else 0 for r in rates)
+        group = Group(secrets.token_hex(8), gathering.key, members, time.monotonic() - t0, me,
+                      bandwidth_shares(rates), kib if any(kib) else ())
         for peer in joined:
             fut = gathering.joiners[peer]
             if not fut.done():
@@ -389,7 +392,7 @@ class Matchmaker:
             if ghosts:
                 self.swarm.ban(leader, f"led a group with {len(ghosts)} member(s) that never declared at its key")
                 return "gone"
-            return Group(answer.round, key, members, answer.formed_in, leader, answer.shares)
+            return Group(answer.round, key, members, answer.formed_in, leader, answer.shares, answer.rates)
         if answer.status == "redirect":
             await asyncio.sleep(POLL_SECONDS)  # let the DHT show the other leader
             return "redirect"
@@ -427,5 +430,5 @@ class Matchmaker:
                 del gathering.joiners[peer]
         if isinstance(result, Group):
             return {"members": list(result.members), "round": result.round_id, "t": result.formed_in,
-                    "s": list(result.shares)}, b""
+                    "s": list(result.shares), "bw": list(result.rates)}, b""
         return {"status": "redirect"}, b""

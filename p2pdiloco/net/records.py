@@ -121,6 +121,16 @@ def shares(x: Any, group_size: int) -> tuple[int, ...]:
     return out
 
 
+def rates(x: Any, group_size: int) -> tuple[int, ...]:
+    """Members' link rates as the leader had them (KiB/s, 0: unknown): absent or empty is
+    ``()``, else ``group_size`` integers in [0, MAX_RATE_KIB]."""
+    if x is None or x == []:
+        return ()
+    if not isinstance(x, list) or len(x) != group_size:
+        raise ProtocolError(f"rates: expected a list of {group_size} integers")
+    return tuple(_int(v, "rate", 0, MAX_RATE_KIB) for v in x)
+
+
 def _map(value: Any, what: str) -> dict:
     if not isinstance(value, dict) or len(value) > MAX_RECORD_KEYS:
         raise ProtocolError(f"{what}: expected a map of at most {MAX_RECORD_KEYS} fields")
@@ -281,15 +291,16 @@ def parse_join_request(header: Any, num_fragments: int) -> JoinRequest:
 
 @dataclass(frozen=True)
 class JoinAnswer:
-    """A leader's answer to ``mm.join``: a closed group (``members``, ``round`` and the
-    members' all-reduce ``shares``, see :func:`shares`), or a ``status`` of "redirect"
-    (another peer leads) or "closed"."""
+    """A leader's answer to ``mm.join``: a closed group (``members``, ``round``, the members'
+    all-reduce ``shares``, see :func:`shares`, and link ``rates``, see :func:`rates`), or a
+    ``status`` of "redirect" (another peer leads) or "closed"."""
 
     status: str
     members: tuple[str, ...] = ()
     round: str = ""
     formed_in: float = 0.0
     shares: tuple[int, ...] = ()
+    rates: tuple[int, ...] = ()
 
 
 def parse_join_answer(header: Any) -> JoinAnswer:
@@ -297,7 +308,7 @@ def parse_join_answer(header: Any) -> JoinAnswer:
     if "members" in h:
         group = members(h["members"])
         return JoinAnswer("group", group, round_id(h.get("round")), max(0.0, _finite(h.get("t", 0.0), "t")),
-                          shares(h.get("s"), len(group)))
+                          shares(h.get("s"), len(group)), rates(h.get("bw"), len(group)))
     status = h.get("status")
     if status not in ("redirect", "closed"):
         raise ProtocolError("join answer: neither a group nor a status")
@@ -355,7 +366,8 @@ class ReduceRequest:
         too); position: its schedule position (``Learner.step``; signed; negative values
         parse, rejected as ``bad_counters``); key: its raw Ed25519 public key (32 bytes);
         signature: 64 bytes over ``signing.contribution_fields``; shares: the group's
-        all-reduce shares (:func:`shares`; ``()``: equal).
+        all-reduce shares (:func:`shares`; ``()``: equal); rates: the members' link rates in
+        the group (:func:`rates`), which set the round's deadline.
     """
 
     round: str
@@ -371,6 +383,7 @@ class ReduceRequest:
     key: bytes
     signature: bytes
     shares: tuple[int, ...] = ()
+    rates: tuple[int, ...] = ()
 
 
 def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
@@ -381,7 +394,7 @@ def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
         group, _int(h.get("r"), "reducer", 0, len(group) - 1), _int(h.get("tokens"), "tokens", -MAX_COUNT),
         _int(h.get("steps"), "steps", -MAX_COUNT), _int(h.get("span"), "span", -MAX_COUNT),
         _int(h.get("pos"), "position", -MAX_COUNT), _bytes(h.get("k"), "key", 32),
-        _bytes(h.get("sig"), "signature", 64), shares(h.get("s"), len(group)))
+        _bytes(h.get("sig"), "signature", 64), shares(h.get("s"), len(group)), rates(h.get("bw"), len(group)))
 
 
 @dataclass(frozen=True)

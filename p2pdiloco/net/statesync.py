@@ -46,7 +46,8 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   Source: the same median-norm bound as the robust merge (``core.merge.robust_merge``;
   Yin et al., arXiv 1803.01498), applied to outer steps.
 * **Deliver or be ignored.** A holder that does not deliver the state it claims (no answer
-  within the deadline: ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``) gets a strike; one that
+  within the deadline: ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``, or over this node's own
+  measured link rate shared by its downloads in flight when slower) gets a strike; one that
   does not even begin its answer within :meth:`StateSync.first_reply_s` (a few times this
   node's recent transfer times: a staller costs a fraction of a second, not the transfer's
   deadline) gets one too, or from the second time in a row if it delivered to us before; other
@@ -80,7 +81,7 @@ import torch
 
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FragmentState, fragment_digest
-from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError, StateSyncError
+from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, ProtocolError, StateSyncError
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
 from p2pdiloco.net.records import HeadsRecord
@@ -464,20 +465,23 @@ class StateSync:
         """Seconds a holder has to begin its answer to ``state.get`` once the stream is open
         (``Swarm.call``'s ``first_reply``): ``FIRST_REPLY_FACTOR`` × the slowest of the last
         ``FOLLOW_HISTORY`` successful downloads (whole transfers, dialing included, so an upper
-        bound of their first replies), within [``FIRST_REPLY_MIN_S``, ``STATE_TIMEOUT_S``];
-        ``FIRST_REPLY_S`` before any download succeeded. An honest holder answers about one
-        round trip after the request (it serves a committed state from memory); one that says
-        nothing is caught at this deadline instead of at the transfer's."""
+        bound of their first replies), within [``FIRST_REPLY_MIN_S``, ``STATE_TIMEOUT_S``] (the
+        bound x MIN_RATE / ``LinkMeter.held_to`` on a slower own link); ``FIRST_REPLY_S`` before
+        any download succeeded. An honest holder answers about one round trip after the request
+        (it serves a committed state from memory); a silent one is caught here, not at the end."""
         if not self._took:
             return FIRST_REPLY_S
-        return min(STATE_TIMEOUT_S, max(FIRST_REPLY_MIN_S, FIRST_REPLY_FACTOR * max(self._took)))
+        cap = STATE_TIMEOUT_S * MIN_RATE / self.swarm.stats.link.held_to(MIN_RATE, len(self._pending))
+        return min(cap, max(FIRST_REPLY_MIN_S, FIRST_REPLY_FACTOR * max(self._took)))
 
     async def download(self, fragment: int, head: Head, *, timeout: float | None = None,
                        joining: bool = False) -> FragmentState:
         """Fetch ``fragment`` at ``head`` from one of its holders, trying them in turn, starting
         at a holder picked by this node's peer ID and the fragment index (round-robin), so
         newcomers spread over donors and one newcomer spreads its fragments over them.
-        ``timeout`` (seconds per holder) defaults to ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``.
+        ``timeout`` (seconds per holder) defaults to ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``
+        (or over this node's measured link rate shared by its downloads in flight when slower:
+        ``LinkMeter.held_to``).
         ``joining``: this node is joining the swarm; the request says so (``"join"``).
         Concurrent calls for the same head share one transfer.
 
@@ -508,7 +512,7 @@ class StateSync:
 
     async def _download(self, fragment: int, head: Head, timeout: float | None, joining: bool) -> FragmentState:
         if timeout is None:
-            timeout = STATE_TIMEOUT_S + self.state_bytes(fragment) / MIN_RATE
+            timeout = STATE_TIMEOUT_S + self.state_bytes(fragment) / self.swarm.stats.link.held_to(MIN_RATE, len(self._pending))
         donors = sorted(p for p in head.holders if p != self.swarm.peer_id)
         if donors:
             start = (int.from_bytes(hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "big") + fragment) % len(donors)
@@ -520,19 +524,13 @@ class StateSync:
             t0 = time.monotonic()
             try:
                 state = await self._fetch(donor, fragment, timeout, joining)
-            except PeerUnreachable as e:
+            except (NetworkError, StateSyncError) as e:
                 self.failed_downloads += 1
                 # silence past the whole deadline strikes at once; past the first-reply deadline
                 # too, unless the holder delivered to us before (that deadline adapts to this
                 # machine's recent transfers: one busy moment of a known donor is forgiven)
                 self._strike(donor, f"did not deliver fragment {fragment} v{head.version}: {e}",
                              hard=isinstance(e, PeerTimeout) and not (isinstance(e, PeerSilent) and donor in self._donors))
-                last = str(e)
-                self._failed(fragment, head.version, donor, e)
-                continue
-            except (NetworkError, StateSyncError) as e:
-                self.failed_downloads += 1
-                self._strike(donor, f"did not deliver fragment {fragment} v{head.version}: {e}", hard=False)
                 last = str(e)
                 self._failed(fragment, head.version, donor, e)
                 continue

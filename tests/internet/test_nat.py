@@ -81,20 +81,23 @@ def internet():
         yield net
 
 
-@pytest.mark.timeout(720)
+@pytest.mark.timeout(1000)
 def test_nodes_behind_nat_train_with_a_public_node_through_the_bootstrap_relay(internet, harness):
     """boot (bootstrap peer, relay) and pub on the public segment, h1 and h2 behind two NAT
     routers, all with default settings: pub's dial-back check says public; h1's and h2's say
     unreachable, they restart p2pd forced private and reserve a slot on boot (and on pub, a
     public node that serves as a relay too once p2pd finds itself public); their status turns
-    "relayed" naming boot. All three train one run: rounds with peers on every node,
-    traffic with a peer reached through the relay counted, equal final digests."""
+    "relayed" naming boot. Then h1's router resets every TCP connection (its relay slot and
+    every relayed and direct connection break, rounds and downloads in flight fail) until h1
+    has no connection left: h1 reserves a slot again and merges with peers again. All three
+    train one run: rounds with peers on every node, traffic with a peer reached through the
+    relay counted, equal final digests."""
     hosts = Hosts(internet, harness)
     maddr = hosts.bootstrap("boot")
     boot_id = maddr.rsplit("/p2p/", 1)[1]
     settings = {**TINY, "settle": "25", "alone_after": "600"}
     nodes = {h: hosts.node(h, maddr, {**settings, **({"swarm.announce": f"/dns4/{PUB_NAME}/tcp/4001"} if h == "pub"
-                                                      else {})}, duration=300) for h in ("pub", "h1", "h2")}
+                                                      else {})}, duration=540) for h in ("pub", "h1", "h2")}
     for h in ("h1", "h2"):
         d = nodes[h][1]
 
@@ -104,8 +107,26 @@ def test_nodes_behind_nat_train_with_a_public_node_through_the_bootstrap_relay(i
 
         wait_for(relayed, 280, lambda d=d, h=h: f"{h} relayed through the bootstrap peer: {_status(d).get('reach')}",
                  every=2, tick=harness.track_daemons)
+    d1 = nodes["h1"][1]
+    wait_for(lambda: _status(d1).get("rounds_with_peers", 0) > 0, 120, lambda: f"h1 merging: {_status(d1)}", every=1,
+             tick=harness.track_daemons)
+    handle = internet.reset_tcp("h1")
+    try:
+        wait_for(lambda: _status(d1).get("connections") == 0, 90, lambda: f"h1 cut off: {_status(d1).get('connections')}",
+                 every=0.5, tick=harness.track_daemons)
+        cut = _status(d1)
+    finally:
+        internet.restore_tcp("h1", handle)
+
+    def back() -> bool:
+        s = _status(d1)
+        return s.get("reachability") == "relayed" and s.get("rounds_with_peers", 0) >= cut["rounds_with_peers"] + 2
+
+    wait_for(back, 300, lambda: f"h1 relayed and merging again: {_status(d1).get('reach')}, "
+                                f"{_status(d1).get('rounds_with_peers')} rounds with peers", every=2,
+             tick=harness.track_daemons)
     for h, (proc, d) in nodes.items():
-        assert harness.wait(proc, 300, d / "node.log") == 0, (d / "node.log").read_text()[-3000:]
+        assert harness.wait(proc, 540, d / "node.log") == 0, (d / "node.log").read_text()[-3000:]
     reports = {h: read_report(d) for h, (_, d) in nodes.items()}
     pub = reports["pub"]["reach"]
     assert reports["pub"]["reachability"] == "public" and pub["check"] == "reachable"

@@ -246,6 +246,20 @@ class Internet:
                 run_cmd(self.exec_prefix(where) + ["tc", "qdisc", "add", "dev", dev, "root", "tbf",
                                                    "rate", f"{rate:g}mbit", "burst", "32kbit", "latency", "400ms"])
 
+    def reset_tcp(self, home: str) -> int:
+        """Make ``home``'s router answer every forwarded TCP segment with a reset (both
+        directions): its open connections break at their next segment, new ones are refused.
+        Returns the rule's handle for :meth:`restore_tcp`."""
+        out = run_cmd(self.exec_prefix("r" + home[1:]) + ["nft", "--echo", "--handle", "insert", "rule", "ip", "filter",
+                                                           "forwarding", "meta", "l4proto", "tcp", "reject", "with",
+                                                           "tcp", "reset"])
+        return int(re.search(r"# handle (\d+)", out).group(1))
+
+    def restore_tcp(self, home: str, handle: int) -> None:
+        """Remove the rule :meth:`reset_tcp` inserted."""
+        run_cmd(self.exec_prefix("r" + home[1:]) + ["nft", "delete", "rule", "ip", "filter", "forwarding", "handle",
+                                                     str(handle)])
+
     def _ipn(self, name: str, *args: str) -> None:
         """``ip -n <ns of name> args...``"""
         run_cmd(["ip", "-n", self.ns(name), *args])
