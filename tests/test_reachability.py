@@ -65,6 +65,14 @@ def test_state_and_advice(mode, relay, verdict, maddrs, state, advice):
     assert status["relays"] == ([RELAY] if state == "relayed" else [])
 
 
+def test_a_lost_relay_slot_is_said_with_its_remedy():
+    r = Reachability("private", True, "unreachable", maddrs=["/ip4/10.1.0.2/tcp/1"], lost_relay=True)
+    status = r.status(bytes_relayed=0)
+    assert status["state"] == "behind NAT" and status["lost_relay"] is True and "restart the node" in status["advice"]
+    r.maddrs.append(f"/ip4/203.0.113.10/tcp/1/p2p/{RELAY}/p2p-circuit")  # holds a slot again: nothing to advise
+    assert r.state() == "relayed" and r.advice() is None
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_dialback_between_real_peers_on_loopback(monkeypatch, no_daemon_left):

@@ -114,6 +114,7 @@ class Reachability:
     restarted: bool = False  # p2pd was restarted forced private after the check
     maddrs: list[str] = field(default_factory=list)  # announced addresses, last read
     relayed_peers: frozenset[str] = frozenset()  # peers connected to us only through a relay
+    lost_relay: bool = False  # held a relay slot, then lost it (its connection was reset)
 
     async def check(self, swarm: Swarm, initial_peers: Sequence[str]) -> Verdict:
         """Ask up to ``CHECKERS`` of ``initial_peers`` (multiaddrs with /p2p/) to dial us back
@@ -155,7 +156,13 @@ class Reachability:
         """Re-read the announced addresses (a relay reservation adds ``/p2p-circuit`` ones)
         and which peers reach us only through a relay (their traffic is counted as relayed);
         returns the number of peers connected now."""
-        self.maddrs = await swarm.visible_maddrs(latest=True)
+        had, self.maddrs = relays_in(self.maddrs), await swarm.visible_maddrs(latest=True)
+        if had and not relays_in(self.maddrs):
+            self.lost_relay = True
+            log.warning("lost the relay slot on %s: peers cannot dial this node until it gets one again",
+                        ", ".join(r[-8:] for r in had))
+        elif relays_in(self.maddrs):
+            self.lost_relay = False
         conns = await swarm.connections()
         self.relayed_peers = frozenset(p for p, addrs in conns.items()
                                        if addrs and all("/p2p-circuit" in a for a in addrs))
@@ -186,6 +193,10 @@ class Reachability:
         if not self.relay:
             return ("peers cannot dial this node and relays are off (swarm.relay = false): it merges only with peers "
                     "it can dial itself; turn relays on, or forward a port and set swarm.announce")
+        if self.lost_relay:
+            return ("this node lost its relay slot (the connection to the relay was reset) and libp2p's autorelay "
+                    "may not reserve one again for a long while: it merges only with peers it can dial itself; "
+                    "restart the node to reserve a new slot, or forward a port and set swarm.announce")
         return (f"peers cannot dial this node yet: it asked its initial peers for a relay slot (the first comes "
                 f"about {RELAY_BOOT_DELAY_S:.0f} s after the start); until then it merges only with peers it can "
                 "dial itself. A forwarded port with swarm.announce avoids the relay")
@@ -193,13 +204,13 @@ class Reachability:
     def status(self, bytes_relayed: int, maddrs: Sequence[str] | None = None) -> dict[str, Any]:
         """JSON-able: ``state`` (:meth:`state`), ``mode``, ``relay`` (relays on), ``check``
         (the dial-back verdict), ``observed`` (IP), ``checked_by`` (peer IDs), ``relays``
-        (peer IDs of our relays), ``relayed_peers`` (count), ``bytes_relayed`` (RPC payload
+        (peer IDs of our relays), ``lost_relay`` (a slot it held is gone), ``relayed_peers`` (count), ``bytes_relayed`` (RPC payload
         bytes, both directions, with peers reached only through a relay), ``advice``;
         ``maddrs``: the announced addresses (default: as last read)."""
         maddrs = list(self.maddrs if maddrs is None else maddrs)
         return {"state": self.state(maddrs), "mode": self.mode, "relay": self.relay, "check": self.verdict,
                 "observed": self.observed, "checked_by": list(self.checked_by), "restarted": self.restarted,
-                "relays": relays_in(maddrs), "relayed_peers": len(self.relayed_peers),
+                "relays": relays_in(maddrs), "lost_relay": self.lost_relay, "relayed_peers": len(self.relayed_peers),
                 "bytes_relayed": bytes_relayed, "advice": self.advice(maddrs)}
 
 

@@ -89,9 +89,11 @@ def test_nodes_behind_nat_train_with_a_public_node_through_the_bootstrap_relay(i
     public node that serves as a relay too once p2pd finds itself public); their status turns
     "relayed" naming boot. Then h1's router resets every TCP connection (its relay slot and
     every relayed and direct connection break, rounds and downloads in flight fail) until h1
-    has no connection left: h1 reserves a slot again and merges with peers again. All three
-    train one run: rounds with peers on every node, traffic with a peer reached through the
-    relay counted, equal final digests."""
+    has no connection left: h1 merges with peers again, and its status says it lost its relay
+    slot (go-libp2p's autorelay backs off from relays it failed to reserve with while the
+    router reset everything; p2pd has no setting for that) unless it holds one again. All
+    three train one run: rounds with peers on every node, traffic with a peer reached through
+    the relay counted, equal final digests."""
     hosts = Hosts(internet, harness)
     maddr = hosts.bootstrap("boot")
     boot_id = maddr.rsplit("/p2p/", 1)[1]
@@ -120,9 +122,10 @@ def test_nodes_behind_nat_train_with_a_public_node_through_the_bootstrap_relay(i
 
     def back() -> bool:
         s = _status(d1)
-        return s.get("reachability") == "relayed" and s.get("rounds_with_peers", 0) >= cut["rounds_with_peers"] + 2
+        said = s.get("reachability") == "relayed" or (s.get("reach") or {}).get("lost_relay")
+        return said and s.get("rounds_with_peers", 0) >= cut["rounds_with_peers"] + 2
 
-    wait_for(back, 300, lambda: f"h1 relayed and merging again: {_status(d1).get('reach')}, "
+    wait_for(back, 300, lambda: f"h1 merging again, saying how it is reachable: {_status(d1).get('reach')}, "
                                 f"{_status(d1).get('rounds_with_peers')} rounds with peers", every=2,
              tick=harness.track_daemons)
     for h, (proc, d) in nodes.items():
@@ -133,7 +136,10 @@ def test_nodes_behind_nat_train_with_a_public_node_through_the_bootstrap_relay(i
     assert pub["observed"] == internet.ip("pub") and pub["checked_by"] == [boot_id] and pub["advice"] is None
     for h in ("h1", "h2"):
         r = reports[h]["reach"]
-        assert reports[h]["reachability"] == "relayed" and boot_id in r["relays"], r  # pub may relay too
+        if h == "h1" and r["lost_relay"]:  # its slot went with the reset and was not reserved again
+            assert reports[h]["reachability"] == "behind NAT" and "restart the node" in r["advice"], r
+        else:
+            assert reports[h]["reachability"] == "relayed" and boot_id in r["relays"], r  # pub may relay too
         assert r["check"] == "unreachable" and r["observed"] == internet.public_ip(h) and r["restarted"], r
     for h, report in reports.items():
         assert report["rounds_with_peers"] > 0, (h, report["recent_rounds"])
