@@ -5,10 +5,9 @@ the training thread hands over Δ_p with its token and step counts and the ancho
 computed against; the node forms a group of learners at the same (version, digest) through
 the DHT, all-reduces the contributions with the token-weighted merge, applies the Nesterov
 outer step to the anchor, commits the new state (version + 1) and delivers it to the
-training thread, which overwrites θ_p. A failed round commits nothing (I2). A node that
-finds the swarm ahead downloads the newer state, verifies it, and rebases its unsent local
-progress on top of it (I3): θ_p ← Θ_p(new) − (Θ_p(old) − θ_p), counters kept, so that
-progress is contributed at the next round instead of being dropped.
+training thread, which overwrites θ_p. A failed round commits nothing (I2). A node that finds
+the swarm ahead downloads the newer state, verifies it, and rebases its unsent local progress
+on it (I3): θ_p ← Θ_p(new) − (Θ_p(old) − θ_p), counters kept, contributed at the next round.
 """
 
 from __future__ import annotations
@@ -46,11 +45,11 @@ from node.training import TrainingLoop
 
 log = logging.getLogger(__name__)
 
-CATCHUP_SECONDS = 2.0
-PUBLISH_SECONDS = 5.0
+CATCHUP_SECONDS, PUBLISH_SECONDS = 2.0, 5.0  # how often a node catches up with the swarm, and republishes
 GATHER_POLL_SECONDS = 0.5
 ALONE_POLL_SECONDS = 2.0  # how often a training node checks whether it has merged with nobody for too long
 LEAVE_S = 2.5  # seconds from a stop request (SIGINT/SIGTERM) for rounds in flight to finish; then abandoned
+SETTLE_CONFIRM_S = 2.0  # seconds the swarm must stay done and agreed before a settling node leaves
 NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
 
 
@@ -177,19 +176,20 @@ class Node:
             self.training.stop.set()
 
     async def _settle(self, timeout: float) -> None:
-        """Keep serving until every node of the run that we can see is done and holds the same
-        state as we do (or ``timeout`` seconds), catching up with the newest states, so a
-        node that still needs to download can find a donor."""
-        end = time.monotonic() + timeout
+        """Serve and catch up until every node we see is done and holds our state for ``SETTLE_CONFIRM_S``
+        (or ``timeout``) seconds, so a node that still needs to download finds a donor."""
+        end, agreed_at = time.monotonic() + timeout, math.inf
         while time.monotonic() < end:
             await self._publish()
             records = await self._records()
             await self._catch_up()
-            done = all(r.done for r in records.values())
             mine = tuple((st.version, st.digest) for st in self.committed)
-            agreed = all(r.fragments == mine for r in records.values())
-            if done and agreed and not self._in_flight:
-                break  # everyone stopped and holds the same state: nobody needs us to serve
+            if all(r.done and r.fragments == mine for r in records.values()) and not self._in_flight:
+                agreed_at = min(agreed_at, time.monotonic())  # a last round elsewhere shows within the wait
+                if time.monotonic() - agreed_at >= SETTLE_CONFIRM_S:
+                    break
+            else:
+                agreed_at = math.inf
             await asyncio.sleep(1.0)
         await self._catch_up()
 
