@@ -72,7 +72,10 @@ def _num(x: Any, ndigits: int = 4) -> float | None:
 
 class SwarmView:
     """The swarm as this node last read it from the DHT (``{run}/heads``), refreshed every
-    few seconds by :meth:`refresh_forever`; read by status, metrics and the live view."""
+    few seconds by :meth:`refresh_forever`; read by status, metrics and the live view. A node
+    left without any connection (its router reset them all, its link was down) dials its
+    initial peers again at every refresh until one answers (``Swarm.rejoin``): neither p2pd nor
+    the DHT does by itself; ``rejoins`` counts the refreshes that brought a peer back."""
 
     REFRESH_SECONDS = 5.0
 
@@ -80,6 +83,7 @@ class SwarmView:
         self.records: dict[str, Any] | None = None
         self.read_at: float | None = None
         self.connections: int | None = None
+        self.rejoins = 0
 
     async def refresh_forever(self, node: Node, swarm: Swarm) -> None:
         while True:
@@ -92,6 +96,9 @@ class SwarmView:
                 self.connections = await swarm.reach.refresh(swarm)
             except Exception as e:  # the daemon's answer is informative only
                 log.debug("swarm view: connections and addresses: %s", e)
+            if self.connections == 0 and swarm.initial_peers and await swarm.rejoin():
+                self.rejoins += 1
+                log.warning("lost every connection; dialled the initial peers again and rejoined the swarm")
             await asyncio.sleep(self.REFRESH_SECONDS)
 
     def summary(self, committed: list, me: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -135,6 +142,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
     return {
         "name": node.setup.name, "run_id": node.cfg.swarm.run_id, "peer_id": swarm.peer_id, "maddrs": maddrs,
         "reachability": swarm.reach.state(maddrs), "connections": view.connections if view else None,
+        "rejoins": view.rejoins if view else 0,
         "reach": swarm.reach.status(swarm.stats.bytes_relayed, maddrs), "bytes_relayed": swarm.stats.bytes_relayed,
         "pid": os.getpid(), "p2pd_pid": swarm.daemon_pid, "state": node.state_name(),
         "alone": None if node.solo.alone is None else {"reason": node.solo.alone.reason,

@@ -216,6 +216,22 @@ async def start_dht(p2p: P2P, initial_peers: Sequence[str], bootstrap_timeout: f
     return dht
 
 
+async def rejoin_dht(dht: DHTNode, initial_peers: Sequence[str]) -> int:
+    """Ping the peers of ``initial_peers`` (multiaddrs with /p2p/) from ``dht`` with hivemind's
+    ``DHTProtocol.call_ping``, as ``DHTNode.create`` does to join: p2pd dials each again from
+    its peerstore, and each that answers is back in the routing table. For a node that lost
+    every connection (a router that reset them, a link down a while): neither the DHT nor
+    p2pd rejoins by itself. Returns how many answered; never raises."""
+    peers = {m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m}
+    try:
+        answers = await asyncio.gather(*(dht.protocol.call_ping(PeerID.from_base58(p)) for p in peers),
+                                       return_exceptions=True)
+    except Exception as e:  # a malformed peer ID: the node's own settings, checked at start
+        log.debug("rejoining the DHT: %s", e)
+        return 0
+    return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
+
+
 async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: float = 8.0) -> bool:
     """Whether a running peer reachable through ``initial_peers`` already has ``peer_id``.
 

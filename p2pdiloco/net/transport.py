@@ -4,8 +4,9 @@ This package (``p2pdiloco.net``) is the only place that imports hivemind. Everyt
 wraps hivemind's public API (``hivemind.p2p.P2P``, ``hivemind.dht.DHTNode``) and translates
 its errors into :mod:`p2pdiloco.errors`.
 
-Lifecycle: :mod:`p2pdiloco.net.daemon` starts p2pd and an in-process ``DHTNode`` (so p2pd is
-the only child, and exits with its owner, SIGKILL included); :meth:`Swarm.shutdown` stops both.
+Lifecycle: :mod:`p2pdiloco.net.daemon` starts p2pd and an in-process ``DHTNode`` (p2pd is the
+only child and exits with its owner, SIGKILL included); :meth:`Swarm.rejoin` dials the initial
+peers again after every connection was lost; :meth:`Swarm.shutdown` stops both.
 
 RPCs (:meth:`Swarm.call`, :meth:`Swarm.add_handler`) run on hivemind's raw libp2p streams
 (``P2P.call_binary_stream_handler`` / ``P2P.add_binary_stream_handler``), one stream per call,
@@ -23,21 +24,19 @@ streams per peer and ``MAX_STREAMS`` in all are served at once; the others are a
 ``LINGER_TIMEOUT`` seconds for the caller to close its end (closing first can reset the stream
 and lose the answer). The caller reads the reply while it still writes (a refusal arrives
 before the request is fully sent) and checks the reply's ``_n`` against its ``max_reply``.
-Every malformed, oversized, over-limit or late inbound message is a drop
-(:class:`~p2pdiloco.net.drops.DropLedger`: a peer over its drop budget is blocked for a
-doubling while); a blocked peer's streams are closed unread, up to ``TARPIT_PER_PEER`` of them
-(``TARPIT_MAX`` in all) after being held unanswered for ``TARPIT_S`` seconds, so that a caller
-that waits for its answers slows down instead of opening stream after stream. Every request of
-a banned peer counts as a drop (its handlers refuse it, with the reason), so a banned peer
-that keeps calling is blocked too. Every call has a deadline.
+Every malformed, oversized, over-limit or late inbound message is a drop (``drops.DropLedger``:
+a peer over its drop budget is blocked for a doubling while); a blocked peer's
+streams are closed unread, up to ``TARPIT_PER_PEER`` of them (``TARPIT_MAX`` in all) after being
+held unanswered for ``TARPIT_S`` seconds, so that a caller that waits for its answers slows down
+instead of opening stream after stream. Every request of a banned peer counts as a drop (its
+handlers refuse it), so a banned peer that keeps calling is blocked too. Every call has a deadline.
 
 Time (:mod:`p2pdiloco.net.clock`): a node more than ``clock.TOLERANCE_S`` seconds off its
 initial peers' clocks is refused; a smaller offset is corrected (:attr:`Swarm.clock`, the
 swarm's time; record expiries get ``clock.TOLERANCE_S`` of slack for readers ahead).
 
-Trust (docs/trust.md): the daemon runs with the node's Ed25519 identity
-(:mod:`p2pdiloco.trust.identity`), so the peer ID libp2p authenticates on every connection
-is the key that signs. Every DHT record is wrapped in a signed envelope (:class:`SignedRecords`,
+Trust (docs/trust.md): the daemon runs with the node's Ed25519 identity (``trust.identity``),
+so the peer ID libp2p authenticates on every connection is the key that signs. Every DHT record is wrapped in a signed envelope (:class:`SignedRecords`,
 a hivemind ``RecordValidatorBase``) and a record whose subkey is a peer ID can be written only
 by that peer. In a private swarm every request and reply carries the sender's membership
 certificate in the header field ``_cert``, and records carry it in their envelope;
@@ -73,7 +72,7 @@ from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_pay
     write_message,
 )
 from p2pdiloco.net import clock as swarm_clock
-from p2pdiloco.net.daemon import identity_in_use, start_daemon, start_dht
+from p2pdiloco.net.daemon import identity_in_use, rejoin_dht, start_daemon, start_dht
 from p2pdiloco.net.drops import MAX_DROP_PEERS, DropLedger, TrafficStats
 from p2pdiloco.net.framing import short_error as _short
 from p2pdiloco.net.reachability import RPC as DIALBACK
@@ -96,8 +95,6 @@ MAX_STREAMS = 512  # inbound streams served at once in all
 DEFAULT_MAX_REPLY = 1 << 20  # bytes: reply payload a call accepts unless told otherwise
 
 Handler = Callable[[str, Header, bytes], Awaitable[tuple[Header, bytes]]]
-
-
 _BUSY = frame({"error": "busy"}, 0)
 
 
@@ -149,7 +146,7 @@ class Swarm:
         self.admitted = False  # a member of the swarm accepted us (check_admission)
         self.stats = TrafficStats()
         self.reach = Reachability()  # how peers can dial us (start() sets its mode and checks)
-        self.started_at = time.time()
+        self.started_at, self.initial_peers = time.time(), []  # start() sets the peers it joined through
         # injected fault: RPC name -> (matching answers left before the kill, which requests count)
         self._kill_midway: dict[str, tuple[int, Callable[[Header], bool]]] = {}
 
@@ -229,7 +226,7 @@ class Swarm:
         swarm._clock_task = asyncio.create_task(swarm_clock.watch(swarm.clock, p2p))
         await swarm.add_handler("trust.hello", swarm._on_hello)
         await swarm.add_handler(DIALBACK, DialbackServer(swarm))
-        swarm.reach = Reachability(reachability or "auto", relay)
+        swarm.reach, swarm.initial_peers = Reachability(reachability or "auto", relay), list(initial_peers)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
         try:  # on any failure, also cancellation (Ctrl+C), the daemon must not outlive us
             if admission_key is not None:
@@ -240,6 +237,10 @@ class Swarm:
             await swarm.shutdown()
             raise
         return swarm
+
+    async def rejoin(self) -> int:
+        """Dial the initial peers again, back into the DHT (``daemon.rejoin_dht``); how many answered."""
+        return await rejoin_dht(self._dht, self.initial_peers)
 
     async def measure_clock(self) -> int:
         """Measure the clock offset to up to ``clock.MAX_PEERS`` random connected peers now and
@@ -594,7 +595,5 @@ class Swarm:
         except Exception as e:
             log.debug("p2p shutdown: %s", e)
         if self.daemon_pid is not None and psutil.pid_exists(self.daemon_pid):
-            try:
+            with contextlib.suppress(psutil.Error):
                 psutil.Process(self.daemon_pid).kill()
-            except psutil.Error:
-                pass
