@@ -266,7 +266,7 @@ SCALAR_METRICS = (
     ("gauge", "p2pdiloco_loss", "training loss, EMA (nats/byte)", "loss"),
     ("gauge", "p2pdiloco_heldout_loss", "held-out loss of the local model (nats/byte)", "heldout_loss"),
     ("gauge", "p2pdiloco_connected_peers", "libp2p connections now", "connections"),
-    ("gauge", "p2pdiloco_link_bytes_per_second", "measured link rate: median of large inbound payloads (bytes/s)",
+    ("gauge", "p2pdiloco_link_bytes_per_second", "measured link rate: median of large replies to its calls (bytes/s)",
      "link_bytes_per_s"),
     ("counter", "p2pdiloco_tokens", "tokens trained by this node", "tokens"),
     ("counter", "p2pdiloco_tokens_merged", "tokens of this node's contributions merged", "tokens_merged"),

@@ -1,5 +1,5 @@
-"""Traffic counters and the link-rate estimate (``transport.Swarm.stats``), and drop accounting and blocks for one
-peer's inbound traffic (``transport.Swarm.drops``).
+"""Traffic counters and the link-rate estimate (``transport.Swarm.stats``), and drop
+accounting and blocks for one peer's inbound traffic (``transport.Swarm.drops``).
 
 Every inbound message that is not served (malformed, oversized, over a limit, too slow) is a
 drop, counted by peer and by reason. A peer with ``DROP_BUDGET`` drops within
@@ -31,13 +31,16 @@ RATE_MAX_AGE_S = 600.0  # ... younger than this (seconds)
 
 
 class LinkMeter:
-    """This node's link rate (bytes/s), measured on what it receives: the median rate of its
-    last ``RATE_SAMPLES`` inbound RPC payloads of at least ``RATE_MIN_BYTES`` (all-reduce
-    slices and merged slices, state downloads), each timed from its first to its last byte
-    (``framing.read_payload``). A payload arrives at the slower of the sender's uplink and
-    this node's downlink, so with most peers faster than this node the median is this node's
-    link; the median ignores the few payloads that sat in buffers while the node was busy.
-    Feeds the bandwidth-aware shares of all-reduce groups (``matchmaking.bandwidth_shares``)."""
+    """This node's link rate (bytes/s), measured on what it receives: the median rate of the
+    last ``RATE_SAMPLES`` replies to its own calls with payloads of at least
+    ``RATE_MIN_BYTES`` (merged slices from its groups' reducers, state downloads from donors
+    it chose), each timed from its first to its last byte (``framing.read_payload``). Requests
+    are not timed: any caller could drag the figure down with slow payloads and so stretch
+    this node's deadlines. A reply arrives at the slower of the sender's uplink and this
+    node's downlink, so with most peers faster than this node the median is this node's link;
+    the median ignores the few replies that sat in buffers while the node was busy. Feeds the
+    bandwidth-aware shares of all-reduce groups (``matchmaking.bandwidth_shares``) and the
+    deadlines of rounds and downloads."""
 
     def __init__(self) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=RATE_SAMPLES)  # (monotonic s, bytes/s)
