@@ -17,9 +17,9 @@ from test_trust_net import FRAGMENT, KEY, SHAPES, delta, expected_merge
 from p2pdiloco.core.fragments import assign_parts
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net import records as rec
-from p2pdiloco.net.allreduce import MAX_ROUND_WAIT_S, AllReducer, Contribution, RoundResult, round_wait
+from p2pdiloco.net.allreduce import MAX_WAIT_FACTOR, AllReducer, Contribution, RoundResult, round_wait
 from p2pdiloco.net.drops import RATE_MIN_BYTES, LinkMeter
-from p2pdiloco.net.matchmaking import Matchmaker, bandwidth_shares
+from p2pdiloco.net.matchmaking import Matchmaker, bandwidth_shares, max_share
 from p2pdiloco.trust.identity import Identity
 
 pytestmark = pytest.mark.usefixtures("no_daemon_left")
@@ -49,8 +49,14 @@ def test_leader_split_follows_rates_and_caps_reports_at_the_median():
     # unmeasured: the mean of the measured, 4.25e6 bytes/s: some share, less than a fast member's
     unmeasured = bandwidth_shares([None, FAST, FAST, SLOW])
     assert sum(unmeasured) == 1000 and unmeasured[3] == 0 and 250 < unmeasured[0] < min(unmeasured[1:3])
-    # a report of 1000x the others counts at the median: no larger part of the merge
+    # a report of 1000x the others counts at the lower median: no larger part of the merge
     assert bandwidth_shares([1000 * FAST, FAST, FAST, FAST]) == (250,) * 4
+    # two colluding reports among four cannot lift the lower median (SLOW): equal shares
+    assert bandwidth_shares([1000 * FAST, 1000 * FAST, SLOW, SLOW]) == (250,) * 4
+    # what a joiner accepts from a leader: at most 2/n of the fragment (+1 for rounding)
+    assert (max_share(2), max_share(3), max_share(4), max_share(10)) == (1000, 668, 501, 201)
+    assert all(max(bandwidth_shares(r)) <= max_share(len(r)) for r in
+               ([FAST, FAST, SLOW], [FAST] * 3 + [SLOW] * 2, [FAST, SLOW, SLOW, SLOW], [None, FAST, FAST, SLOW]))
     # groups of two (every split moves the same bytes) and groups without two rates: equal
     assert bandwidth_shares([FAST, SLOW]) == ()
     assert bandwidth_shares([FAST, None, None]) == ()
@@ -64,26 +70,27 @@ def test_link_meter_takes_the_median_of_large_recent_payloads():
     for seconds in (1.0, 2.0, 0.001):  # the last one sat in a buffer: the median ignores it
         meter.add(RATE_MIN_BYTES, seconds)
     assert meter.estimate() == RATE_MIN_BYTES / 1.0
-    # deadlines: a transfer is held to the ceiling, or to this node's own rate shared among
-    # its transfers in flight when that is slower (256 KiB/s own, 4 downloads: 64 KiB/s each)
-    assert meter.held_to(1 << 20) == RATE_MIN_BYTES and meter.held_to(1 << 20, ways=4) == RATE_MIN_BYTES / 4
-    assert meter.held_to(1024) == 1024 and LinkMeter().held_to(1024, ways=8) == 1024
+    # deadlines: a transfer is held to the ceiling, or to this node's own rate when slower,
+    # but never below 1/16 of the ceiling (slow replies cannot stretch deadlines without end)
+    assert meter.held_to(1 << 20) == RATE_MIN_BYTES and meter.held_to(1024) == 1024
+    assert meter.held_to(64 << 20) == (64 << 20) / 16 and LinkMeter().held_to(1024) == 1024
 
 
 def test_round_wait_scales_with_payload_over_the_slowest_link():
     mib = 1 << 20
     # 1 MiB fragment, 4 members at 1024 KiB/s, equal shares: a member moves 1 + 2/4 = 1.5 MiB
-    # each way, 1.5 s; x3 slack = 4.5 s, below the 10 s liveness timeout
-    assert round_wait(10.0, mib, (), (1024,) * 4) == 10.0
+    # each way, 1.5 s; x3 slack = 4.5 s, below the 20 s liveness timeout
+    assert round_wait(20.0, mib, (), (1024,) * 4) == 20.0
     # one member at 64 KiB/s and share 0 moves 1 MiB: 16 s, x3 = 48 s; the fast ones
     # (share 1/3: 1 + 2/3 MiB at 1024 KiB/s, 1.67 s) do not set it
-    assert round_wait(10.0, mib, (334, 333, 333, 0), (1024, 1024, 1024, 64)) == 48.0
+    assert round_wait(20.0, mib, (334, 333, 333, 0), (1024, 1024, 1024, 64)) == 48.0
     # the same member with an equal share would move 1.5 MiB: 72 s
-    assert round_wait(10.0, mib, (), (1024, 1024, 1024, 64)) == 72.0
-    # unknown rates (0) do not count; none known, a lone member, or absurd rates: bounded
-    assert round_wait(10.0, mib, (), (0, 0, 1024, 0)) == 10.0
-    assert round_wait(10.0, mib, (), ()) == round_wait(10.0, mib, (), (5,)) == 10.0
-    assert round_wait(10.0, 1 << 40, (), (1, 1)) == MAX_ROUND_WAIT_S
+    assert round_wait(20.0, mib, (), (1024, 1024, 1024, 64)) == 72.0
+    # unknown rates (0) do not count; none known or a lone member: the timeout; a claimed
+    # rate of 1 KiB/s (a member that then sends nothing) holds a round 4 x the timeout at most
+    assert round_wait(20.0, mib, (), (0, 0, 1024, 0)) == 20.0
+    assert round_wait(20.0, mib, (), ()) == round_wait(20.0, mib, (), (5,)) == 20.0
+    assert round_wait(10.0, mib, (), (1024, 1)) == MAX_WAIT_FACTOR * 10.0 == 40.0
 
 
 def test_share_and_rate_fields_are_bounded():

@@ -93,7 +93,8 @@ MAX_PENDING = 256  # undecided rounds one reducer holds at most
 MAX_PENDING_PER_PEER = 2  # ... of which one member may have opened at most this many per fragment
 MAX_KEPT = 1024  # rounds (decided or not) held at most; the oldest decided are forgotten first
 TRANSFER_SLACK = 3.0  # a round may take this many times the transfer time its link rates predict ...
-MAX_ROUND_WAIT_S = 600.0  # ... but at most this long (seconds)
+MAX_WAIT_FACTOR = 4.0  # ... but at most this many times the liveness timeout
+MAX_ROUND_WAIT_S = 600.0  # ... and never longer than this (seconds)
 
 
 def round_wait(timeout: float, fragment_bytes: int, shares: Sequence[int], rates: Sequence[int]) -> float:
@@ -103,8 +104,9 @@ def round_wait(timeout: float, fragment_bytes: int, shares: Sequence[int], rates
     predict a slower transfer: ``TRANSFER_SLACK`` x max_m S·(1 + (n − 2)·x_m) / rate_m, the
     bytes member m moves in one direction when it reduces the fraction x_m (``shares``; 1/n
     when empty) of a fragment of S bytes on the wire (hivemind's load-balancing model), at
-    most ``MAX_ROUND_WAIT_S``. The same inputs give the same value on every member (plain
-    IEEE double arithmetic), so members and reducers agree on it.
+    most ``MAX_WAIT_FACTOR`` x ``timeout`` and ``MAX_ROUND_WAIT_S`` (rates are reports: a member
+    claiming a slow link, then silent, holds a round that long; raise ``liveness_timeout`` for
+    large models on slow links). Plain IEEE double arithmetic: every member gets the same value.
     """
     n = len(rates)
     if n < 2 or not any(rates):
@@ -112,7 +114,7 @@ def round_wait(timeout: float, fragment_bytes: int, shares: Sequence[int], rates
     total = sum(shares) if shares else n
     x = [s / total for s in shares] if shares else [1 / n] * n
     slowest = max(fragment_bytes * (1 + (n - 2) * xm) / (1024 * r) for xm, r in zip(x, rates) if r > 0)
-    return min(MAX_ROUND_WAIT_S, max(timeout, TRANSFER_SLACK * slowest))
+    return min(MAX_ROUND_WAIT_S, MAX_WAIT_FACTOR * timeout, max(timeout, TRANSFER_SLACK * slowest))
 
 
 @dataclass
@@ -443,7 +445,7 @@ class AllReducer:
             wait = self._wait(req.fragment, req.shares, req.rates)
             loop = asyncio.get_running_loop()
             loop.call_later(wait, self._deadline, rnd)
-            loop.call_later(wait + KEEP_DECIDED_SECONDS, self._forget, rnd)
+            loop.call_later(2 * wait - self.timeout + 5 + KEEP_DECIDED_SECONDS, self._forget, rnd)  # members' wait
         elif (rnd.members, rnd.shares, rnd.rates, rnd.fragment, rnd.version, rnd.digest) != \
                 (members, req.shares, req.rates, req.fragment, req.version, req.digest):
             raise ProtocolError("request differs from the round's members, shares, fragment, version or digest")

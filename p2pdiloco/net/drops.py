@@ -28,6 +28,7 @@ RATE_MIN_BYTES = 256 << 10  # payloads at least this large (bytes) are timed for
 RATE_SAMPLES = 16  # the link rate is the median of the last this many timed payloads ...
 RATE_MIN_SAMPLES = 3  # ... once there are this many ...
 RATE_MAX_AGE_S = 600.0  # ... younger than this (seconds)
+HELD_FLOOR = 16.0  # deadlines are held to at most this many times longer than at the ceiling rate
 
 
 class LinkMeter:
@@ -49,12 +50,13 @@ class LinkMeter:
         if n_bytes >= RATE_MIN_BYTES and seconds > 0:
             self._samples.append((time.monotonic(), n_bytes / seconds))
 
-    def held_to(self, ceiling: float, ways: int = 1) -> float:
+    def held_to(self, ceiling: float) -> float:
         """The rate (bytes/s) a transfer may be held to: ``ceiling``, or this node's measured
-        link rate split ``ways`` ways (transfers in flight) when that is slower, so that a node
-        on a slow link gives its peers longer deadlines rather than blaming them."""
+        rate when that is slower (a sample is already one transfer among those in flight), but
+        not below ``ceiling`` / ``HELD_FLOOR``: a node on a slow link gives its peers longer
+        deadlines rather than blaming them, and slow replies cannot stretch them without end."""
         own = self.estimate()
-        return ceiling if own is None else min(ceiling, own / max(1, ways))
+        return ceiling if own is None else max(ceiling / HELD_FLOOR, min(ceiling, own))
 
     def estimate(self) -> float | None:
         """Bytes/second, or None with fewer than ``RATE_MIN_SAMPLES`` recent samples."""

@@ -14,9 +14,10 @@ rate (``drops.LinkMeter``, KiB/s) in its ``mm.join``; the leader splits the frag
 the members with hivemind's load balancing (``hivemind.averaging.load_balancing``: the split
 that minimises the slowest member's traffic over its rate, as hivemind's butterfly
 all-reduce does), so a member on a slow link reduces less or nothing and only sends its
-slices and receives the result. Rates count at most at the group's median, so a report
-can lower its author's share but never raise it above that of a member at the median rate
-(at most about 2/n of the fragment): lying buys no larger part of the merge.
+slices and receives the result. Rates count at most at the group's lower median, so with an
+honest majority a report can lower its author's share but not raise it above a median
+member's; and a joiner refuses (and bans) a leader whose shares give any member more than
+``max_share`` (about 2/n of the fragment), more than an honest split ever does.
 
 A learner that arrives after a group already closed at its version does not form a
 competing group (that would split the swarm's history); it reports ``late`` and the caller
@@ -120,21 +121,35 @@ def bandwidth_shares(rates: Sequence[float | None]) -> tuple[int, ...]:
     """All-reduce shares of a group's members (integers summing to ``records.SHARE_GRID``)
     from their link rates (bytes/s, same order; None: not measured).
 
-    Rates above the median of the measured ones count at the median; unmeasured
+    Rates above the lower median of the measured ones count at it; unmeasured
     members count at the mean (hivemind's rule). The split is hivemind's
     ``load_balance_peers``: a linear program minimising max_i (1 + (n - 2) x_i) / rate_i, the
     traffic of member i in a butterfly all-reduce where it reduces the fraction x_i, over its
     rate (``hivemind.averaging.load_balancing.optimize_parts_lp``). Returns ``()`` (equal
     shares) for groups of 1 or 2 (every split moves the same bytes) or with fewer than two
-    measured rates. Only the leader calls it; members use the integers it sends.
+    measured rates, or when hivemind's solver fails. Only the leader calls it; members check
+    the integers it sends against :func:`max_share`.
     """
     known = [r for r in rates if r is not None and r > 0]
     if len(rates) < 3 or len(known) < 2:
         return ()
-    cap = statistics.median(known)
+    cap = statistics.median_low(known)
     capped = [None if r is None or r <= 0 else min(float(r), cap) for r in rates]
-    shares = tuple(int(x) for x in load_balance_peers(rec.SHARE_GRID, capped))
-    return shares if sum(shares) == rec.SHARE_GRID and min(shares) >= 0 else ()
+    try:
+        shares = tuple(int(x) for x in load_balance_peers(rec.SHARE_GRID, capped))
+    except Exception as e:  # scipy's solver, inside hivemind: equal shares rather than no group
+        log.warning("load balancing failed (%s): equal all-reduce shares", e)
+        return ()
+    return shares if sum(shares) == rec.SHARE_GRID and min(shares) >= 0 and max(shares) <= max_share(len(rates)) \
+        else ()
+
+
+def max_share(n: int) -> int:
+    """The largest share (of ``records.SHARE_GRID``) a group of ``n`` may give one member:
+    2/n of the fragment, rounded up, plus 1 for the LP's rounding. With rates capped at the
+    lower median at least half the members count at the top rate and split at least as
+    much as any other, so an honest split never exceeds it; all of it for n <= 2."""
+    return rec.SHARE_GRID if n <= 2 else -(-2 * rec.SHARE_GRID // n) + 1
 
 
 @dataclass
@@ -381,6 +396,9 @@ class Matchmaker:
             members, me = answer.members, self.swarm.peer_id
             if me not in members or leader not in members:
                 self.swarm.ban(leader, "led a group without itself or without the joiner")
+                return "gone"
+            if answer.shares and max(answer.shares) > max_share(len(members)):
+                self.swarm.ban(leader, f"gave one member {max(answer.shares)} of {rec.SHARE_GRID} of the all-reduce")
                 return "gone"
             ghosts = [m for m in members if m not in (me, leader)]
             for attempt in range(2 if ghosts else 0):  # a declaration stored just now may still be on its way

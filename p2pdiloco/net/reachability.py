@@ -64,6 +64,7 @@ MAX_CONCURRENT = 4  # ... at most this many checks run at once ...
 MAX_PER_INTERVAL = 32  # ... and at most this many start per MIN_INTERVAL_S (peer IDs are free to make)
 MAX_REMEMBERED = 4096  # peers whose last check time is kept (oldest forgotten)
 RELAY_BOOT_DELAY_S = 180.0  # measured: autorelay's first reservation after the start
+LOST_AFTER = 2  # refreshes in a row (5 s apart) without the relay address before a slot counts as lost
 
 
 def daemon_options(mode: ReachabilityMode | None, relay: bool, initial_peers: Sequence[str]) -> dict[str, Any]:
@@ -115,6 +116,7 @@ class Reachability:
     maddrs: list[str] = field(default_factory=list)  # announced addresses, last read
     relayed_peers: frozenset[str] = frozenset()  # peers connected to us only through a relay
     lost_relay: bool = False  # held a relay slot, then lost it (its connection was reset)
+    _relay_misses: int = 0  # refreshes in a row without the relay address once held
 
     async def check(self, swarm: Swarm, initial_peers: Sequence[str]) -> Verdict:
         """Ask up to ``CHECKERS`` of ``initial_peers`` (multiaddrs with /p2p/) to dial us back
@@ -156,13 +158,14 @@ class Reachability:
         """Re-read the announced addresses (a relay reservation adds ``/p2p-circuit`` ones)
         and which peers reach us only through a relay (their traffic is counted as relayed);
         returns the number of peers connected now."""
-        had, self.maddrs = relays_in(self.maddrs), await swarm.visible_maddrs(latest=True)
-        if had and not relays_in(self.maddrs):
-            self.lost_relay = True
-            log.warning("lost the relay slot on %s: peers cannot dial this node until it gets one again",
-                        ", ".join(r[-8:] for r in had))
-        elif relays_in(self.maddrs):
-            self.lost_relay = False
+        had, self.maddrs = relays_in(self.maddrs) or self._relay_misses, await swarm.visible_maddrs(latest=True)
+        if relays_in(self.maddrs):
+            self.lost_relay, self._relay_misses = False, 0
+        elif had:  # a slot held, now gone: lost after LOST_AFTER refreshes in a row (not a blip)
+            self._relay_misses += 1
+            if self._relay_misses == LOST_AFTER:
+                self.lost_relay = True
+                log.warning("lost the relay slot: peers cannot dial this node until it gets one again")
         conns = await swarm.connections()
         self.relayed_peers = frozenset(p for p, addrs in conns.items()
                                        if addrs and all("/p2p-circuit" in a for a in addrs))

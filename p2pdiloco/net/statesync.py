@@ -47,7 +47,7 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   Yin et al., arXiv 1803.01498), applied to outer steps.
 * **Deliver or be ignored.** A holder that does not deliver the state it claims (no answer
   within the deadline: ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``, or over this node's own
-  measured link rate shared by its downloads in flight when slower) gets a strike; one that
+  measured link rate when slower, ``LinkMeter.held_to``) gets a strike; one that
   does not even begin its answer within :meth:`StateSync.first_reply_s` (a few times this
   node's recent transfer times: a staller costs a fraction of a second, not the transfer's
   deadline) gets one too, or from the second time in a row if it delivered to us before; other
@@ -471,7 +471,7 @@ class StateSync:
         (it serves a committed state from memory); a silent one is caught here, not at the end."""
         if not self._took:
             return FIRST_REPLY_S
-        cap = STATE_TIMEOUT_S * MIN_RATE / self.swarm.stats.link.held_to(MIN_RATE, len(self._pending))
+        cap = STATE_TIMEOUT_S * MIN_RATE / self.swarm.stats.link.held_to(MIN_RATE)
         return min(cap, max(FIRST_REPLY_MIN_S, FIRST_REPLY_FACTOR * max(self._took)))
 
     async def download(self, fragment: int, head: Head, *, timeout: float | None = None,
@@ -480,8 +480,7 @@ class StateSync:
         at a holder picked by this node's peer ID and the fragment index (round-robin), so
         newcomers spread over donors and one newcomer spreads its fragments over them.
         ``timeout`` (seconds per holder) defaults to ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``
-        (or over this node's measured link rate shared by its downloads in flight when slower:
-        ``LinkMeter.held_to``).
+        (or over this node's measured link rate when slower, at most 16 x: ``LinkMeter.held_to``).
         ``joining``: this node is joining the swarm; the request says so (``"join"``).
         Concurrent calls for the same head share one transfer.
 
@@ -512,7 +511,7 @@ class StateSync:
 
     async def _download(self, fragment: int, head: Head, timeout: float | None, joining: bool) -> FragmentState:
         if timeout is None:
-            timeout = STATE_TIMEOUT_S + self.state_bytes(fragment) / self.swarm.stats.link.held_to(MIN_RATE, len(self._pending))
+            timeout = STATE_TIMEOUT_S + self.state_bytes(fragment) / self.swarm.stats.link.held_to(MIN_RATE)
         donors = sorted(p for p in head.holders if p != self.swarm.peer_id)
         if donors:
             start = (int.from_bytes(hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "big") + fragment) % len(donors)
