@@ -8,6 +8,7 @@ import hashlib
 
 import pytest
 
+from p2pdiloco.net.drops import TrafficStats
 from p2pdiloco.net.matchmaking import leader_rank
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.statesync import IGNORE_S, LEAD, Head, StateSync, newest_heads
@@ -60,10 +61,12 @@ def test_leader_order_is_a_hash_of_key_and_peer_and_changes_with_the_key() -> No
 
 
 class _Swarm:
-    """The part of the transport StateSync's strike rule touches (no network involved)."""
+    """The part of the transport StateSync's strike rule touches (no network involved); its
+    traffic counters have no link rate measured, so deadlines are at the ceiling rate."""
 
     peer_id = "me"
     bans: dict[str, str] = {}
+    stats = TrafficStats()
 
 
 def test_strikes_ignore_a_holder_for_a_doubling_while_and_delivery_clears_them(monkeypatch) -> None:
