@@ -74,8 +74,9 @@ class SwarmView:
     """The swarm as this node last read it from the DHT (``{run}/heads``), refreshed every
     few seconds by :meth:`refresh_forever`; read by status, metrics and the live view. A node
     left without any connection (its router reset them all, its link was down) dials its
-    initial peers again at every refresh until one answers (``Swarm.rejoin``): neither p2pd nor
-    the DHT does by itself; ``rejoins`` counts the refreshes that brought a peer back."""
+    initial peers again at every refresh until one answers (``Swarm.rejoin``; in tests/internet
+    neither p2pd nor the DHT reconnected within 5 minutes); ``rejoins`` counts the refreshes
+    that brought a peer back."""
 
     REFRESH_SECONDS = 5.0
 

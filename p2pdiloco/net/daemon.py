@@ -220,8 +220,8 @@ async def rejoin_dht(dht: DHTNode, initial_peers: Sequence[str]) -> int:
     """Ping the peers of ``initial_peers`` (multiaddrs with /p2p/) from ``dht`` with hivemind's
     ``DHTProtocol.call_ping``, as ``DHTNode.create`` does to join: p2pd dials each again from
     its peerstore, and each that answers is back in the routing table. For a node that lost
-    every connection (a router that reset them, a link down a while): neither the DHT nor
-    p2pd rejoins by itself. Returns how many answered; never raises."""
+    every connection (a router that reset them, a link down a while): in tests/internet neither
+    the DHT nor p2pd reconnected within 5 minutes. Returns how many answered; never raises."""
     peers = {m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m}
     try:
         answers = await asyncio.gather(*(dht.protocol.call_ping(PeerID.from_base58(p)) for p in peers),
