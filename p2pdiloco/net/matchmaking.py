@@ -283,6 +283,15 @@ class Matchmaker:
         ``grace``): the longest grace window any leader of the run may use; a leader that has
         its quorum and keeps us waiting longer than that (plus ``JOIN_SLACK_S``) is passed over.
 
+        A leader still alone while other learners are expected waits up to ``max_grace``
+        instead of ``grace`` (and at least ``grace`` after its first joiner, within that
+        bound): the paper's synchronizer folds a lone learner's late update into the one global
+        state (arXiv 2604.21428, sec. 3), but here a lone round makes a version that any other
+        group at the same version forks, and the loser downloads its state again (invariant
+        I7). Training goes on meanwhile (the round is in flight), so the wait costs staleness,
+        not compute; a peer expected but absent stops being expected after a few groups
+        (``node.runtime.NO_SHOWS_MAX``).
+
         Raises:
             NetworkError: the DHT could not be reached.
         """
@@ -296,6 +305,8 @@ class Matchmaker:
         await self._announce(quorum_timeout + grace)
         excluded: set[str] = set()
         quorum_at: float | None = None
+        first_joiner_at: float | None = None
+        lone_grace = max(grace, max_grace or 0.0) if expected > 1 else grace
         try:
             while True:
                 entries = await self._declarations(dht_key)
@@ -324,8 +335,10 @@ class Matchmaker:
                 size = 1 + len(joined)
                 if size >= self.min_quorum and quorum_at is None:
                     quorum_at = now
+                if size > 1 and first_joiner_at is None:
+                    first_joiner_at = now
                 everyone = size >= max(expected, 2)  # a lone learner still waits its grace
-                if quorum_at is not None and (everyone or now >= quorum_at + grace):
+                if quorum_at is not None and (everyone or now >= self._closes_at(quorum_at, first_joiner_at, grace, lone_grace)):
                     if size == 1 and someone_closed:
                         return "late", None  # a group at this version exists: don't fork it
                     return "group", self._close(gathering, t0, joined)
@@ -346,6 +359,15 @@ class Matchmaker:
                 await self._announce(quorum_timeout + grace)
             except NetworkError as e:
                 log.debug("could not mark %s closed: %s", dht_key, e)
+
+    @staticmethod
+    def _closes_at(quorum_at: float, first_joiner_at: float | None, grace: float, lone_grace: float) -> float:
+        """When a leader with its quorum since ``quorum_at`` closes (monotonic seconds): after
+        ``grace``; a leader that expects others (``lone_grace`` > ``grace``) waits alone up to
+        ``lone_grace``, and ``grace`` after its first joiner, never past ``lone_grace``."""
+        if first_joiner_at is None:
+            return quorum_at + lone_grace
+        return min(quorum_at + lone_grace, max(quorum_at, first_joiner_at) + grace)
 
     def _close(self, gathering: _Gathering, t0: float, joined: list[str]) -> Group:
         """Close ``gathering`` with this leader and the ``joined`` peers (declared joiners); the
