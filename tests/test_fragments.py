@@ -109,7 +109,10 @@ def test_schedule_counts_from_the_last_install_and_pulls_in_early_on_request():
     assert s.due(9, [3, 3]) == []  # 3 < H steps of progress
     assert s.due(9, [3, 3], requested={0}) == [0]  # peers gathering: from H // 2 = 2 steps
     assert s.due(9, [1, 3], requested={0, 1}) == [1]
-    assert s.due(5, [5, 5], requested={1}) == [0]  # before H + offset(1) = 6 nothing of fragment 1
+    assert s.due(5, [5, 5]) == [0]  # before H + offset(1) = 6 nothing of fragment 1 ...
+    assert s.due(5, [5, 5], requested={1}) == [0, 1]  # ... unless a faster peer gathers for it
+    assert s.due(1, [1, 1], requested={0, 1}) == []  # and still from H // 2 = 2 steps only
+    assert s.due(2, [2, 2], requested={1}) == [1]
     with pytest.raises(ValueError, match="3 progress counters for 2 fragments"):
         s.due(9, [1, 2, 3])
 

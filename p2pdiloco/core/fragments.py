@@ -174,7 +174,9 @@ class StaggeredSchedule:
 
         p is due once ``step >= H + offset(p)`` (the first sends staggered over H .. 2H - 1)
         and it carries H steps of progress (``steps_since[p] >= H``), or at least
-        ``early = max(1, H // 2)`` when it is requested. While aligning, p is due instead at
+        ``early = max(1, H // 2)`` when it is requested, also before its first send point (a
+        faster learner gathering for p's first round pulls the slower ones in; without it each
+        first round on CPUs of different speeds merged alone and forked). While aligning, p is due instead at
         its grid point (``(step - offset(p)) % H == 0``) or when requested, from ``early``
         steps of progress, and at the latest from H + early (a step jump may skip its grid
         point). Counting from the last install instead of a fixed
@@ -195,7 +197,7 @@ class StaggeredSchedule:
         out = []
         for p in range(self.P):
             n = steps_since[p]
-            if step < self.H + self.offset(p):
+            if step < self.H + self.offset(p) and p not in requested:
                 continue
             if p in aligning:  # on its grid point (or requested) from H/2 steps; at the latest from 3H/2
                 ok = n >= self.H + early or (n >= early and (p in requested or (step - self.offset(p)) % self.H == 0))
