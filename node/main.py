@@ -42,15 +42,19 @@ log = logging.getLogger(__name__)
 PROCESS_START = psutil.Process().create_time()
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder, fsync, rename)."""
+def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder, rename):
+    a reader sees the old file or the new one, never a torn one. ``durable``: fsync before the
+    rename, so that a power loss cannot leave an empty file either (the final report); the
+    status snapshot, rewritten every second, skips it (a disk flush a second per node)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -408,7 +412,7 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
                 log.warning("%s uses %s MiB, over its memory_limit of %s MiB: lower data.batch_size or use a smaller "
                             "model", name, hw["rss_mib"], hw["memory_limit_mib"])
             if status_path is not None:
-                await asyncio.to_thread(write_json_atomic, status_path, board.latest)
+                await asyncio.to_thread(write_json_atomic, status_path, board.latest, durable=False)
             await asyncio.sleep(1.0)
 
     async with asyncio.TaskGroup() as tg:
