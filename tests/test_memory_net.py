@@ -1,0 +1,196 @@
+"""The in-memory network (``p2pdiloco.net.memory``): ``Swarm`` over in-memory streams and DHT
+replicas, and the protocol (matchmaking, all-reduce) on 16 peers in one process.
+
+Protocol tests beside the integration tests over real p2pd (tests/test_trust_net.py and the
+others), not instead of them: what is checked here is the protocol's logic on many peers and
+the network model itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from conftest import until
+from test_trust_net import FRAGMENT, KEY, delta, expected_merge
+
+from p2pdiloco.errors import PeerTimeout, ProtocolError, RoundFailed
+from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult
+from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
+from p2pdiloco.net.memory import Link, MemoryNet
+
+
+@contextlib.asynccontextmanager
+async def memory_swarms(n: int, net: MemoryNet | None = None) -> AsyncIterator[tuple[MemoryNet, list]]:
+    net = net if net is not None else MemoryNet()
+    sw = [await net.swarm() for _ in range(n)]
+    try:
+        yield net, sw
+    finally:
+        await net.close()
+
+
+async def echo(peer, head, payload):
+    return {"n": len(payload)}, payload
+
+
+@pytest.mark.asyncio
+async def test_streams_take_latency_and_rate_and_limits_hold():
+    """1 MiB each way over a 50 ms, 8 MiB/s link takes about 2 x (1 MiB / 8 MiB/s) plus two
+    round trips (the stream's opening and the exchange); a request over the handler's
+    ``max_payload`` is refused and counted as a drop, as over p2pd."""
+    async with memory_swarms(2, MemoryNet(default=Link(latency=0.05, rate=8 * 2**20))) as (net, (a, b)):
+        await b.add_handler("test.echo", echo, max_payload=2**20)
+        t0 = time.monotonic()
+        reply, body = await a.call(b.peer_id, "test.echo", {}, b"x" * 2**20, timeout=10, max_reply=2**20)
+        took = time.monotonic() - t0
+        assert reply == {"n": 2**20} and body == b"x" * 2**20
+        assert 0.25 + 0.2 <= took < 3.0
+        assert net.bytes_sent[a.peer_id] > 2**20 and net.bytes_sent[b.peer_id] > 2**20
+        with pytest.raises(ProtocolError, match="exceeds the limit"):
+            await a.call(b.peer_id, "test.echo", {}, b"x" * (2**20 + 1), timeout=10)
+        assert b.drop_reasons["too_large"] == 1
+
+
+@pytest.mark.asyncio
+async def test_dht_records_are_signed_owner_only_and_expire():
+    async with memory_swarms(3) as (net, (a, b, c)):
+        assert await a.store("run/heads", a.peer_id, {"v": 1}, ttl=30)
+        assert await b.get("run/heads") == {a.peer_id: {"v": 1}} == await c.get("run/heads")
+        # a subkey that is another peer's ID is that peer's alone: refused at the storer
+        assert not await b.store("run/heads", a.peer_id, {"v": 666}, ttl=30)
+        assert await c.get("run/heads") == {a.peer_id: {"v": 1}}
+        assert a.records.rejected or b.records.rejected
+        # expired by the reader's clock (the store adds clock.TOLERANCE_S of slack; -200 s is past it)
+        assert await a.store("run/old", a.peer_id, {"v": 2}, ttl=-200)
+        assert await c.get("run/old") == {}
+
+
+@pytest.mark.asyncio
+async def test_partition_and_death():
+    """Across a partition a call gets no answer within its deadline and records stored on one
+    side are not seen on the other; after heal() both work. A killed peer's streams reset."""
+    async with memory_swarms(4) as (net, (a, b, c, d)):
+        for s in (a, b, c, d):
+            await s.add_handler("test.echo", echo, max_payload=2**20)
+        net.partition([[a.peer_id, b.peer_id], [c.peer_id, d.peer_id]])
+        with pytest.raises(PeerTimeout):
+            await a.call(c.peer_id, "test.echo", {}, b"hi", timeout=0.3)
+        assert (await a.call(b.peer_id, "test.echo", {}, b"hi", timeout=2))[1] == b"hi"
+        assert await a.store("k", a.peer_id, 1, ttl=30)
+        assert await b.get("k") == {a.peer_id: 1} and await c.get("k") == {}
+        net.heal()
+        assert (await a.call(c.peer_id, "test.echo", {}, b"hi", timeout=2))[1] == b"hi"
+        assert await a.store("k", a.peer_id, 2, ttl=31)
+        assert await c.get("k") == {a.peer_id: 2}
+
+        async def stall(peer, head, payload):
+            await asyncio.Event().wait()
+        await d.add_handler("test.stall", stall)
+        call = asyncio.create_task(c.call(d.peer_id, "test.stall", {}, b"", timeout=10))
+        await until(lambda: d.open_streams(c.peer_id) == 1, 5, "the call's stream at d", every=0.01)
+        net.kill(d.peer_id)
+        with pytest.raises(Exception) as failed:
+            await call
+        assert not isinstance(failed.value, PeerTimeout)  # reset at once, not after the deadline
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.asyncio
+async def test_sixteen_peers_form_one_group_and_merge_exactly():
+    """16 learners at the same version, each knowing of the 15 others: one group with all of
+    them (every member gets the same group), and the all-reduce over it gives every member the
+    robust merge of the 16 contributions, bit for bit, over 20 ms links."""
+    async with memory_swarms(16, MemoryNet(default=Link(latency=0.01, rate=50e6 / 8))) as (net, sw):
+        mms = [Matchmaker(s, "run", 1) for s in sw]
+        for m in mms:
+            await m.start()
+        outcomes = await asyncio.gather(*(m.form_group(KEY, grace=2.0, quorum_timeout=10.0, expected=16)
+                                          for m in mms))
+        assert {o for o, _ in outcomes} == {"group"}
+        groups = [g for _, g in outcomes]
+        assert len({(g.members, g.round_id) for g in groups}) == 1 and len(groups[0].members) == 16
+
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 10.0, sync_every=10, run_id="run",
+                                          outlier_factor=4.0) for s in sw}
+        for r in reducers.values():
+            await r.start()
+        by_member = {s.peer_id: g for s, g in zip(sw, groups)}
+        contribs = {p: Contribution(delta(i), 1000, 10) for i, p in enumerate(groups[0].members)}
+        results = await asyncio.gather(*(reducers[p].run(by_member[p], contribs[p]) for p in groups[0].members))
+        expected = expected_merge([contribs[p] for p in groups[0].members], policy="clip")
+        for res in results:
+            assert isinstance(res, RoundResult) and len(res.contributors) == 16
+            assert all(torch.equal(x, y) for x, y in zip(res.delta, expected))
+
+
+async def _reducers(sw: list) -> dict[str, AllReducer]:
+    reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 2.0, sync_every=10, run_id="run", outlier_factor=4.0)
+                for s in sw}
+    for r in reducers.values():
+        await r.start()
+    return reducers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.asyncio
+async def test_a_partition_makes_two_groups_and_the_heal_one():
+    """8 learners cut 4 | 4: each side forms its own group of 4 at the same version (the split
+    brain the records resolve later, invariant I7); after the heal, the next version's round
+    has all 8."""
+    async with memory_swarms(8, MemoryNet(default=Link(latency=0.01))) as (net, sw):
+        ids = [s.peer_id for s in sw]
+        mms = [Matchmaker(s, "run", 1) for s in sw]
+        for m in mms:
+            await m.start()
+        net.partition([ids[:4], ids[4:]])
+        outcomes = await asyncio.gather(*(m.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=4)
+                                          for m in mms))
+        assert {o for o, _ in outcomes} == {"group"}
+        assert {g.members for _, g in outcomes} == {tuple(sorted(ids[:4])), tuple(sorted(ids[4:]))}
+        net.heal()
+        key = GroupKey(KEY.fragment, 4, KEY.digest)
+        outcomes = await asyncio.gather(*(m.form_group(key, grace=2.0, quorum_timeout=10.0, expected=8)
+                                          for m in mms))
+        assert {o for o, _ in outcomes} == {"group"} and {g.members for _, g in outcomes} == {tuple(sorted(ids))}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim_reduces", [True, False])
+@pytest.mark.asyncio
+async def test_a_member_killed_mid_round_leaves_the_others_in_agreement(victim_reduces: bool):
+    """Six members; one dies as its slices go out, a reducer or (share 0) a member that only
+    sends and receives. Every survivor ends the round the same way: the same merged result
+    (without the dead member, or with it if its slices arrived), or a failure on every
+    survivor; never a split (invariant I2)."""
+    async with memory_swarms(6, MemoryNet(default=Link(latency=0.005, rate=20e6 / 8))) as (net, sw):
+        members = tuple(sorted(s.peer_id for s in sw))
+        reducers = await _reducers(sw)
+        contribs = {p: Contribution(delta(i), 1000, 10) for i, p in enumerate(members)}
+        shares = () if victim_reduces else (200, 200, 0, 200, 200, 200)
+        group = Group("r-kill", KEY, members, 0.0, shares=shares)
+        victim = members[2]
+
+        async def one(p: str):
+            try:
+                return await reducers[p].run(group, contribs[p])
+            except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
+                return e
+        tasks = {p: asyncio.create_task(one(p)) for p in members}
+        await until(lambda: net.bytes_sent[victim] > 0, 10, "the victim's first bytes", every=0.001)
+        net.kill(victim)
+        tasks[victim].cancel()
+        outcomes = {p: await t for p, t in tasks.items() if p != victim}
+        merged = [o for o in outcomes.values() if isinstance(o, RoundResult)]
+        if merged:
+            assert len(merged) == len(outcomes), outcomes
+            assert all(m.contributors == merged[0].contributors for m in merged)
+            assert all(torch.equal(x, y) for m in merged for x, y in zip(m.delta, merged[0].delta))
+        else:
+            assert all(isinstance(o, RoundFailed) for o in outcomes.values()), outcomes
+        if not victim_reduces:  # no part of the merge died with it: the survivors complete the round
+            assert merged and set(members) - {victim} <= set(merged[0].contributors)
