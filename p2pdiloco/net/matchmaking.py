@@ -159,6 +159,7 @@ class _Gathering:
     rates: dict[str, float] = field(default_factory=dict)  # joiner -> its reported link rate (bytes/s)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
+    following: str | None = None  # the leader this peer is joining now: joins sent to us are redirected
 
 
 class Matchmaker:
@@ -317,11 +318,13 @@ class Matchmaker:
                 leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
                 now = time.monotonic()
                 if leader != me:
+                    gathering.following = leader
                     self._abdicate(gathering)
                     wait = max(0.5, deadline + grace + 2 - now)
                     if self.min_quorum <= 2:  # the leader and we make a quorum: it owes us a group soon
                         wait = min(wait, max(grace, max_grace or 0.0) + JOIN_SLACK_S)
                     outcome = await self._join(leader, key, dht_key, timeout=wait)
+                    gathering.following = None
                     if isinstance(outcome, Group):
                         return "group", outcome
                     if outcome in ("gone", "held"):
@@ -450,6 +453,11 @@ class Matchmaker:
         gathering = self._gatherings.get(key.fragment)
         if gathering is None or gathering.closed or gathering.key != key:
             return {"status": "closed"}, b""
+        if gathering.following is not None:
+            # we are joining another leader: a joiner held here until that join ends (the
+            # grace window) would miss the group and, with another one held the same way,
+            # form a second group at this version afterwards (a fork, found in tests/test_memory_net.py)
+            return {"status": "redirect"}, b""
         if peer not in gathering.joiners and len(gathering.joiners) >= rec.MAX_GROUP - 1:
             return {"status": "closed"}, b""
         fut = asyncio.get_running_loop().create_future()
