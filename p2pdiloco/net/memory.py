@@ -28,7 +28,8 @@ Model (per :class:`MemoryNet`):
   hivemind does on lookups (a dictionary with one invalid entry is dropped whole). Expired
   records are dropped by the reader's clock. A real Kademlia get visits ``beam_size`` peers;
   this one costs nothing, so DHT traffic is counted (:attr:`MemoryNet.dht_stores`,
-  ``dht_gets``), not timed.
+  ``dht_gets``), not timed. Streams opened are counted by RPC name (``streams``), bytes
+  written by peer (``bytes_sent``, framing headers included).
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ class MemoryHost:
 
     async def call_binary_stream_handler(self, peer: PeerID, name: str):
         dst = peer.to_base58()
+        self.net.streams[name] += 1
         host = self.net.hosts.get(dst)
         if host is None or not self.net.reachable(self._id, dst) or self._id not in self.net.hosts:
             await asyncio.Event().wait()  # a dial into a black hole: the caller's deadline ends it
@@ -281,6 +283,7 @@ class MemoryNet:
     bytes_sent: Counter[str] = field(default_factory=Counter)
     dht_stores: Counter[str] = field(default_factory=Counter)
     dht_gets: Counter[str] = field(default_factory=Counter)
+    streams: Counter[str] = field(default_factory=Counter)  # streams opened (one per RPC call), by RPC name
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
