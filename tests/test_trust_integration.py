@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from p2pdiloco.net.daemon import probe_verdict
 from p2pdiloco.trust.certificates import SwarmKey
 from p2pdiloco.trust.identity import Identity
 
@@ -68,6 +69,17 @@ def test_private_swarm_refuses_outsiders_and_members_carry_on(harness, tmp_path:
     assert reports[0]["global_digest"] == reports[1]["global_digest"]
     assert any(r["rounds_committed"] > r["rounds_alone"] for r in reports), "the members never merged together"
     assert sum(sum(r["refused"].values()) for r in reports) >= 1  # they saw and refused the outsider
+
+
+def test_identity_probe_verdicts():
+    """p2pd's answers to the identity probe's dial (messages as p2pd 1.1 words them, seen on
+    this machine): up (protocol refused), not up (no route, or every dial failed), and not
+    known yet (an empty routing table, right after the probe daemon started: asked again)."""
+    assert probe_verdict("Connect failed. msg=failed to negotiate protocol: protocols not supported: "
+                         "[p2pdiloco.identity-probe]") is True
+    assert probe_verdict("Connect failed. msg=routing: not found") is False
+    assert probe_verdict("Connect failed. msg=failed to dial: failed to dial 12D3KooW...: all dials failed") is False
+    assert probe_verdict("Connect failed. msg=failed to find any peer in table") is None
 
 
 @pytest.mark.timeout(240)

@@ -237,8 +237,10 @@ async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: f
 
     Starts a throwaway daemon with a random identity and asks libp2p's routing for the peer:
     a connection that fails only at protocol negotiation means the peer is up ("routing:
-    not found" or a dial failure means it is not). The throwaway daemon is always shut down.
-    Any failure of the check itself counts as "not in use" (logged).
+    not found" or a dial failure means it is not; see :func:`probe_verdict`). While the
+    throwaway daemon has no peer in its routing table yet, the answer says nothing, so it asks
+    again until ``timeout`` seconds. The throwaway daemon is always shut down. Any failure of
+    the check itself counts as "not in use" (logged).
     """
     probe = None
     try:
@@ -246,13 +248,20 @@ async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: f
                                  check_if_identity_free=False)
         try:
             async with asyncio.timeout(timeout):
-                _, _, writer = await probe.call_binary_stream_handler(PeerID.from_base58(peer_id),
-                                                                      "p2pdiloco.identity-probe")
-                close_stream(writer)
-            return True  # nobody serves this name, but an answer means someone is there
-        except Exception as e:
-            text = str(e).lower()
-            return "protocol" in text and "not supported" in text
+                while True:
+                    try:
+                        _, _, writer = await probe.call_binary_stream_handler(PeerID.from_base58(peer_id),
+                                                                              "p2pdiloco.identity-probe")
+                        close_stream(writer)
+                        return True  # nobody serves this name, but an answer means someone is there
+                    except Exception as e:
+                        verdict = probe_verdict(str(e))
+                        if verdict is not None:
+                            return verdict
+                    await asyncio.sleep(0.2)
+        except TimeoutError:
+            log.info("could not check whether identity %s is in use: no answer within %g s", peer_id[-8:], timeout)
+            return False
     except Exception as e:
         log.info("could not check whether identity %s is in use: %s", peer_id[-8:], short_error(e))
         return False
@@ -262,6 +271,19 @@ async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: f
                 await asyncio.wait_for(probe.shutdown(), 10)
             except Exception as e:
                 log.debug("probe shutdown: %s", e)
+
+
+def probe_verdict(error: str) -> bool | None:
+    """What a failed dial of the identity probe says: True (the peer is up: only the protocol
+    was refused), False (it is not: "routing: not found", or every dial failed), None (nothing
+    yet: the probe's routing table is still empty, seen when the check ran right after the
+    probe daemon started on a loaded machine)."""
+    text = error.lower()
+    if "protocol" in text and "not supported" in text:
+        return True
+    if "failed to find any peer in table" in text:
+        return None
+    return False
 
 
 def _no_peers_message(initial_peers: Sequence[str]) -> str:
