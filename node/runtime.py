@@ -37,8 +37,7 @@ from p2pdiloco.net.transport import Swarm
 
 from node.alone import AloneWatch
 from node.checkpoint import load_checkpoint, save_checkpoint
-from node.journal import FILE as JOURNAL_FILE
-from node.journal import Journal, save_round_trace
+from node.journal import FILE as JOURNAL_FILE, Journal, save_round_trace
 from node.setup import Setup, protocol_tag
 from node.stats import NodeStats, RoundRecord
 from node.training import TrainingLoop
@@ -226,7 +225,8 @@ class Node:
             grace = out.quorum_timeout if out.synchronous else self.grace.seconds()
             outcome, group = await self.matchmaker.form_group(
                 key, grace=grace, quorum_timeout=out.quorum_timeout, expected=1 + len(expected),
-                max_grace=out.quorum_timeout if out.synchronous else out.grace_max)
+                max_grace=out.quorum_timeout if out.synchronous else out.grace_max,
+                lone_wait=not self.training.spent)  # the end-of-budget flush: peers are leaving
             if outcome == "group":
                 self._count_no_shows(expected, group)
                 self.grace.t_quorum.update(group.formed_in)

@@ -157,6 +157,11 @@ class TrainingLoop:
                         100 * (loss / best - 1), best)
         return loss
 
+    @property
+    def spent(self) -> bool:
+        """Whether the training budget is spent: the end-of-budget flush is under way or done."""
+        return self._budget_spent()
+
     def _budget_spent(self) -> bool:
         if self.max_steps and self.learner.step >= self.max_steps:
             return True

@@ -273,7 +273,7 @@ class Matchmaker:
 
     async def form_group(
         self, key: GroupKey, *, grace: float, quorum_timeout: float, expected: int = 0,
-        max_grace: float | None = None,
+        max_grace: float | None = None, lone_wait: bool = True,
     ) -> tuple[Outcome, Group | None]:
         """Declare readiness under ``key`` and return the group this learner ends up in.
 
@@ -291,7 +291,9 @@ class Matchmaker:
         group at the same version forks, and the loser downloads its state again (invariant
         I7). Training goes on meanwhile (the round is in flight), so the wait costs staleness,
         not compute; a peer expected but absent stops being expected after a few groups
-        (``node.runtime.NO_SHOWS_MAX``).
+        (``node.runtime.NO_SHOWS_MAX``). ``lone_wait`` False: no longer wait (a node's
+        end-of-budget flush, when the peers it expects are finishing too and may leave before
+        a late result reaches them).
 
         Raises:
             NetworkError: the DHT could not be reached.
@@ -307,7 +309,7 @@ class Matchmaker:
         excluded: set[str] = set()
         quorum_at: float | None = None
         first_joiner_at: float | None = None
-        lone_grace = max(grace, max_grace or 0.0) if expected > 1 else grace
+        lone_grace = max(grace, max_grace or 0.0) if expected > 1 and lone_wait else grace
         try:
             while True:
                 entries = await self._declarations(dht_key)
