@@ -220,13 +220,13 @@ class Node:
             anchor, records = await self._rebase_if_behind(p, anchor)
             expected = self._expected(p, anchor, records)
             key = GroupKey(p, anchor.version, anchor.digest)
-            # synchronous baseline: the "grace" is the whole quorum timeout, so the leader
-            # closes only once every live learner joined (or the timeout passed)
+            # synchronous: the "grace" is the whole quorum timeout (close once all joined); no lone wait in the
+            # end-of-budget flush (peers are leaving); a closed group's result is due within round_time
             grace = out.quorum_timeout if out.synchronous else self.grace.seconds()
             outcome, group = await self.matchmaker.form_group(
                 key, grace=grace, quorum_timeout=out.quorum_timeout, expected=1 + len(expected),
                 max_grace=out.quorum_timeout if out.synchronous else out.grace_max,
-                lone_wait=not self.training.spent)  # the end-of-budget flush: peers are leaving
+                lone_wait=not self.training.spent, round_time=2 * out.liveness_timeout + out.grace_max)
             if outcome == "group":
                 self._count_no_shows(expected, group)
                 self.grace.t_quorum.update(group.formed_in)

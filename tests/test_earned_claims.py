@@ -71,7 +71,7 @@ class _Swarm:
 
 def test_strikes_ignore_a_holder_for_a_doubling_while_and_delivery_clears_them(monkeypatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr("p2pdiloco.net.statesync.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
     sync = StateSync(_Swarm(), "run", [], lambda: [])
     sync._strike(X, "no answer", hard=True)
     assert sync.ignoring() == {X: "no answer"}
@@ -125,7 +125,7 @@ def test_a_record_left_unchanged_for_stale_s_drops_out_so_a_dead_peer_corroborat
     from p2pdiloco.net.statesync import STALE_S
 
     now = [1000.0]
-    monkeypatch.setattr("p2pdiloco.net.statesync.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
     sync = StateSync(_Swarm(), "run", [], lambda: [])
 
     def heads(t_b: float, t_dead: float) -> dict[str, HeadsRecord]:
@@ -196,7 +196,7 @@ async def test_a_dead_peer_ignored_for_a_while_is_still_stale_when_its_ignore_en
     from p2pdiloco.net.statesync import STALE_S
 
     now = [1000.0]
-    monkeypatch.setattr("p2pdiloco.net.statesync.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
     ours = FragmentState.create(0, 48, (torch.zeros(2),), (torch.zeros(2),))
 
     from p2pdiloco.trust.identity import Identity

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -22,6 +21,10 @@ from p2pdiloco.errors import PeerTimeout, ProtocolError, RoundFailed
 from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
 from p2pdiloco.net.memory import Link, MemoryNet
+
+# virtual time (looptime: the loop's clock jumps to the next timer whenever every task waits, as
+# trio's MockClock with autojump); pytest-timeout still bounds each test in real seconds
+pytestmark = pytest.mark.looptime(end=3600)
 
 
 @contextlib.asynccontextmanager
@@ -45,9 +48,10 @@ async def test_streams_take_latency_and_rate_and_limits_hold():
     ``max_payload`` is refused and counted as a drop, as over p2pd."""
     async with memory_swarms(2, MemoryNet(default=Link(latency=0.05, rate=8 * 2**20))) as (net, (a, b)):
         await b.add_handler("test.echo", echo, max_payload=2**20)
-        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         reply, body = await a.call(b.peer_id, "test.echo", {}, b"x" * 2**20, timeout=10, max_reply=2**20)
-        took = time.monotonic() - t0
+        took = loop.time() - t0
         assert reply == {"n": 2**20} and body == b"x" * 2**20
         assert 0.25 + 0.2 <= took < 3.0
         assert net.bytes_sent[a.peer_id] > 2**20 and net.bytes_sent[b.peer_id] > 2**20
@@ -198,3 +202,53 @@ async def test_a_member_killed_mid_round_leaves_the_others_in_agreement(victim_r
             assert all(isinstance(o, RoundFailed) for o in outcomes.values()), outcomes
         if not victim_reduces:  # no part of the merge died with it: the survivors complete the round
             assert merged and set(members) - {victim} <= set(merged[0].contributors)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.asyncio
+async def test_learners_ready_after_a_group_closed_are_late_not_a_second_group():
+    """Six learners at one version, three ready at once and three only after those closed their
+    group (grace 0.5 s, expected 3 each: nobody waits for the later ones): the later three are
+    all late, whatever their number (before, two or more formed a second group at the same
+    version: a fork). Then the first group's round fails and its members say so
+    (``group_failed``); they retry at the same version and form a group although one of them
+    died and its closed declaration is still in the DHT."""
+    async with memory_swarms(6, MemoryNet(default=Link(latency=0.005))) as (net, sw):
+        mms = [Matchmaker(s, "run", 1) for s in sw]
+        for m in mms:
+            await m.start()
+        first = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=3)
+                                       for m in mms[:3]))
+        assert [o for o, _ in first] == ["group"] * 3 and len(first[0][1].members) == 3
+        later = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=3)
+                                       for m in mms[3:]))
+        assert later == [("late", None)] * 3
+        group = first[0][1]
+        dead = next(i for i in range(3) if sw[i].peer_id == group.members[0])
+        net.kill(sw[dead].peer_id)
+        survivors = [mms[i] for i in range(3) if i != dead]
+        for m in survivors:
+            m.group_failed(group)
+        retry = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=2)
+                                       for m in survivors))
+        assert [o for o, _ in retry] == ["group"] * 2 and len(retry[0][1].members) == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.asyncio
+async def test_one_forged_grouped_declaration_does_not_stall_a_group_of_two():
+    """A peer that stores a fresh 'left in a group' declaration at a key without any group
+    (a Sybil) makes a lone leader there late, but not two learners: stalling a group of m
+    takes m such identities."""
+    async with memory_swarms(4, MemoryNet(default=Link(latency=0.005))) as (net, sw):
+        mms = [Matchmaker(s, "run", 1) for s in sw[:3]]
+        for m in mms:
+            await m.start()
+        forger = sw[3]
+        await forger.store(KEY.dht_key("run"), forger.peer_id, {"open": False, "t": forger.clock.now(), "g": True}, 60)
+        pair = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=2)
+                                      for m in mms[:2]))
+        assert [o for o, _ in pair] == ["group"] * 2 and len(pair[0][1].members) == 2
+        other = GroupKey(KEY.fragment + 1, KEY.version, KEY.digest)
+        await forger.store(other.dht_key("run"), forger.peer_id, {"open": False, "t": forger.clock.now(), "g": True}, 60)
+        assert await mms[2].form_group(other, grace=0.5, quorum_timeout=10.0, expected=1) == ("late", None)

@@ -322,7 +322,7 @@ def test_drop_accounting_is_bounded():
 
 def test_a_peer_over_its_drop_budget_is_blocked_for_a_doubling_while(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr(drops.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(drops.swarm_clock, "monotonic", lambda: now[0])
     ledger = drops.DropLedger("me")
     for _ in range(drops.DROP_BUDGET - 1):
         ledger.drop("flooder", "bad_header")

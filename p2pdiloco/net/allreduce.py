@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.core.fragments import Fragment, assign_parts
 from p2pdiloco.core.outer import FRACTION_GRID, span_fraction
 from p2pdiloco.core.merge import (
@@ -131,7 +132,7 @@ class _Round:
     rates: tuple[int, ...]  # the members' link rates in the group (KiB/s; () = unknown): set the deadline
     slots: tuple[int, ...]  # fragment slots this reducer merges
     creator: str = ""  # the member whose slice created this round here
-    created: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=swarm_clock.monotonic)
     parts: dict[str, tuple[list[torch.Tensor], int, int, int, int]] = field(default_factory=dict)  # tensors, counters
     rejected: dict[str, str] = field(default_factory=dict)
     decided: asyncio.Event = field(default_factory=asyncio.Event)

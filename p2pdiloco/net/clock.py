@@ -65,6 +65,20 @@ MAX_SAMPLE_AGE_S = 3 * REFRESH_S  # seconds a peer's reading counts (it may have
 PING_HANDLER = "DHTProtocol.rpc_ping"  # hivemind's DHT ping on the wire (ServicerBase naming)
 
 
+def monotonic() -> float:
+    """Seconds on the running event loop's clock: the one clock that protocol code (``net/``)
+    reads for deadlines, ages and durations, the same clock that ``asyncio.sleep`` and
+    ``asyncio.timeout`` run on. On asyncio's and uvloop's loops it is ``CLOCK_MONOTONIC``
+    (``time.monotonic``); on a loop with virtual time (``looptime``, as in the protocol tests and
+    ``bench/scale.py``, the model being trio's ``MockClock`` with autojump) it is that loop's
+    time, so the whole protocol runs in virtual seconds. Outside a running loop (a worker
+    thread), ``time.monotonic``."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
 @dataclass(frozen=True)
 class Sample:
     """One peer's clock reading: ``offset`` = its time minus ours (seconds), known within

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+
+from p2pdiloco.net import clock as swarm_clock
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class LinkMeter:
 
     def add(self, n_bytes: int, seconds: float) -> None:
         if n_bytes >= RATE_MIN_BYTES and seconds > 0:
-            self._samples.append((time.monotonic(), n_bytes / seconds))
+            self._samples.append((swarm_clock.monotonic(), n_bytes / seconds))
 
     def held_to(self, ceiling: float) -> float:
         """The rate (bytes/s) a transfer may be held to: ``ceiling``, or this node's measured
@@ -60,7 +61,7 @@ class LinkMeter:
 
     def estimate(self) -> float | None:
         """Bytes/second, or None with fewer than ``RATE_MIN_SAMPLES`` recent samples."""
-        now = time.monotonic()
+        now = swarm_clock.monotonic()
         rates = [r for t, r in self._samples if now - t <= RATE_MAX_AGE_S]
         return statistics.median(rates) if len(rates) >= RATE_MIN_SAMPLES else None
 
@@ -92,7 +93,7 @@ class DropLedger:
     Attributes:
         dropped: inbound messages not served, by peer ID (at most ``MAX_DROP_PEERS`` peers).
         reasons: the same drops by reason (the transport's and other modules' reasons).
-        blocked: peer ID -> until when (``time.monotonic()`` seconds) its streams are closed unread.
+        blocked: peer ID -> until when (``clock.monotonic()`` seconds) its streams are closed unread.
     """
 
     def __init__(self, me: str):
@@ -112,7 +113,7 @@ class DropLedger:
             for victim, _ in self.dropped.most_common()[MAX_DROP_PEERS * 3 // 4:]:
                 del self.dropped[victim]
         log.debug("dropped a message from %s: %s", peer[-8:], reason)
-        now = time.monotonic()
+        now = swarm_clock.monotonic()
         start, n = self._window.get(peer, (now, 0))
         if now - start > DROP_WINDOW_S:
             start, n = now, 0
@@ -129,11 +130,11 @@ class DropLedger:
                 del self._window[victim]
 
     def is_blocked(self, peer: str) -> bool:
-        return self.blocked.get(peer, 0.0) > time.monotonic()
+        return self.blocked.get(peer, 0.0) > swarm_clock.monotonic()
 
     def blocking(self) -> dict[str, float]:
         """Peers blocked now, {peer ID: seconds left}; expired blocks are forgotten (in place)."""
-        now = time.monotonic()
+        now = swarm_clock.monotonic()
         for p in [p for p, t in self.blocked.items() if t <= now]:
             del self.blocked[p]
         return {p: round(t - now, 1) for p, t in self.blocked.items()}

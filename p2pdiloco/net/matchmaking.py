@@ -57,7 +57,6 @@ import hashlib
 import logging
 import secrets
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +64,7 @@ from typing import Literal
 
 from hivemind.averaging.load_balancing import load_balance_peers
 
+from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
 from p2pdiloco.net import records as rec
 from p2pdiloco.net.transport import Header, Swarm
@@ -177,6 +177,7 @@ class Matchmaker:
             raise ValueError(f"min_quorum must be >= 1, got {min_quorum}")
         self.swarm, self.run_id, self.min_quorum, self.num_fragments = swarm, run_id, min_quorum, num_fragments
         self._gatherings: dict[int, _Gathering] = {}
+        self._failed_groups: dict[GroupKey, set[str]] = {}  # members of groups that failed, by key
         self._gathering_max_age: float | None = None  # seconds an announcement of the run stays current
         self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
         self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
@@ -234,8 +235,8 @@ class Matchmaker:
         await self.swarm.store(self.gathering_key, self.swarm.peer_id, {"g": keys, "t": self.swarm.clock.now()},
                                ttl)
 
-    async def _declarations(self, dht_key: str) -> dict[str, bool]:
-        """{peer: open} of the parsed, non-banned declarations under ``dht_key``."""
+    async def _declarations(self, dht_key: str) -> dict[str, rec.Declaration]:
+        """The parsed, non-banned declarations under ``dht_key``, by author."""
         values = {p: v for p, v in (await self.swarm.get(dht_key)).items() if p not in self.swarm.bans}
         good, bad = rec.parse_many(values, rec.parse_declaration)
         for peer in bad:
@@ -245,8 +246,12 @@ class Matchmaker:
 
     def group_failed(self, group: Group) -> None:
         """The node reports that ``group``'s round failed (module docstring: leaders whose
-        groups fail repeatedly are passed over)."""
+        groups fail repeatedly are passed over). Its members' closed declarations no longer
+        make us late at its key: the survivors retry there."""
         self._leader_failed(group.leader, f"round {group.round_id} failed")
+        self._failed_groups.setdefault(group.key, set()).update(group.members)
+        while len(self._failed_groups) > 64:  # bounded: the oldest keys go first
+            del self._failed_groups[next(iter(self._failed_groups))]
 
     def _leader_failed(self, leader: str, why: str) -> None:
         if not leader or leader == self.swarm.peer_id:
@@ -254,7 +259,7 @@ class Matchmaker:
         n = self.leader_failures[leader] = self.leader_failures[leader] + 1
         if n >= LEADER_FAILURES:
             seconds = min(PASS_OVER_MAX_S, PASS_OVER_S * 2 ** (n - LEADER_FAILURES))
-            self.passed_over[leader] = time.monotonic() + seconds
+            self.passed_over[leader] = swarm_clock.monotonic() + seconds
             log.info("passing over %s as a leader for %.0f s: %d failed groups in a row (last: %s)",
                      leader[-8:], seconds, n, why)
         if len(self.leader_failures) > 4096:  # bounded: keep the worst offenders
@@ -262,7 +267,7 @@ class Matchmaker:
 
     def passing_over(self) -> dict[str, float]:
         """Leaders passed over now, {peer ID: seconds left}."""
-        now = time.monotonic()
+        now = swarm_clock.monotonic()
         self.passed_over = {p: t for p, t in self.passed_over.items() if t > now}
         return {p: round(t - now, 1) for p, t in self.passed_over.items()}
 
@@ -273,7 +278,7 @@ class Matchmaker:
 
     async def form_group(
         self, key: GroupKey, *, grace: float, quorum_timeout: float, expected: int = 0,
-        max_grace: float | None = None, lone_wait: bool = True,
+        max_grace: float | None = None, lone_wait: bool = True, round_time: float | None = None,
     ) -> tuple[Outcome, Group | None]:
         """Declare readiness under ``key`` and return the group this learner ends up in.
 
@@ -295,12 +300,25 @@ class Matchmaker:
         end-of-budget flush, when the peers it expects are finishing too and may leave before
         a late result reaches them).
 
+        Late: a leader about to close that finds peers that already left in a group at its
+        key, at least as many as its own group's members (declarations that say so, younger
+        than ``round_time`` seconds, default the declarations' lifetime, and not of a group
+        this node saw fail), returns ("late", None), and its joiners are sent away to find the
+        same: a second group at one version is a fork that one side loses with the progress
+        merged into it (the heads rule keeps the side with more holders, invariant I7), whereas
+        a late learner follows the group's state with its progress rebased and contributes it
+        to the next round. Counting members bounds what forged declarations can do: stalling
+        a group of m takes m identities (docs/trust.md). Declarations of peers that left
+        without a group (late, no quorum) do not count.
+
         Raises:
             NetworkError: the DHT could not be reached.
         """
-        me, t0 = self.swarm.peer_id, time.monotonic()
+        me, t0 = self.swarm.peer_id, swarm_clock.monotonic()
         deadline = t0 + quorum_timeout
-        dht_key, ttl = key.dht_key(self.run_id), quorum_timeout + grace + 30
+        # one lifetime whatever this round's grace: a DHT keeps the value that expires last, so a
+        # retry at this key with a shorter lifetime would not replace our closed declaration
+        dht_key, ttl = key.dht_key(self.run_id), quorum_timeout + max(grace, max_grace or 0.0) + 30
         self._gathering_max_age = quorum_timeout + max(grace, max_grace or 0.0) + JOIN_SLACK_S
         await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
         gathering = _Gathering(key)
@@ -310,15 +328,19 @@ class Matchmaker:
         quorum_at: float | None = None
         first_joiner_at: float | None = None
         lone_grace = max(grace, max_grace or 0.0) if expected > 1 and lone_wait else grace
+        fresh_for = ttl if round_time is None else round_time
+        grouped = False  # whether we leave in a group (our last declaration says so)
         try:
             while True:
                 entries = await self._declarations(dht_key)
-                open_peers = {p for p, is_open in entries.items() if is_open}
+                open_peers = {p for p, d in entries.items() if d.open}
                 open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
-                cannot_fetch = self.undeliverable()
-                someone_closed = any(not is_open for p, is_open in entries.items() if p not in cannot_fetch)
+                cannot_fetch, failed = self.undeliverable(), self._failed_groups.get(key, ())
+                grouped_peers = sum(d.grouped and p not in cannot_fetch and p not in failed
+                                    and self.swarm.clock.now() - d.t <= fresh_for for p, d in entries.items())
+                someone_closed = grouped_peers > 0
                 leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
-                now = time.monotonic()
+                now = swarm_clock.monotonic()
                 if leader != me:
                     gathering.following = leader
                     self._abdicate(gathering)
@@ -328,10 +350,11 @@ class Matchmaker:
                     outcome = await self._join(leader, key, dht_key, timeout=wait)
                     gathering.following = None
                     if isinstance(outcome, Group):
+                        grouped = True
                         return "group", outcome
                     if outcome in ("gone", "held"):
                         excluded.add(leader)
-                    elif time.monotonic() > deadline:
+                    elif swarm_clock.monotonic() > deadline:
                         return ("late" if someone_closed else "no_quorum"), None
                     continue
                 # only joiners declared under the key become members: an undeclared one would
@@ -344,8 +367,9 @@ class Matchmaker:
                     first_joiner_at = now
                 everyone = size >= max(expected, 2)  # a lone learner still waits its grace
                 if quorum_at is not None and (everyone or now >= self._closes_at(quorum_at, first_joiner_at, grace, lone_grace)):
-                    if size == 1 and someone_closed:
-                        return "late", None  # a group at this version exists: don't fork it
+                    if grouped_peers >= size:  # a group at this version at least as large as ours exists
+                        return "late", None  # don't fork it (and a Sybil needs `size` identities to stall us)
+                    grouped = True
                     return "group", self._close(gathering, t0, joined)
                 if quorum_at is None and now > deadline:
                     return ("late" if someone_closed else "no_quorum"), None
@@ -360,7 +384,7 @@ class Matchmaker:
             if self._gatherings.get(key.fragment) is gathering:
                 del self._gatherings[key.fragment]
             try:
-                await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now()}, ttl)
+                await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now(), "g": grouped}, ttl)
                 await self._announce(quorum_timeout + grace)
             except NetworkError as e:
                 log.debug("could not mark %s closed: %s", dht_key, e)
@@ -382,7 +406,7 @@ class Matchmaker:
         me, own = self.swarm.peer_id, self.swarm.stats.link.estimate()
         rates = [own if m == me else gathering.rates.get(m) for m in members]
         kib = tuple(min(rec.MAX_RATE_KIB, round(r / 1024)) if r else 0 for r in rates)
-        group = Group(secrets.token_hex(8), gathering.key, members, time.monotonic() - t0, me,
+        group = Group(secrets.token_hex(8), gathering.key, members, swarm_clock.monotonic() - t0, me,
                       bandwidth_shares(rates), kib if any(kib) else ())
         for peer in joined:
             fut = gathering.joiners[peer]

@@ -30,12 +30,17 @@ Model (per :class:`MemoryNet`):
   this one costs nothing, so DHT traffic is counted (:attr:`MemoryNet.dht_stores`,
   ``dht_gets``), not timed. Streams opened are counted by RPC name (``streams``), bytes
   written by peer (``bytes_sent``, framing headers included).
+- Time: every peer reads the running loop's clock (``clock.monotonic``) and a wall clock that
+  runs with it (:meth:`MemoryNet.wall`: Unix seconds at the network's first peer plus the
+  loop's time since), so on a loop with virtual time (``looptime``) the whole network, record
+  expiries included, runs in virtual seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +50,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
-from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.net.signed_records import SignedRecords
@@ -249,7 +254,7 @@ class MemoryDHT:
     async def get(self, key: str, latest: bool = True) -> ValueWithExpiration | None:
         self.net.dht_gets[self.peer_id] += 1
         key_id = DHTID.generate(source=key).to_bytes()
-        now = get_dht_time()
+        now = self.net.wall()
         entries = self.net.replicas.get(self.peer_id, {}).get(key_id, {})
         live = {s: v for s, v in entries.items() if v[1] >= now}
         if not live:
@@ -291,11 +296,18 @@ class MemoryNet:
         self._group: dict[str, int] = {}  # peer -> its side of the partition (absent: not partitioned)
         self._streams: set[_Pipe] = set()
         self._tasks: dict[str, set[asyncio.Task]] = {}
+        self._epoch: float | None = None  # Unix seconds at loop time 0 (set at the first peer)
+
+    def wall(self) -> float:
+        """The network's Unix time (seconds): runs with the loop's clock (module docstring)."""
+        if self._epoch is None:
+            self._epoch = time.time() - swarm_clock.monotonic()
+        return self._epoch + swarm_clock.monotonic()
 
     async def swarm(self, identity: Identity | None = None, membership: Membership | None = None) -> Swarm:
         """A new peer on this network: a ``Swarm`` over a :class:`MemoryHost` and a
-        :class:`MemoryDHT` (no daemon, no clock measurement: every peer reads this machine's
-        clock)."""
+        :class:`MemoryDHT` (no daemon, no clock measurement: every peer reads the network's
+        clock, :meth:`wall`)."""
         identity = identity if identity is not None else Identity.generate()
         membership = membership if membership is not None else Membership()
         if identity.peer_id in self.hosts:
@@ -304,7 +316,7 @@ class MemoryNet:
         host = MemoryHost(self, identity.peer_id)
         self.hosts[identity.peer_id] = host
         swarm = Swarm(host, MemoryDHT(self, identity.peer_id, records), None, identity, membership, records,
-                      swarm_clock.SwarmClock())
+                      swarm_clock.SwarmClock(local=self.wall))
         await swarm.add_handler("trust.hello", swarm._on_hello)
         return swarm
 

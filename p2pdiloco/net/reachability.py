@@ -38,12 +38,12 @@ import contextlib
 import ipaddress
 import logging
 import random
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.errors import NetworkError, ProtocolError
 from p2pdiloco.net.records import MAX_DIALBACK_PORTS, DialbackAnswer, parse_dialback_answer, parse_dialback_request
 
@@ -243,7 +243,7 @@ class DialbackServer:
 
     async def __call__(self, peer: str, header: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
         ports = parse_dialback_request(header)
-        now = time.monotonic()
+        now = swarm_clock.monotonic()
         recent = sum(1 for t in self.last.values() if now - t < MIN_INTERVAL_S)  # at most MAX_REMEMBERED
         if now - self.last.get(peer, -MIN_INTERVAL_S) < MIN_INTERVAL_S or self.running >= MAX_CONCURRENT \
                 or recent >= MAX_PER_INTERVAL:

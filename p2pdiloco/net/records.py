@@ -260,15 +260,29 @@ def parse_gathering(value: Any, num_fragments: int) -> Gathering:
     return Gathering(tuple(keys), _finite(rec.get("t", 0.0), "t"))
 
 
-def parse_declaration(value: Any) -> bool:
-    """A matchmaking declaration ``{"open": bool, "t": time}``; returns whether it is open.
+@dataclass(frozen=True)
+class Declaration:
+    """A matchmaking declaration under a group key: ``open`` while its author gathers;
+    ``grouped``: its author left the gathering in a group (closed by it or joined), so a group
+    at this key exists; ``t``: when it was stored (the swarm's Unix seconds, the author's clock)."""
+
+    open: bool
+    grouped: bool
+    t: float
+
+
+def parse_declaration(value: Any) -> Declaration:
+    """A matchmaking declaration ``{"open": bool, "t": time, "g": bool}``. Without ``g`` (a
+    node before WIRE_VERSION 4) a closed declaration counts as grouped.
 
     Raises:
         ProtocolError: malformed.
     """
     rec = _map(value, "declaration")
-    _finite(rec.get("t", 0.0), "t")
-    return _bool(rec.get("open"), "open")
+    t = _finite(rec.get("t", 0.0), "t")
+    is_open = _bool(rec.get("open"), "open")
+    grouped = _bool(rec.get("g"), "g") if "g" in rec else not is_open
+    return Declaration(is_open, grouped and not is_open, float(t))
 
 
 # ---- RPC messages ---------------------------------------------------------------------------

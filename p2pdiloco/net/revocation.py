@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -280,7 +279,7 @@ async def publish_revocations(revocations: RevocationList, swarm_key: SwarmKey, 
     # before its certificate expires, which each validator judges by the same clock it drops
     # expired records with: an entry outliving it would hide the whole key's lookups
     ttl = max(1.0, min(ttl, cert.expires - swarm.clock.now() - swarm_clock.TOLERANCE_S - 60))
-    t0 = time.monotonic()
+    t0 = swarm_clock.monotonic()
     try:
         deadline = t0 + wait
         stored = False
@@ -288,7 +287,7 @@ async def publish_revocations(revocations: RevocationList, swarm_key: SwarmKey, 
             await swarm.store(key, swarm.peer_id, data, ttl)
             stored = (await swarm.get(key)).get(swarm.peer_id) == data
             if not stored:
-                if time.monotonic() >= deadline:
+                if swarm_clock.monotonic() >= deadline:
                     raise NetworkError(f"the DHT did not return revocation list #{revocations.serial} within "
                                        f"{wait:g} s of storing it")
                 await asyncio.sleep(0.5)
@@ -298,9 +297,9 @@ async def publish_revocations(revocations: RevocationList, swarm_key: SwarmKey, 
             holders = sorted(s for s, v in found.items() if s != swarm.peer_id and is_peer_id(s)
                              and isinstance(parsed := parse_entry(v, swarm_key.public_key), RevocationList)
                              and parsed.serial >= revocations.serial)
-            if holders or time.monotonic() >= deadline:
+            if holders or swarm_clock.monotonic() >= deadline:
                 break
             await asyncio.sleep(1.0)
-        return Publication(key, swarm.peer_id, tuple(holders), time.monotonic() - t0)
+        return Publication(key, swarm.peer_id, tuple(holders), swarm_clock.monotonic() - t0)
     finally:
         await swarm.shutdown()

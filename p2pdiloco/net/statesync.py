@@ -71,7 +71,6 @@ import asyncio
 import hashlib
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,6 +78,7 @@ from typing import Any
 
 import torch
 
+from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FragmentState, fragment_digest
 from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, ProtocolError, StateSyncError
@@ -273,7 +273,7 @@ class StateSync:
 
     def ignoring(self) -> dict[str, str]:
         """Peers whose claims are ignored now, {peer ID: reason}."""
-        now = time.monotonic()
+        now = swarm_clock.monotonic()
         self.ignored = {p: v for p, v in self.ignored.items() if v[0] > now}
         return {p: why for p, (_, why) in self.ignored.items()}
 
@@ -308,7 +308,7 @@ class StateSync:
                     record = record.without(p)
             out[peer] = record
         for peer, why in self._uncorroborated(out).items():
-            self.ignored[peer] = (time.monotonic() + IGNORE_S, why)
+            self.ignored[peer] = (swarm_clock.monotonic() + IGNORE_S, why)
             log.info("ignoring the records of %s for %.0f s: %s", peer[-8:], IGNORE_S, why)
             del out[peer]
         return out
@@ -318,7 +318,7 @@ class StateSync:
         this node first saw it (this node's clock only: authors' clocks differ). A record seen
         for the first time counts as live. Peers left out of ``records`` (ignored for a while)
         keep their watch, so a dead peer does not look new when its ignore ends."""
-        now = time.monotonic()
+        now = swarm_clock.monotonic()
         for p, r in records.items():
             if p not in self._changed or self._changed[p][0] != r.t:
                 self._changed[p] = (r.t, now)
@@ -338,7 +338,7 @@ class StateSync:
             self._other(peer, "another fragment count")
 
     def _other(self, peer: str, settings: str) -> None:
-        self._other_settings[peer] = (settings, time.monotonic())
+        self._other_settings[peer] = (settings, swarm_clock.monotonic())
         if len(self._other_settings) > 4096:  # bounded: forget the longest unseen
             for p in sorted(self._other_settings, key=lambda q: self._other_settings[q][1])[:1024]:
                 del self._other_settings[p]
@@ -347,7 +347,7 @@ class StateSync:
         """Nodes of this run whose records, seen in the last ``within`` seconds, state other
         settings than ours (another protocol tag or fragment count): they publish under the run's
         key but can never merge with us. {peer ID: their settings}."""
-        now = time.monotonic()
+        now = swarm_clock.monotonic()
         return {p: what for p, (what, seen) in self._other_settings.items() if now - seen <= within}
 
     def _uncorroborated(self, records: dict[str, HeadsRecord]) -> dict[str, str]:
@@ -446,7 +446,7 @@ class StateSync:
         self._soft.pop(peer, None)
         n = self._strikes[peer] = min(self._strikes.get(peer, 0) + 1, 16)
         seconds = min(IGNORE_MAX_S, IGNORE_S * 2 ** (n - 1))
-        self.ignored[peer] = (time.monotonic() + seconds, reason)
+        self.ignored[peer] = (swarm_clock.monotonic() + seconds, reason)
         log.info("ignoring the records of %s for %.0f s: %s", peer[-8:], seconds, reason)
         if len(self._strikes) > 4096:  # bounded: forget the peers with the fewest strikes
             for p in sorted(self._strikes, key=self._strikes.get)[:1024]:
@@ -520,7 +520,7 @@ class StateSync:
         for donor in donors:
             if donor in self.swarm.bans or donor in self.ignoring():
                 continue
-            t0 = time.monotonic()
+            t0 = swarm_clock.monotonic()
             try:
                 state = await self._fetch(donor, fragment, timeout, joining)
             except (NetworkError, StateSyncError) as e:
@@ -535,7 +535,7 @@ class StateSync:
                 continue
             if (state.version, state.digest) == (head.version, head.digest):
                 self._delivered(donor)
-                self._took.append(time.monotonic() - t0)
+                self._took.append(swarm_clock.monotonic() - t0)
                 try:
                     self._check_plausible(state)  # same bytes from every holder: no other donor to try
                 except StateSyncError as e:

@@ -540,8 +540,8 @@ class Swarm:
                     self.drop(peer_id, "reply_too_large")
                     raise ProtocolError(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of "
                                         f"{max_reply}")
-                t0, body = time.monotonic(), await read_payload(reader, n)
-                received = time.monotonic() - t0
+                t0, body = swarm_clock.monotonic(), await read_payload(reader, n)
+                received = swarm_clock.monotonic() - t0
         except ProtocolError:
             self.stats.calls_failed += 1
             raise
