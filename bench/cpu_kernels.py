@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT.parent))
 
 import common as c  # noqa: E402
 
-from node.demo import DEMO_SETTINGS, Children, _terminate  # noqa: E402
+from node.demo import Children, _terminate  # noqa: E402
+from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
 
 
 def capabilities() -> list[str]:

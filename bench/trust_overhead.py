@@ -5,7 +5,7 @@
     python bench/trust_overhead.py --rounds 4 --json
 
 Three swarms (one p2pd each) in this process on 127.0.0.1 run real rounds of the demo's
-model (node/demo.py DEMO_SETTINGS: about 0.8M parameters in 4 fragments): matchmaking
+model (p2pdiloco/presets.py DEMO: about 0.8M parameters in 4 fragments): matchmaking
 through the DHT with the demo's grace settings, then the signed, robust all-reduce with
 pseudo-gradients of the real tensor shapes. Measured on every node, per round:
 
@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from node.demo import DEMO_SETTINGS  # noqa: E402
+from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
 from p2pdiloco.config import load_config  # noqa: E402
 from p2pdiloco.core.fragments import balanced_fragments  # noqa: E402
 from p2pdiloco.model import build_model  # noqa: E402

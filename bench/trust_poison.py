@@ -4,7 +4,7 @@
     python bench/trust_poison.py --attacks mix --steps 300
 
 Each run is a bootstrap peer and 4 node processes on 127.0.0.1 with the demo's settings
-(node/demo.py DEMO_SETTINGS; one data shard per node), every node stopping after ``--steps``
+(p2pdiloco/presets.py DEMO; one data shard per node), every node stopping after ``--steps``
 inner steps. Node i keeps the same identity (so the same peer ID and batch order) in every
 run, so runs differ only in the attack and in timing (who merges with whom); ``--clean-runs``
 repeats the clean run to show that spread. The attacker is stopped when the honest nodes are
@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from node.demo import DEMO_SETTINGS, Children, _terminate  # noqa: E402
+from node.demo import Children, _terminate  # noqa: E402
+from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
 from p2pdiloco.trust.identity import Identity  # noqa: E402
 
 NODES = 4

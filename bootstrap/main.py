@@ -14,6 +14,7 @@ from pathlib import Path
 
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.net.addresses import check_announce_maddr, check_any_reachable, check_listen_port, check_peer_maddr
+from p2pdiloco.running import run_async
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="p2pdiloco bootstrap", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from p2pdiloco.cli import run_async  # noqa: PLC0415
-
     return run_async(serve(args))
 
 

@@ -20,17 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from p2pdiloco.presets import DEMO
+
 PR_SET_PDEATHSIG = 1
 
-# Sized for a 2-core machine: a 0.8M-parameter model, 4 fragments, a sync every 40 steps.
-DEMO_SETTINGS = {
-    "model.n_layer": "2", "model.n_embd": "128", "model.n_head": "4", "model.block_size": "128",
-    "inner.lr": "2e-3", "inner.warmup_steps": "50", "inner.total_steps": "3000",
-    "outer.fragments": "4", "outer.sync_every": "40", "outer.overlap": "2", "outer.min_quorum": "1",
-    "outer.grace_min": "1.0", "outer.grace_max": "3.0", "outer.lr": "0.7", "outer.momentum": "0.9",
-    "data.batch_size": "16", "data.max_bytes": "3000000", "data.eval_batches": "8",
-    "eval_every": "100",
-}
+DEMO_SETTINGS = DEMO  # the demo's settings: p2pdiloco.presets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from p2pdiloco.model import ModelConfig
+if TYPE_CHECKING:  # annotations only: p2pdiloco.model imports this module to build factory models
+    from p2pdiloco.model import ModelConfig
 
 __all__ = ["FactoryModel", "build_factory_model", "redraw_parameters", "resolve_factory"]
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from p2pdiloco import presets
+
 POLL_S = 0.2  # seconds between two checks of a condition a test waits for
 
 
@@ -54,14 +56,15 @@ async def until(condition: Callable[[], object | Awaitable[object]], timeout: fl
                 what: str | Callable[[], str], *, every: float = POLL_S) -> float:
     """The asyncio form of :func:`wait_for`: ``condition()`` may return a value or an awaitable;
     ``what`` may be a callable (a message built when it fails). Returns the seconds waited."""
-    t0 = time.monotonic()
+    loop = asyncio.get_running_loop()  # its clock: virtual seconds on a loop with virtual time
+    t0 = loop.time()
     while True:
         value = condition()
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 >= timeout:
+            return loop.time() - t0
+        if loop.time() - t0 >= timeout:
             raise AssertionError(f"{what if isinstance(what, str) else what()}: not within {timeout:g} s")
         await asyncio.sleep(every)
 
@@ -85,15 +88,8 @@ def _name(p: psutil.Process) -> str:
         return ""
 
 
-# A model small enough for several nodes on 2 cores; real text, real sockets.
-TINY = {
-    "model.n_layer": "1", "model.n_embd": "64", "model.n_head": "2", "model.block_size": "64",
-    "inner.lr": "3e-3", "inner.warmup_steps": "10", "inner.total_steps": "400",
-    "outer.fragments": "2", "outer.sync_every": "20", "outer.momentum": "0.5", "outer.min_quorum": "1",
-    "outer.grace_min": "1.0", "outer.grace_max": "3", "outer.quorum_timeout": "8",
-    "outer.liveness_timeout": "8",
-    "data.batch_size": "8", "data.max_bytes": "200000", "data.eval_batches": "4", "eval_every": "40",
-}
+# A model small enough for several nodes on 2 cores (p2pdiloco.presets), 400 steps.
+TINY = {**presets.TINY, "inner.total_steps": "400"}
 
 
 class Harness:

@@ -14,7 +14,7 @@ from p2pdiloco.chaos import ChaosConfig, Freeze, Kill, Slow, parse_script, rando
 from p2pdiloco.chaos.cli import main as chaos_main
 from p2pdiloco.chaos.metrics import uptime
 from p2pdiloco.chaos.observe import Incarnation, NodeTrack, Sample, close_incarnation, is_rejoined
-from p2pdiloco.chaos.presets import TINY
+from p2pdiloco.presets import TINY
 from p2pdiloco.chaos.throttle import Throttle
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.sim.chaos import ChaosSchedule, chaos_sessions

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from p2pdiloco.chaos.harness import ChaosConfig, ChaosError, run
 from p2pdiloco.chaos.metrics import ChaosResult
-from p2pdiloco.chaos.presets import PRESETS, TINY
+from p2pdiloco.presets import PRESETS, TINY
 from p2pdiloco.chaos.replay import round_seconds
 from p2pdiloco.chaos.schedule import Freeze, Kill, Schedule, Slow, parse_script, random_schedule, round_robin_schedule
 

@@ -133,12 +133,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_chaos(args: argparse.Namespace) -> int:
     from p2pdiloco.chaos.harness import ChaosConfig, ChaosError, run  # noqa: PLC0415
-    from p2pdiloco.chaos.presets import PRESETS  # noqa: PLC0415
+    from p2pdiloco.presets import PRESETS  # noqa: PLC0415
     from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
 
     try:
         schedule = build_schedule(args)
-        settings = PRESETS[args.preset]()
+        settings = dict(PRESETS[args.preset])
         settings.update(parse_overrides(args.set))
         load_config(None, overrides=parse_overrides([f"{k}={v}" for k, v in settings.items()]))  # checks them
     except ConfigError as e:

@@ -136,6 +136,17 @@ class Identity:
         return cls(key, pub, peer_id_of(pub), path)
 
     @classmethod
+    def from_seed(cls, seed: bytes) -> Identity:
+        """The identity of a 32-byte Ed25519 seed (RFC 8032 private key): the same seed gives
+        the same peer ID, for reproducible protocol tests and benchmarks. Raises ValueError
+        when ``seed`` is not 32 bytes."""
+        if len(seed) != 32:
+            raise ValueError(f"an Ed25519 seed is 32 bytes, got {len(seed)}")
+        key = Ed25519PrivateKey.from_private_bytes(bytes(seed))
+        pub = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return cls(key, pub, peer_id_of(pub))
+
+    @classmethod
     def from_libp2p_bytes(cls, data: bytes, path: Path | None = None) -> Identity:
         """Parse the 68-byte libp2p protobuf form. Raises IdentityError on anything else."""
         where = f"identity file {path}" if path else "identity"

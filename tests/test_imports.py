@@ -1,0 +1,117 @@
+"""The import graph of the library (``p2pdiloco``) and the apps (``node``, ``bootstrap``): no
+cycles, and the library imports an app only from its one command-line entry module
+(``p2pdiloco.cli``). Read from the source (``ast``), imports inside functions included,
+annotations-only imports (``if TYPE_CHECKING:``) excluded."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("p2pdiloco", "node", "bootstrap")
+ENTRY = "p2pdiloco.cli"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The project modules that module ``name`` (file ``path``) imports."""
+    out: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for a in node.names:  # "from pkg import mod" imports the module pkg.mod
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+    visit(ast.parse(path.read_text()))
+    return {m for m in out if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(path, name, set(mods)) for name, path in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in g:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(g[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(g[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_walker_sees_imports_inside_functions_and_not_annotation_only_ones():
+    g = graph()
+    assert "node.main" in g[ENTRY]  # cli imports the node's app inside a function
+    assert "p2pdiloco.model" not in g["p2pdiloco.factory"]  # only under TYPE_CHECKING
+    assert "p2pdiloco.factory" in g["p2pdiloco.model"]  # inside build_model
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    assert cycles(graph()) == []
+
+
+def test_the_library_imports_apps_only_from_its_entry_module():
+    g = graph()
+    wrong = sorted((m, d) for m, deps in g.items() if m.startswith("p2pdiloco") and m != ENTRY
+                   for d in deps if not d.startswith("p2pdiloco"))
+    assert wrong == []
