@@ -1,6 +1,6 @@
 """Scale of the round protocol: matchmaking and all-reduce among 8 to 128 in-memory peers.
 
-    python bench/scale.py                                  # N = 8, 16, 32, 64, 128; 5 rounds each
+    python bench/scale.py                                  # N = 8, 16, 32, 64, 128; 60 rounds each (about 20 minutes)
     python bench/scale.py --sizes 8 16 --rounds 3 --out /tmp/scale   # a quick look
 
 Each size runs on one ``MemoryNet`` (``p2pdiloco.net.memory``): every peer a real ``Swarm`` (the
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -55,6 +56,7 @@ from p2pdiloco.core.fragments import Fragment, TensorSlot  # noqa: E402
 from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult  # noqa: E402
 from p2pdiloco.net.matchmaking import GroupKey, Matchmaker  # noqa: E402
 from p2pdiloco.net.memory import Link, MemoryNet  # noqa: E402
+from p2pdiloco.trust.identity import Identity  # noqa: E402
 
 SHAPES = [(256, 128), (128, 384), (128, 128), (128, 64), (384,), (128,)]  # 107k parameters
 FRAGMENT = Fragment(0, tuple(TensorSlot(f"t{i}", s, math.prod(s), i == 0) for i, s in enumerate(SHAPES)))
@@ -66,7 +68,9 @@ PER_NODE = ("control_streams", "reduce_streams", "control_bytes", "dht_gets", "d
 async def one_size(n: int, rounds: int, spread: float, seed: int) -> dict:
     rng = random.Random(seed)
     net = MemoryNet(default=LINK, seed=seed)
-    sw = [await net.swarm() for _ in range(n)]
+    # seeded identities: one seed gives the same leaders, groups and figures (virtual time)
+    sw = [await net.swarm(identity=Identity.from_seed(hashlib.sha256(f"scale/{seed}/{i}".encode()).digest()))
+          for i in range(n)]
     mms = [Matchmaker(s, "scale", 1, num_fragments=1) for s in sw]
     reducers = [AllReducer(s, [FRAGMENT], "int4", QUORUM_TIMEOUT, sync_every=100, run_id="scale") for s in sw]
     for m, r in zip(mms, reducers):
@@ -75,7 +79,7 @@ async def one_size(n: int, rounds: int, spread: float, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     deltas = [tuple(torch.randn(s, generator=gen) * 1e-2 for s in SHAPES) for _ in range(n)]
     loop = asyncio.get_running_loop()
-    forked, late, sizes, latency, failed = 0, [], [], [], 0
+    forked, late, sizes, latency, failed, fork_sizes = 0, [], [], [], 0, []
     t_start, real_start = loop.time(), time.perf_counter()
     try:
         for v in range(1, rounds + 1):
@@ -98,6 +102,8 @@ async def one_size(n: int, rounds: int, spread: float, seed: int) -> dict:
             results = await asyncio.gather(*(member(i) for i in range(n)))
             groups = {m for o, m, _ in results if m is not None}
             forked += len(groups) > 1
+            if len(groups) > 1:
+                fork_sizes.append(sorted((len(g) for g in groups), reverse=True))
             late.append(sum(o == "late" for o, _, _ in results))
             failed += sum(o == "failed" for o, _, _ in results)
             sizes.extend(len(g) for g in groups)
@@ -110,7 +116,7 @@ async def one_size(n: int, rounds: int, spread: float, seed: int) -> dict:
     return {
         "nodes": n, "rounds": rounds, "seconds": round(loop.time() - t_start, 1),
         "real_seconds": round(time.perf_counter() - real_start, 1),
-        "versions_forked": forked, "late_per_round": statistics.mean(late), "members_per_group": statistics.mean(sizes),
+        "versions_forked": forked, "fork_group_sizes": fork_sizes, "late_per_round": statistics.mean(late), "members_per_group": statistics.mean(sizes),
         "failed": failed,
         "latency_median_s": statistics.median(latency) if latency else None,
         "latency_p95_s": sorted(latency)[int(0.95 * (len(latency) - 1))] if latency else None,
@@ -154,7 +160,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def report(rows: list[dict], a: argparse.Namespace, m: dict, took: float) -> str:
     cmd = "python bench/scale.py" + (f" --sizes {' '.join(map(str, a.sizes))}" if a.sizes != DEFAULT_SIZES else "") \
-        + (f" --rounds {a.rounds}" if a.rounds != 5 else "") + (f" --spread {a.spread:g}" if a.spread != 2.0 else "")
+        + (f" --rounds {a.rounds}" if a.rounds != 60 else "") + (f" --spread {a.spread:g}" if a.spread != 2.0 else "")
     out = ["# Scale of the round protocol (in-memory peers)", "", __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0],
            "", f"Command: `{cmd}` (from the repository root, in the project's virtual environment; took "
            f"{took / 60:.1f} minutes).", "", f"Machine: {c.machine_line(m)}", "",
@@ -172,6 +178,10 @@ def report(rows: list[dict], a: argparse.Namespace, m: dict, took: float) -> str
     for name in PER_NODE:
         g = growth(rows, name)
         out.append(f"- {name}: {'n/a' if g is None else f'{g:+.2f}'}")
+    forks = [f"N = {r['nodes']}: " + ", ".join(" + ".join(map(str, g)) for g in r["fork_group_sizes"])
+             for r in rows if r.get("fork_group_sizes")]
+    if forks:
+        out += ["", "Members of the groups of each forked version: " + "; ".join(forks) + "."]
     worst = max(r["versions_forked"] / r["rounds"] for r in rows)
     out += ["", f"Forks: at most {100 * worst:.0f}% of versions at any size (goal, issue 12: under 2%).", "",
             "![scale](scale.png)"]
@@ -184,7 +194,7 @@ DEFAULT_SIZES = [8, 16, 32, 64, 128]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--spread", type=float, default=2.0, help="seconds over which the peers of a round become ready")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT.parent / "docs" / "benchmarks")

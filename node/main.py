@@ -171,7 +171,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "link_bytes_per_s": round(link) if (link := swarm.stats.link.estimate()) else None,
         "rejected": rejected, "rejected_total": sum(rejected.values()),
         "bans": dict(swarm.bans), "ignored": node.sync.ignoring(), "other_settings": node.sync.other_settings(),
-        "passed_over": node.matchmaker.passing_over(),
+        "passed_over": node.matchmaker.passing_over(), "ignored_groups": node.matchmaker.ignoring_groups(),
         "blocked": swarm.blocking(), "refused": dict(swarm.refused),
         "dropped": dict(swarm.dropped), "dropped_total": sum(swarm.drop_reasons.values()),
         "dropped_reasons": dict(swarm.drop_reasons), "internal_errors": st.internal_errors,

@@ -236,19 +236,29 @@ async def test_learners_ready_after_a_group_closed_are_late_not_a_second_group()
 
 @pytest.mark.timeout(60)
 @pytest.mark.asyncio
-async def test_one_forged_grouped_declaration_does_not_stall_a_group_of_two():
-    """A peer that stores a fresh 'left in a group' declaration at a key without any group
-    (a Sybil) makes a lone leader there late, but not two learners: stalling a group of m
-    takes m such identities."""
-    async with memory_swarms(4, MemoryNet(default=Link(latency=0.005))) as (net, sw):
-        mms = [Matchmaker(s, "run", 1) for s in sw[:3]]
-        for m in mms:
-            await m.start()
-        forger = sw[3]
-        await forger.store(KEY.dht_key("run"), forger.peer_id, {"open": False, "t": forger.clock.now(), "g": True}, 60)
-        pair = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=2)
-                                      for m in mms[:2]))
-        assert [o for o, _ in pair] == ["group"] * 2 and len(pair[0][1].members) == 2
-        other = GroupKey(KEY.fragment + 1, KEY.version, KEY.digest)
-        await forger.store(other.dht_key("run"), forger.peer_id, {"open": False, "t": forger.clock.now(), "g": True}, 60)
-        assert await mms[2].form_group(other, grace=0.5, quorum_timeout=10.0, expected=1) == ("late", None)
+async def test_a_forged_group_costs_at_most_round_time_and_its_author_is_then_ignored():
+    """A peer stores a fresh 'left in a group' declaration at a key where no group exists (a
+    Sybil's attack on "late"). A learner there is late (it cannot tell), and late again while
+    the declaration it deferred to is younger than ``round_time`` (1 s); back at the same key
+    after that, it merges (alone: K = 1). After 3 keys like that, with no group merged with
+    the forger in between, the forger's declarations are ignored at once: at a 4th key the
+    learner is not late even once."""
+    async with memory_swarms(2, MemoryNet(default=Link(latency=0.005))) as (net, (me, forger)):
+        mm = Matchmaker(me, "run", 1)
+        await mm.start()
+        loop = asyncio.get_running_loop()
+        for version in range(4):
+            key = GroupKey(KEY.fragment, version, KEY.digest)
+            t0, outcomes = loop.time(), []
+            while not outcomes or outcomes[-1] == "late":  # the forger keeps its declaration fresh
+                await forger.store(key.dht_key("run"), forger.peer_id,
+                                   {"open": False, "t": forger.clock.now(), "g": True}, 60 + len(outcomes))
+                outcomes.append((await mm.form_group(key, grace=0.5, quorum_timeout=10.0, expected=1, round_time=1.0))[0])
+            if version < 3:
+                assert outcomes[0] == "late" and outcomes[-1] == "group"
+                # the first attempt (0.6 s: grace and a poll), round_time, an attempt started just
+                # before it ran out, and the last one
+                assert loop.time() - t0 <= 1.0 + 3 * 0.6 + 0.05
+            else:
+                assert outcomes == ["group"]
+        assert forger.peer_id in mm.ignored_groups and mm.empty_groups[forger.peer_id] == 3

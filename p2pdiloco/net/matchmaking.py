@@ -178,6 +178,10 @@ class Matchmaker:
         self.swarm, self.run_id, self.min_quorum, self.num_fragments = swarm, run_id, min_quorum, num_fragments
         self._gatherings: dict[int, _Gathering] = {}
         self._failed_groups: dict[GroupKey, set[str]] = {}  # members of groups that failed, by key
+        # key -> (peers whose group there we were late for, when: monotonic s); see form_group
+        self._deferred: dict[GroupKey, tuple[frozenset[str], float]] = {}
+        self.empty_groups: Counter[str] = Counter()  # peer -> groups we deferred to that delivered nothing, in a row
+        self.ignored_groups: dict[str, float] = {}  # peer -> its "left in a group" ignored until (monotonic s)
         self._gathering_max_age: float | None = None  # seconds an announcement of the run stays current
         self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
         self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
@@ -265,6 +269,42 @@ class Matchmaker:
         if len(self.leader_failures) > 4096:  # bounded: keep the worst offenders
             self.leader_failures = Counter(dict(self.leader_failures.most_common(1024)))
 
+    def _settle_deferrals(self, key: GroupKey, round_time: float) -> None:
+        """Before gathering at ``key``: a group we were late for at another key of the fragment
+        is settled (we moved on); one at this very key, ``round_time`` seconds or more ago,
+        delivered nothing that moved us: its members are set aside at the key, and a peer in
+        ``LEADER_FAILURES`` such groups with no group merged with it in between has its
+        declarations of being in a group ignored everywhere for ``PASS_OVER_S`` seconds,
+        doubling (as a failing leader's; ``group_succeeded`` clears both)."""
+        now = swarm_clock.monotonic()
+        for k in [k for k in self._deferred if k.fragment == key.fragment]:
+            peers, t = self._deferred[k]
+            if k != key:
+                del self._deferred[k]
+            elif now - t >= round_time:
+                del self._deferred[k]
+                self._failed_groups.setdefault(key, set()).update(peers)
+                for peer in peers:
+                    n = self.empty_groups[peer] = self.empty_groups[peer] + 1
+                    if n >= LEADER_FAILURES:
+                        self.ignored_groups[peer] = now + min(PASS_OVER_MAX_S, PASS_OVER_S * 2 ** (n - LEADER_FAILURES))
+        if len(self.empty_groups) > 4096:  # bounded: keep the worst offenders
+            self.empty_groups = Counter(dict(self.empty_groups.most_common(1024)))
+        self.ignored_groups = {p: t for p, t in self.ignored_groups.items() if t > now}
+
+    def _late(self, key: GroupKey, grouped: set[str]) -> tuple[Outcome, None]:
+        """Return "late", remembering whose group we deferred to (``_settle_deferrals``)."""
+        if key not in self._deferred:
+            self._deferred[key] = (frozenset(grouped), swarm_clock.monotonic())
+            while len(self._deferred) > 64:
+                del self._deferred[next(iter(self._deferred))]
+        return "late", None
+
+    def ignoring_groups(self) -> dict[str, float]:
+        """Peers whose declarations of being in a group are ignored now, {peer ID: seconds left}."""
+        now = swarm_clock.monotonic()
+        return {p: round(t - now, 1) for p, t in self.ignored_groups.items() if t > now}
+
     def passing_over(self) -> dict[str, float]:
         """Leaders passed over now, {peer ID: seconds left}."""
         now = swarm_clock.monotonic()
@@ -275,6 +315,9 @@ class Matchmaker:
         """The node reports that ``group``'s round committed: its leader's failures are cleared."""
         self.leader_failures.pop(group.leader, None)
         self.passed_over.pop(group.leader, None)
+        for member in group.members:  # a peer we merged with is a real group member
+            self.empty_groups.pop(member, None)
+            self.ignored_groups.pop(member, None)
 
     async def form_group(
         self, key: GroupKey, *, grace: float, quorum_timeout: float, expected: int = 0,
@@ -300,16 +343,16 @@ class Matchmaker:
         end-of-budget flush, when the peers it expects are finishing too and may leave before
         a late result reaches them).
 
-        Late: a leader about to close that finds peers that already left in a group at its
-        key, at least as many as its own group's members (declarations that say so, younger
-        than ``round_time`` seconds, default the declarations' lifetime, and not of a group
-        this node saw fail), returns ("late", None), and its joiners are sent away to find the
-        same: a second group at one version is a fork that one side loses with the progress
-        merged into it (the heads rule keeps the side with more holders, invariant I7), whereas
-        a late learner follows the group's state with its progress rebased and contributes it
-        to the next round. Counting members bounds what forged declarations can do: stalling
-        a group of m takes m identities (docs/trust.md). Declarations of peers that left
-        without a group (late, no quorum) do not count.
+        Late: a leader about to close that finds a peer that already left in a group at its
+        key (a declaration that says so, younger than ``round_time`` seconds, default the
+        declarations' lifetime, not of a group this node saw fail) returns ("late", None),
+        whatever its own group's size, and its joiners are sent away to find the same: a
+        second group at one version is a fork that one side loses with the progress merged
+        into it (invariant I7), whereas a late learner follows the group's state with its
+        progress rebased and contributes it to the next round. Declarations of peers that left
+        without a group (late, no quorum) do not count. A forged declaration (a group that
+        does not exist) costs a learner at most ``round_time``: back at the same key that
+        much later, the group is taken to have failed (``_settle_deferrals``, docs/trust.md).
 
         Raises:
             NetworkError: the DHT could not be reached.
@@ -329,6 +372,7 @@ class Matchmaker:
         first_joiner_at: float | None = None
         lone_grace = max(grace, max_grace or 0.0) if expected > 1 and lone_wait else grace
         fresh_for = ttl if round_time is None else round_time
+        self._settle_deferrals(key, fresh_for)
         grouped = False  # whether we leave in a group (our last declaration says so)
         try:
             while True:
@@ -336,9 +380,9 @@ class Matchmaker:
                 open_peers = {p for p, d in entries.items() if d.open}
                 open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
                 cannot_fetch, failed = self.undeliverable(), self._failed_groups.get(key, ())
-                grouped_peers = sum(d.grouped and p not in cannot_fetch and p not in failed
-                                    and self.swarm.clock.now() - d.t <= fresh_for for p, d in entries.items())
-                someone_closed = grouped_peers > 0
+                ignored = self.ignored_groups
+                grouped_peers = {p for p, d in entries.items() if d.grouped and p not in cannot_fetch and p not in failed
+                                 and p not in ignored and self.swarm.clock.now() - d.t <= fresh_for}
                 leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
                 now = swarm_clock.monotonic()
                 if leader != me:
@@ -355,7 +399,7 @@ class Matchmaker:
                     if outcome in ("gone", "held"):
                         excluded.add(leader)
                     elif swarm_clock.monotonic() > deadline:
-                        return ("late" if someone_closed else "no_quorum"), None
+                        return self._late(key, grouped_peers) if grouped_peers else ("no_quorum", None)
                     continue
                 # only joiners declared under the key become members: an undeclared one would
                 # be a ghost to the other members, and get this (honest) leader banned
@@ -367,12 +411,12 @@ class Matchmaker:
                     first_joiner_at = now
                 everyone = size >= max(expected, 2)  # a lone learner still waits its grace
                 if quorum_at is not None and (everyone or now >= self._closes_at(quorum_at, first_joiner_at, grace, lone_grace)):
-                    if grouped_peers >= size:  # a group at this version at least as large as ours exists
-                        return "late", None  # don't fork it (and a Sybil needs `size` identities to stall us)
+                    if grouped_peers:  # a group at this version exists: don't fork it
+                        return self._late(key, grouped_peers)
                     grouped = True
                     return "group", self._close(gathering, t0, joined)
                 if quorum_at is None and now > deadline:
-                    return ("late" if someone_closed else "no_quorum"), None
+                    return self._late(key, grouped_peers) if grouped_peers else ("no_quorum", None)
                 gathering.arrived.clear()
                 try:
                     async with asyncio.timeout(POLL_SECONDS):
