@@ -29,7 +29,7 @@ from p2pdiloco.core.learner import lr_at
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, run_tokens
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
-from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
+from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.revocation import RevocationWatch
 from p2pdiloco.net.statesync import StateSync, is_behind, newest_heads, runaway_heads
@@ -45,8 +45,7 @@ from node.training import TrainingLoop
 log = logging.getLogger(__name__)
 
 CATCHUP_SECONDS, PUBLISH_SECONDS = 2.0, 5.0  # how often a node catches up with the swarm, and republishes
-GATHER_POLL_SECONDS = 0.5
-ALONE_POLL_SECONDS = 2.0  # how often a training node checks whether it has merged with nobody for too long
+GATHER_POLL_SECONDS, ALONE_POLL_SECONDS = 0.5, 2.0  # how often the gathering watch, and the alone watch, look
 LEAVE_S = 2.5  # seconds from a stop request (SIGINT/SIGTERM) for rounds in flight to finish; then abandoned
 SETTLE_CONFIRM_S = 2.0  # seconds the swarm must stay done and agreed before a settling node leaves
 NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
@@ -87,7 +86,7 @@ class Node:
         self._failed_round: dict[int, str] = {}  # fragment -> round we could not finish
         # fragment -> the part of our last merged Δ that lossy wire coding dropped (fp32, slot
         # shapes), added to the next Δ we send (error feedback); only _round touches it
-        self._residual: dict[int, list[torch.Tensor]] = {}
+        self._residual: dict[int, list[torch.Tensor] | None] = {}
         self._interrupted = False
         self._stopped_at = 0.0  # time.monotonic() of the stop request
         kind, _, n = self.cfg.fault.partition("@")
@@ -246,40 +245,7 @@ class Node:
                 if fault[0] == "fail-last-stage":
                     raise RoundFailed(f"injected fault {self.cfg.fault}: merge received, treated as lost")
                 self.grace.t_sync.update(time.monotonic() - t1)
-                fraction, ledger = round_fraction(anchor.ledger, merged.tokens, merged.position, out.sync_every,
-                                                  merged.first)
-                new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, fraction, ledger)
-                self.matchmaker.group_succeeded(group)
-                if self.committed[p].digest != anchor.digest:  # another state was installed meanwhile
-                    self.stats.rounds_failed += 1
-                    self._failed_round[p] = group.round_id  # its result holds our progress: see _follow
-                    self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, False, "superseded"))
-                    log.warning("round f%d v%d merged, but fragment %d moved to v%d meanwhile: result dropped",
-                                p, new.version, p, self.committed[p].version)
-                else:
-                    self.committed[p] = result = new
-                    self._round_ids[p] = group.round_id
-                    if merged.residual is None:
-                        self._residual.pop(p, None)
-                    else:
-                        self._residual[p] = merged.residual
-                    self.stats.rounds_committed += 1
-                    self.stats.rounds_alone += int(len(group.members) == 1)
-                    if len(group.members) > 1:
-                        self.solo.merged()
-                    # tokens are counted per fragment: a fragment carries 1/P of every token
-                    self.stats.tokens_merged += contrib.tokens / len(self.committed)
-                    self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True,
-                                             digest=new.short(), fraction=fraction,
-                                             share=group.share_of(self.swarm.peer_id)))
-                    log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version,
-                             len(group.members), time.monotonic() - t0, new.short())
-                    self._publish_now.set()
-                    self._keep_schedule()
-                    if self.cfg.trace_dir:
-                        await asyncio.to_thread(save_round_trace, Path(self.cfg.trace_dir), self.swarm.peer_id,
-                                                group.round_id, group.members, contrib, merged, fraction, anchor,
-                                                new, [s.is_embedding for s in self.setup.fragments[p].slots])
+                result = await self._commit(p, anchor, group, merged, contrib, t0)
             else:
                 if outcome == "late":
                     self.stats.rounds_late += 1
@@ -312,6 +278,43 @@ class Node:
             self.training.deliver((p, result, False))
         if result is None:
             await self._catch_up(only=p)  # a group may have merged without us: follow it
+
+    async def _commit(self, p: int, anchor: FragmentState, group: Group, merged: RoundResult,
+                      contrib: Contribution, t0: float) -> FragmentState | None:
+        """Apply a merged round to fragment ``p`` (outer step on ``anchor``) and commit it unless another
+        state was installed meanwhile, by digest, not identity (a catch-up may install an equal state as
+        another object: tests/test_commit.py); a superseded result is recorded, counted and logged."""
+        out = self.cfg.outer
+        fraction, ledger = round_fraction(anchor.ledger, merged.tokens, merged.position, out.sync_every, merged.first)
+        new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, fraction, ledger)
+        self.matchmaker.group_succeeded(group)
+        if self.committed[p].digest != anchor.digest:  # another state was installed meanwhile
+            self.stats.rounds_failed += 1
+            self._failed_round[p] = group.round_id  # its result holds our progress: see _follow
+            self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, False, "superseded"))
+            log.warning("round f%d v%d merged, but fragment %d moved to v%d meanwhile: result dropped",
+                        p, new.version, p, self.committed[p].version)
+            return None
+        self.committed[p] = new
+        self._round_ids[p] = group.round_id
+        self._residual[p] = merged.residual  # error feedback for the next round (None: nothing left out)
+        self.stats.rounds_committed += 1
+        self.stats.rounds_alone += int(len(group.members) == 1)
+        if len(group.members) > 1:
+            self.solo.merged()
+        # tokens are counted per fragment: a fragment carries 1/P of every token
+        self.stats.tokens_merged += contrib.tokens / len(self.committed)
+        self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True, digest=new.short(),
+                                 fraction=fraction, share=group.share_of(self.swarm.peer_id)))
+        log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version, len(group.members),
+                 time.monotonic() - t0, new.short())
+        self._publish_now.set()
+        self._keep_schedule()
+        if self.cfg.trace_dir:
+            await asyncio.to_thread(save_round_trace, Path(self.cfg.trace_dir), self.swarm.peer_id,
+                                    group.round_id, group.members, contrib, merged, fraction, anchor,
+                                    new, [s.is_embedding for s in self.setup.fragments[p].slots])
+        return new
 
     def _take_excluded(self, p: int, anchor: FragmentState, merged: RoundResult, round_id: str) -> None:
         """Commit the result of a round that merged without our contribution, as its included
@@ -572,10 +575,7 @@ class Node:
         """This node's heartbeat figures, published in its record and shown by status."""
         st = self.training.stats if self.training else None
         return {
-            "name": self.setup.name,
-            "state": self.state_name(),
-            "done": self.done,
-            "step": st.step if st else 0,
+            "name": self.setup.name, "state": self.state_name(), "done": self.done, "step": st.step if st else 0,
             "tps": round(st.tokens_per_s, 1) if st and math.isfinite(st.tokens_per_s) else 0.0,
             "loss": round(st.loss, 4) if st and math.isfinite(st.loss) else None,
             "rounds": tuple(self._round_ids),  # the round that made each fragment's state
