@@ -220,12 +220,12 @@ class Node:
             expected = self._expected(p, anchor, records)
             key = GroupKey(p, anchor.version, anchor.digest)
             # synchronous: the "grace" is the whole quorum timeout (close once all joined); no lone wait in the
-            # end-of-budget flush (peers are leaving); a closed group's result is due within round_time
+            # end-of-budget flush (peers are leaving); a closed group's result is due within round_time (ar's wait)
             grace = out.quorum_timeout if out.synchronous else self.grace.seconds()
             outcome, group = await self.matchmaker.form_group(
                 key, grace=grace, quorum_timeout=out.quorum_timeout, expected=1 + len(expected),
                 max_grace=out.quorum_timeout if out.synchronous else out.grace_max,
-                lone_wait=not self.training.spent, round_time=2 * out.liveness_timeout + out.grace_max)
+                lone_wait=not self.training.spent, round_time=4 * out.liveness_timeout + out.grace_max)
             if outcome == "group":
                 self._count_no_shows(expected, group)
                 self.grace.t_quorum.update(group.formed_in)

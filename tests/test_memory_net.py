@@ -207,58 +207,74 @@ async def test_a_member_killed_mid_round_leaves_the_others_in_agreement(victim_r
 @pytest.mark.timeout(60)
 @pytest.mark.asyncio
 async def test_learners_ready_after_a_group_closed_are_late_not_a_second_group():
-    """Six learners at one version, three ready at once and three only after those closed their
-    group (grace 0.5 s, expected 3 each: nobody waits for the later ones): the later three are
-    all late, whatever their number (before, two or more formed a second group at the same
-    version: a fork). Then the first group's round fails and its members say so
-    (``group_failed``); they retry at the same version and form a group although one of them
-    died and its closed declaration is still in the DHT."""
-    async with memory_swarms(6, MemoryNet(default=Link(latency=0.005))) as (net, sw):
+    """Seven learners at one version, four ready at once and three only after those closed their
+    group (grace 0.5 s, expected 4: nobody waits for the later ones): the later three are all
+    late, whatever their number (before, two or more formed a second group at the same version:
+    a fork). Then the first group's round fails, one of its members dies, and the others say so
+    (``group_failed``); two retry at the same version and form a group although the dead one's
+    closed declaration is still in the DHT, and the third, retrying after them, is late for
+    their group (their declarations are newer than the failure) instead of forking it."""
+    async with memory_swarms(7, MemoryNet(default=Link(latency=0.005))) as (net, sw):
         mms = [Matchmaker(s, "run", 1) for s in sw]
         for m in mms:
             await m.start()
-        first = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=3)
-                                       for m in mms[:3]))
-        assert [o for o, _ in first] == ["group"] * 3 and len(first[0][1].members) == 3
-        later = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=3)
-                                       for m in mms[3:]))
+        first = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=4)
+                                       for m in mms[:4]))
+        assert [o for o, _ in first] == ["group"] * 4 and len(first[0][1].members) == 4
+        later = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=4)
+                                       for m in mms[4:]))
         assert later == [("late", None)] * 3
         group = first[0][1]
-        dead = next(i for i in range(3) if sw[i].peer_id == group.members[0])
+        dead = next(i for i in range(4) if sw[i].peer_id == group.members[0])
         net.kill(sw[dead].peer_id)
-        survivors = [mms[i] for i in range(3) if i != dead]
+        survivors = [mms[i] for i in range(4) if i != dead]
         for m in survivors:
             m.group_failed(group)
         retry = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=2)
-                                       for m in survivors))
+                                       for m in survivors[:2]))
         assert [o for o, _ in retry] == ["group"] * 2 and len(retry[0][1].members) == 2
+        assert await survivors[2].form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=3) == ("late", None)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("forger", ["refreshes", "stores_once", "rotates_identities"])
 @pytest.mark.asyncio
-async def test_a_forged_group_costs_at_most_round_time_and_its_author_is_then_ignored():
-    """A peer stores a fresh 'left in a group' declaration at a key where no group exists (a
-    Sybil's attack on "late"). A learner there is late (it cannot tell), and late again while
-    the declaration it deferred to is younger than ``round_time`` (1 s); back at the same key
-    after that, it merges (alone: K = 1). After 3 keys like that, with no group merged with
-    the forger in between, the forger's declarations are ignored at once: at a 4th key the
-    learner is not late even once."""
-    async with memory_swarms(2, MemoryNet(default=Link(latency=0.005))) as (net, (me, forger)):
+async def test_a_forged_group_costs_at_most_round_time_a_key_and_its_author_is_then_ignored(forger: str):
+    """A peer stores 'left in a group' declarations at keys where no group exists (a Sybil's
+    attack on "late"): keeping one fresh, storing one and letting it age, or a fresh identity
+    for every attempt. A learner there is late (it cannot tell), but for at most ``round_time``
+    (1 s) at a key, whoever declares: then it merges (alone: K = 1). Each identity it deferred
+    to is struck; after 3 strikes, with no group merged with it in between, an identity's
+    declarations are ignored at once: at a 4th key the learner is not late even once."""
+    async with memory_swarms(2, MemoryNet(default=Link(latency=0.005))) as (net, (me, forger_swarm)):
         mm = Matchmaker(me, "run", 1)
         await mm.start()
         loop = asyncio.get_running_loop()
+        authors = []
         for version in range(4):
             key = GroupKey(KEY.fragment, version, KEY.digest)
             t0, outcomes = loop.time(), []
-            while not outcomes or outcomes[-1] == "late":  # the forger keeps its declaration fresh
-                await forger.store(key.dht_key("run"), forger.peer_id,
-                                   {"open": False, "t": forger.clock.now(), "g": True}, 60 + len(outcomes))
+            while not outcomes or outcomes[-1] == "late":
+                if outcomes:
+                    await asyncio.sleep(0.3)  # virtual seconds: the learner's next attempt (a node's next send point)
+                if forger == "rotates_identities":
+                    author = await net.swarm()
+                elif forger == "refreshes" or not outcomes:
+                    author = forger_swarm
+                else:
+                    author = None
+                if author is not None:
+                    authors.append(author.peer_id)
+                    await author.store(key.dht_key("run"), author.peer_id, {"open": False, "t": author.clock.now(), "g": True}, 60)
                 outcomes.append((await mm.form_group(key, grace=0.5, quorum_timeout=10.0, expected=1, round_time=1.0))[0])
-            if version < 3:
+            if version < 3 or forger == "rotates_identities":
                 assert outcomes[0] == "late" and outcomes[-1] == "group"
-                # the first attempt (0.6 s: grace and a poll), round_time, an attempt started just
-                # before it ran out, and the last one
-                assert loop.time() - t0 <= 1.0 + 3 * 0.6 + 0.05
+                # late at once, again every 0.3 s until round_time has passed, then a group (0.6 s)
+                assert loop.time() - t0 <= 1.0 + 0.3 + 0.6 + 0.05
             else:
                 assert outcomes == ["group"]
-        assert forger.peer_id in mm.ignored_groups and mm.empty_groups[forger.peer_id] == 3
+        if forger == "rotates_identities":  # every identity deferred to struck once, none ignored yet
+            assert set(mm.empty_groups) <= set(authors) and len(mm.empty_groups) >= 4 * 3
+            assert set(mm.empty_groups.values()) == {1} and not mm.ignored_groups
+        else:
+            assert forger_swarm.peer_id in mm.ignored_groups and mm.empty_groups[forger_swarm.peer_id] == 3

@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import secrets
 import statistics
 from collections import Counter
@@ -77,6 +78,7 @@ JOIN_HOLD_S = 120.0  # seconds a leader holds a joiner's long poll at most
 LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
 PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
 PASS_OVER_MAX_S = 900.0
+FUTURE_SLACK_S = 5.0  # seconds a declaration's time may be ahead of ours (clocks are corrected: net.clock)
 Outcome = Literal["group", "late", "no_quorum"]
 
 
@@ -177,9 +179,12 @@ class Matchmaker:
             raise ValueError(f"min_quorum must be >= 1, got {min_quorum}")
         self.swarm, self.run_id, self.min_quorum, self.num_fragments = swarm, run_id, min_quorum, num_fragments
         self._gatherings: dict[int, _Gathering] = {}
-        self._failed_groups: dict[GroupKey, set[str]] = {}  # members of groups that failed, by key
-        # key -> (peers whose group there we were late for, when: monotonic s); see form_group
-        self._deferred: dict[GroupKey, tuple[frozenset[str], float]] = {}
+        # key -> {peer: swarm time}: its "in a group" declarations at the key stamped no later
+        # than that do not count (a group of its there failed, or delivered nothing to us)
+        self._set_aside: dict[GroupKey, dict[str, float]] = {}
+        # key -> ({peer: its declaration's t}, when we were first late there: monotonic s)
+        self._deferred: dict[GroupKey, tuple[dict[str, float], float]] = {}
+        self._exhausted: dict[GroupKey, None] = {}  # keys where we were late for round_time already
         self.empty_groups: Counter[str] = Counter()  # peer -> groups we deferred to that delivered nothing, in a row
         self.ignored_groups: dict[str, float] = {}  # peer -> its "left in a group" ignored until (monotonic s)
         self._gathering_max_age: float | None = None  # seconds an announcement of the run stays current
@@ -253,9 +258,19 @@ class Matchmaker:
         groups fail repeatedly are passed over). Its members' closed declarations no longer
         make us late at its key: the survivors retry there."""
         self._leader_failed(group.leader, f"round {group.round_id} failed")
-        self._failed_groups.setdefault(group.key, set()).update(group.members)
-        while len(self._failed_groups) > 64:  # bounded: the oldest keys go first
-            del self._failed_groups[next(iter(self._failed_groups))]
+        now = self.swarm.clock.now()
+        self._put_aside(group.key, {m: now for m in group.members})
+
+    def _put_aside(self, key: GroupKey, peers: dict[str, float]) -> None:
+        """Set ``peers``' "in a group" declarations at ``key`` stamped up to their time aside
+        (bounded: 64 keys, the oldest go first; 256 peers a key)."""
+        aside = self._set_aside.setdefault(key, {})
+        for peer, t in list(peers.items())[:256]:
+            aside[peer] = max(t, aside.get(peer, t))
+        while len(aside) > 256:
+            del aside[next(iter(aside))]
+        while len(self._set_aside) > 64:
+            del self._set_aside[next(iter(self._set_aside))]
 
     def _leader_failed(self, leader: str, why: str) -> None:
         if not leader or leader == self.swarm.peer_id:
@@ -270,34 +285,43 @@ class Matchmaker:
             self.leader_failures = Counter(dict(self.leader_failures.most_common(1024)))
 
     def _settle_deferrals(self, key: GroupKey, round_time: float) -> None:
-        """Before gathering at ``key``: a group we were late for at another key of the fragment
-        is settled (we moved on); one at this very key, ``round_time`` seconds or more ago,
-        delivered nothing that moved us: its members are set aside at the key, and a peer in
-        ``LEADER_FAILURES`` such groups with no group merged with it in between has its
-        declarations of being in a group ignored everywhere for ``PASS_OVER_S`` seconds,
-        doubling (as a failing leader's; ``group_succeeded`` clears both)."""
+        """Before gathering at ``key``: a deferral (we were late) at another key of the fragment
+        is settled (we moved on); one at this key ``round_time`` seconds old or more is not:
+        nothing we deferred to moved us, so we are late at the key no more (``_exhausted``: a
+        bound on what fresh forged identities can cost at one key) and strike its peers
+        (``_struck``)."""
         now = swarm_clock.monotonic()
-        for k in [k for k in self._deferred if k.fragment == key.fragment]:
-            peers, t = self._deferred[k]
-            if k != key:
-                del self._deferred[k]
-            elif now - t >= round_time:
-                del self._deferred[k]
-                self._failed_groups.setdefault(key, set()).update(peers)
-                for peer in peers:
-                    n = self.empty_groups[peer] = self.empty_groups[peer] + 1
-                    if n >= LEADER_FAILURES:
-                        self.ignored_groups[peer] = now + min(PASS_OVER_MAX_S, PASS_OVER_S * 2 ** (n - LEADER_FAILURES))
-        if len(self.empty_groups) > 4096:  # bounded: keep the worst offenders
-            self.empty_groups = Counter(dict(self.empty_groups.most_common(1024)))
+        for k in [k for k in self._deferred if k.fragment == key.fragment and k != key]:
+            del self._deferred[k]
+        if key in self._deferred and now - self._deferred[key][1] >= round_time:
+            self._exhausted[key] = None
+            while len(self._exhausted) > 64:
+                del self._exhausted[next(iter(self._exhausted))]
+            self._struck(key)
         self.ignored_groups = {p: t for p, t in self.ignored_groups.items() if t > now}
 
-    def _late(self, key: GroupKey, grouped: set[str]) -> tuple[Outcome, None]:
+    def _struck(self, key: GroupKey) -> None:
+        """The peers we deferred to at ``key`` delivered nothing (we formed our own group there,
+        or waited ``round_time``): set aside at the key, and a peer in ``LEADER_FAILURES`` such
+        groups with no group merged with it in between has its "in a group" declarations
+        ignored everywhere for ``PASS_OVER_S`` seconds, doubling (as a failing leader's;
+        ``group_succeeded`` clears both)."""
+        peers, _ = self._deferred.pop(key, ({}, 0.0))
+        self._put_aside(key, peers)
+        now = swarm_clock.monotonic()
+        for peer in peers:
+            n = self.empty_groups[peer] = self.empty_groups[peer] + 1
+            if n >= LEADER_FAILURES:
+                self.ignored_groups[peer] = now + min(PASS_OVER_MAX_S, PASS_OVER_S * 2 ** (n - LEADER_FAILURES))
+        if len(self.empty_groups) > 4096:  # bounded: keep the worst offenders
+            self.empty_groups = Counter(dict(self.empty_groups.most_common(1024)))
+
+    def _late(self, key: GroupKey, grouped: dict[str, float]) -> tuple[Outcome, None]:
         """Return "late", remembering whose group we deferred to (``_settle_deferrals``)."""
-        if key not in self._deferred:
-            self._deferred[key] = (frozenset(grouped), swarm_clock.monotonic())
-            while len(self._deferred) > 64:
-                del self._deferred[next(iter(self._deferred))]
+        peers, since = self._deferred.pop(key, ({}, swarm_clock.monotonic()))
+        self._deferred[key] = ({**peers, **dict(list(grouped.items())[:256 - len(peers)])}, since)
+        while len(self._deferred) > 64:
+            del self._deferred[next(iter(self._deferred))]
         return "late", None
 
     def ignoring_groups(self) -> dict[str, float]:
@@ -343,16 +367,17 @@ class Matchmaker:
         end-of-budget flush, when the peers it expects are finishing too and may leave before
         a late result reaches them).
 
-        Late: a leader about to close that finds a peer that already left in a group at its
-        key (a declaration that says so, younger than ``round_time`` seconds, default the
-        declarations' lifetime, not of a group this node saw fail) returns ("late", None),
-        whatever its own group's size, and its joiners are sent away to find the same: a
-        second group at one version is a fork that one side loses with the progress merged
-        into it (invariant I7), whereas a late learner follows the group's state with its
-        progress rebased and contributes it to the next round. Declarations of peers that left
-        without a group (late, no quorum) do not count. A forged declaration (a group that
-        does not exist) costs a learner at most ``round_time``: back at the same key that
-        much later, the group is taken to have failed (``_settle_deferrals``, docs/trust.md).
+        Late: a learner, leader or joiner, that sees a peer which already left in a group at
+        its key (a declaration that says so, stamped within ``round_time`` seconds, default the
+        declarations' lifetime: ``_grouped``) returns ("late", None) at once, whatever its own
+        group's size, and a leader's joiners are sent away to find the same: a second group at
+        one version is a fork that one side loses with the progress merged into it (invariant
+        I7), whereas a late learner follows the group's state with its progress rebased and
+        contributes it to the next round. Declarations of peers that left without a group
+        (late, no quorum) do not count, nor those of a group this node saw fail, stamped before
+        it failed. Forged declarations (a group that does not exist) cost a learner at most
+        ``round_time`` at a key, whoever makes them: after that it is not late there again, and
+        the peers it deferred to are struck (``_settle_deferrals``, ``_struck``, docs/trust.md).
 
         Raises:
             NetworkError: the DHT could not be reached.
@@ -379,10 +404,9 @@ class Matchmaker:
                 entries = await self._declarations(dht_key)
                 open_peers = {p for p, d in entries.items() if d.open}
                 open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
-                cannot_fetch, failed = self.undeliverable(), self._failed_groups.get(key, ())
-                ignored = self.ignored_groups
-                grouped_peers = {p for p, d in entries.items() if d.grouped and p not in cannot_fetch and p not in failed
-                                 and p not in ignored and self.swarm.clock.now() - d.t <= fresh_for}
+                grouped_peers = self._grouped(key, entries, fresh_for)
+                if grouped_peers:  # a group at this version exists: don't fork it (leaders and joiners alike)
+                    return self._late(key, grouped_peers)
                 leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
                 now = swarm_clock.monotonic()
                 if leader != me:
@@ -395,11 +419,11 @@ class Matchmaker:
                     gathering.following = None
                     if isinstance(outcome, Group):
                         grouped = True
-                        return "group", outcome
+                        return "group", self._formed(key, outcome)
                     if outcome in ("gone", "held"):
                         excluded.add(leader)
                     elif swarm_clock.monotonic() > deadline:
-                        return self._late(key, grouped_peers) if grouped_peers else ("no_quorum", None)
+                        return "no_quorum", None
                     continue
                 # only joiners declared under the key become members: an undeclared one would
                 # be a ghost to the other members, and get this (honest) leader banned
@@ -411,12 +435,10 @@ class Matchmaker:
                     first_joiner_at = now
                 everyone = size >= max(expected, 2)  # a lone learner still waits its grace
                 if quorum_at is not None and (everyone or now >= self._closes_at(quorum_at, first_joiner_at, grace, lone_grace)):
-                    if grouped_peers:  # a group at this version exists: don't fork it
-                        return self._late(key, grouped_peers)
                     grouped = True
-                    return "group", self._close(gathering, t0, joined)
+                    return "group", self._formed(key, self._close(gathering, t0, joined))
                 if quorum_at is None and now > deadline:
-                    return self._late(key, grouped_peers) if grouped_peers else ("no_quorum", None)
+                    return "no_quorum", None
                 gathering.arrived.clear()
                 try:
                     async with asyncio.timeout(POLL_SECONDS):
@@ -432,6 +454,24 @@ class Matchmaker:
                 await self._announce(quorum_timeout + grace)
             except NetworkError as e:
                 log.debug("could not mark %s closed: %s", dht_key, e)
+
+    def _grouped(self, key: GroupKey, entries: dict[str, rec.Declaration], fresh_for: float) -> dict[str, float]:
+        """{peer: t} of the declarations at ``key`` that make us late (``form_group``): "in a
+        group", stamped within ``fresh_for`` seconds of now (and not ahead of it by more than
+        the clock slack), not set aside, not by an ignored peer nor one whose state we cannot
+        fetch; none once we have been late at the key for ``round_time``."""
+        if key in self._exhausted:
+            return {}
+        now, cannot_fetch, aside = self.swarm.clock.now(), self.undeliverable(), self._set_aside.get(key, {})
+        return {p: d.t for p, d in entries.items()
+                if d.grouped and p != self.swarm.peer_id and -FUTURE_SLACK_S <= now - d.t <= fresh_for and d.t > aside.get(p, -math.inf)
+                and p not in self.ignored_groups and p not in cannot_fetch}
+
+    def _formed(self, key: GroupKey, group: Group) -> Group:
+        """We are in ``group`` at ``key``: whoever we deferred to there delivered nothing."""
+        if key in self._deferred:
+            self._struck(key)
+        return group
 
     @staticmethod
     def _closes_at(quorum_at: float, first_joiner_at: float | None, grace: float, lone_grace: float) -> float:

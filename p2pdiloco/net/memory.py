@@ -247,7 +247,7 @@ class MemoryDHT:
             if self.net.reachable(self.peer_id, peer):
                 entries = self.net.replicas.setdefault(peer, {}).setdefault(key_id, {})
                 old = entries.get(subkey_bytes)
-                if old is None or old[1] < expiration_time:
+                if old is None or old[1] <= expiration_time:  # a later store with the same expiry replaces (time moved)
                     entries[subkey_bytes] = (signed, expiration_time)
         return True
 
