@@ -1,5 +1,5 @@
 import sys
 
-from bootstrap.main import main
+from p2pdiloco.cli import main
 
-sys.exit(main())
+sys.exit(main(["bootstrap", *sys.argv[1:]]))

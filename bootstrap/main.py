@@ -9,12 +9,10 @@ import asyncio
 import ipaddress
 import logging
 import signal
-import sys
 from pathlib import Path
 
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.net.addresses import check_announce_maddr, check_any_reachable, check_listen_port, check_peer_maddr
-from p2pdiloco.running import run_async
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +77,3 @@ async def serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         await swarm.shutdown()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="p2pdiloco bootstrap", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_async(serve(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

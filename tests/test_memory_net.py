@@ -249,14 +249,13 @@ async def test_a_forged_group_costs_at_most_round_time_a_key_and_its_author_is_t
     async with memory_swarms(2, MemoryNet(default=Link(latency=0.005))) as (net, (me, forger_swarm)):
         mm = Matchmaker(me, "run", 1)
         await mm.start()
-        loop = asyncio.get_running_loop()
-        authors = []
+        loop, authors, attempt_every = asyncio.get_running_loop(), [], 0.3  # seconds between attempts at a key
         for version in range(4):
             key = GroupKey(KEY.fragment, version, KEY.digest)
             t0, outcomes = loop.time(), []
             while not outcomes or outcomes[-1] == "late":
                 if outcomes:
-                    await asyncio.sleep(0.3)  # virtual seconds: the learner's next attempt (a node's next send point)
+                    await asyncio.sleep(attempt_every)  # virtual: the learner's next attempt (a node's next send point)
                 if forger == "rotates_identities":
                     author = await net.swarm()
                 elif forger == "refreshes" or not outcomes:
@@ -270,7 +269,7 @@ async def test_a_forged_group_costs_at_most_round_time_a_key_and_its_author_is_t
             if version < 3 or forger == "rotates_identities":
                 assert outcomes[0] == "late" and outcomes[-1] == "group"
                 # late at once, again every 0.3 s until round_time has passed, then a group (0.6 s)
-                assert loop.time() - t0 <= 1.0 + 0.3 + 0.6 + 0.05
+                assert loop.time() - t0 <= 1.0 + attempt_every + 0.6 + 0.05
             else:
                 assert outcomes == ["group"]
         if forger == "rotates_identities":  # every identity deferred to struck once, none ignored yet

@@ -65,7 +65,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.core.fragments import Fragment, assign_parts
 from p2pdiloco.core.outer import FRACTION_GRID, span_fraction
 from p2pdiloco.core.merge import (
@@ -76,8 +75,7 @@ from p2pdiloco.core.merge import (
     robust_merge,
 )
 from p2pdiloco.errors import NetworkError, ProtocolError, RoundFailed
-from p2pdiloco.net import records as rec
-from p2pdiloco.net import wire
+from p2pdiloco.net import clock as swarm_clock, records as rec, wire
 from p2pdiloco.net.matchmaking import Group
 from p2pdiloco.net.rounds import AllReduceStats, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.transport import Header, Swarm
