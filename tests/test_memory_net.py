@@ -19,7 +19,7 @@ from test_trust_net import FRAGMENT, KEY, delta, expected_merge
 
 from p2pdiloco.errors import PeerTimeout, ProtocolError, RoundFailed
 from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult
-from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
+from p2pdiloco.net.matchmaking import FAILED_GROUP_WAIT_S, Group, GroupKey, Matchmaker
 from p2pdiloco.net.memory import Link, MemoryNet
 
 # virtual time (looptime: the loop's clock jumps to the next timer whenever every task waits, as
@@ -211,9 +211,11 @@ async def test_learners_ready_after_a_group_closed_are_late_not_a_second_group()
     group (grace 0.5 s, expected 4: nobody waits for the later ones): the later three are all
     late, whatever their number (before, two or more formed a second group at the same version:
     a fork). Then the first group's round fails, one of its members dies, and the others say so
-    (``group_failed``); two retry at the same version and form a group although the dead one's
-    closed declaration is still in the DHT, and the third, retrying after them, is late for
+    (``group_failed``); two retry at the same version: late while the others may have committed
+    (``FAILED_GROUP_WAIT_S``), then they form a group although the dead one's closed
+    declaration is still in the DHT, and the third, retrying after them, is late for
     their group (their declarations are newer than the failure) instead of forking it."""
+    attempt_every = 1.0  # virtual seconds between a learner's attempts at a key
     async with memory_swarms(7, MemoryNet(default=Link(latency=0.005))) as (net, sw):
         mms = [Matchmaker(s, "run", 1) for s in sw]
         for m in mms:
@@ -230,8 +232,14 @@ async def test_learners_ready_after_a_group_closed_are_late_not_a_second_group()
         survivors = [mms[i] for i in range(4) if i != dead]
         for m in survivors:
             m.group_failed(group)
-        retry = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=2)
-                                       for m in survivors[:2]))
+        loop = asyncio.get_running_loop()
+        failed_at, retry = loop.time(), [("late", None)]
+        while all(o == "late" for o, _ in retry):  # the others might have committed: late for a while
+            retry = await asyncio.gather(*(m.form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=2)
+                                           for m in survivors[:2]))
+            if all(o == "late" for o, _ in retry):
+                await asyncio.sleep(attempt_every)  # virtual: the learners' next attempt
+        assert FAILED_GROUP_WAIT_S <= loop.time() - failed_at <= FAILED_GROUP_WAIT_S + attempt_every + 1.0
         assert [o for o, _ in retry] == ["group"] * 2 and len(retry[0][1].members) == 2
         assert await survivors[2].form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=3) == ("late", None)
 

@@ -78,6 +78,7 @@ JOIN_HOLD_S = 120.0  # seconds a leader holds a joiner's long poll at most
 LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
 PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
 PASS_OVER_MAX_S = 900.0
+FAILED_GROUP_WAIT_S = 10.0  # seconds a failed group's members still make us late (they may have committed)
 FUTURE_SLACK_S = 5.0  # seconds a declaration's time may be ahead of ours (clocks are corrected: net.clock)
 Outcome = Literal["group", "late", "no_quorum"]
 
@@ -179,9 +180,10 @@ class Matchmaker:
             raise ValueError(f"min_quorum must be >= 1, got {min_quorum}")
         self.swarm, self.run_id, self.min_quorum, self.num_fragments = swarm, run_id, min_quorum, num_fragments
         self._gatherings: dict[int, _Gathering] = {}
-        # key -> {peer: swarm time}: its "in a group" declarations at the key stamped no later
-        # than that do not count (a group of its there failed, or delivered nothing to us)
-        self._set_aside: dict[GroupKey, dict[str, float]] = {}
+        # key -> {peer: (swarm time, from when: monotonic s)}: from then on, its "in a group"
+        # declarations at the key stamped no later than that time do not count (a group of its
+        # there failed, or delivered nothing to us)
+        self._set_aside: dict[GroupKey, dict[str, tuple[float, float]]] = {}
         # key -> ({peer: its declaration's t}, when we were first late there: monotonic s)
         self._deferred: dict[GroupKey, tuple[dict[str, float], float]] = {}
         self._exhausted: dict[GroupKey, None] = {}  # keys where we were late for round_time already
@@ -255,18 +257,21 @@ class Matchmaker:
 
     def group_failed(self, group: Group) -> None:
         """The node reports that ``group``'s round failed (module docstring: leaders whose
-        groups fail repeatedly are passed over). Its members' closed declarations no longer
-        make us late at its key: the survivors retry there."""
+        groups fail repeatedly are passed over). ``FAILED_GROUP_WAIT_S`` later, its members'
+        declarations of that group no longer make us late at its key (the survivors retry
+        there); until then they do: the others may have committed the round (a failure seen by
+        one member only), and their state, published as they commit, is the one to follow."""
         self._leader_failed(group.leader, f"round {group.round_id} failed")
         now = self.swarm.clock.now()
-        self._put_aside(group.key, {m: now for m in group.members})
+        self._put_aside(group.key, {m: now for m in group.members}, after=FAILED_GROUP_WAIT_S)
 
-    def _put_aside(self, key: GroupKey, peers: dict[str, float]) -> None:
-        """Set ``peers``' "in a group" declarations at ``key`` stamped up to their time aside
-        (bounded: 64 keys, the oldest go first; 256 peers a key)."""
-        aside = self._set_aside.setdefault(key, {})
+    def _put_aside(self, key: GroupKey, peers: dict[str, float], after: float = 0.0) -> None:
+        """Set ``peers``' "in a group" declarations at ``key`` stamped up to their time aside,
+        ``after`` seconds from now (bounded: 64 keys, the oldest go first; 256 peers a key)."""
+        aside, start = self._set_aside.setdefault(key, {}), swarm_clock.monotonic() + after
         for peer, t in list(peers.items())[:256]:
-            aside[peer] = max(t, aside.get(peer, t))
+            old_t, old_start = aside.get(peer, (t, start))
+            aside[peer] = (max(t, old_t), min(start, old_start))
         while len(aside) > 256:
             del aside[next(iter(aside))]
         while len(self._set_aside) > 64:
@@ -462,10 +467,11 @@ class Matchmaker:
         fetch; none once we have been late at the key for ``round_time``."""
         if key in self._exhausted:
             return {}
-        now, cannot_fetch, aside = self.swarm.clock.now(), self.undeliverable(), self._set_aside.get(key, {})
+        now, cannot_fetch, mono = self.swarm.clock.now(), self.undeliverable(), swarm_clock.monotonic()
+        aside = {p: t for p, (t, start) in self._set_aside.get(key, {}).items() if mono >= start}
         return {p: d.t for p, d in entries.items()
-                if d.grouped and p != self.swarm.peer_id and -FUTURE_SLACK_S <= now - d.t <= fresh_for and d.t > aside.get(p, -math.inf)
-                and p not in self.ignored_groups and p not in cannot_fetch}
+                if d.grouped and p != self.swarm.peer_id and -FUTURE_SLACK_S <= now - d.t <= fresh_for
+                and d.t > aside.get(p, -math.inf) and p not in self.ignored_groups and p not in cannot_fetch}
 
     def _formed(self, key: GroupKey, group: Group) -> Group:
         """We are in ``group`` at ``key``: whoever we deferred to there delivered nothing."""
