@@ -324,7 +324,7 @@ class Matchmaker:
     def _late(self, key: GroupKey, grouped: dict[str, float]) -> tuple[Outcome, None]:
         """Return "late", remembering whose group we deferred to (``_settle_deferrals``)."""
         peers, since = self._deferred.pop(key, ({}, swarm_clock.monotonic()))
-        self._deferred[key] = ({**peers, **dict(list(grouped.items())[:256 - len(peers)])}, since)
+        self._deferred[key] = ({**peers, **dict(list(grouped.items())[:max(0, 256 - len(peers))])}, since)
         while len(self._deferred) > 64:
             del self._deferred[next(iter(self._deferred))]
         return "late", None
