@@ -401,16 +401,16 @@ class Node:
 
     def _targets(self, records: dict[str, HeadsRecord], states: list[FragmentState] | None = None) -> list:
         """Per fragment, the head this node should move to, or None where it holds what it
-        should. The heads rule (``statesync.newest_heads``: corroborated claims only, this
-        node's own versions counted) picks a newer state or a split brain's winner; for a
-        fragment it has seen no step of yet (joining), only a state at least two peers hold; a
-        node ahead alone falls back to the newest state two other peers hold
-        (``statesync.runaway_heads``)."""
+        should. The heads rule (``statesync.newest_heads``: corroborated claims, ours counted)
+        picks a newer state or a split brain's winner; for a fragment it is joining (no step of
+        it seen, no round of its own tried), only a state two peers hold (so a late learner or a
+        member that lost a completed round follows a result that one member committed); a node
+        ahead alone falls back to the newest state two other peers hold (``runaway_heads``)."""
         states = self.committed if states is None else states
         n, me = len(states), self.swarm.peer_id
         mine = [st.version for st in states]
         heads = newest_heads(records, n, me=me, mine=mine)
-        joining = [p for p in range(n) if not self.sync.has_seen_steps(p)]
+        joining = [p for p in range(n) if p not in self._stepped and not self.sync.has_seen_steps(p)]
         if joining:
             strict = newest_heads(records, n, me=me, mine=mine, min_holders=2)
             heads = [strict[p] if p in joining else h for p, h in enumerate(heads)]
