@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +88,12 @@ class _Pipe(asyncio.Transport):
         self._net, self._src, self._dst, self._protocol = net, src, dst, protocol
         self.other: _Pipe | None = None
         self._free_at = 0.0  # loop time when the link has serialised everything written so far
+        # bytes in flight in the order written (None: the EOF after them), each due at or after
+        # the one before it: one timer per entry pops the head, so writes due at the same loop
+        # time (virtual time, no latency) arrive in order, and a lost write holds back the
+        # writes after it, as TCP's in-order delivery does
+        self._due: deque[bytes | None] = deque()
+        self._last_at = 0.0  # loop time at which the last entry of _due arrives
         self._queued = 0  # bytes written and not yet delivered
         self._paused = self._closing = self._lost = False
         self._loop = asyncio.get_running_loop()
@@ -101,10 +107,22 @@ class _Pipe(asyncio.Transport):
         delay = link.latency + (RTO_S if link.loss and self._net.rng.random() < link.loss else 0.0)
         self._queued += len(data)
         self._net.bytes_sent[self._src] += len(data)
-        self._loop.call_at(self._free_at + delay, self._deliver, data)
+        self._send(data, self._free_at + delay)
         if not self._paused and self.get_write_buffer_size() > HIGH_WATER:
             self._paused = True
             self._protocol.pause_writing()
+
+    def _send(self, item: bytes | None, at: float) -> None:
+        self._last_at = max(self._last_at, at)
+        self._due.append(item)
+        self._loop.call_at(self._last_at, self._arrive)
+
+    def _arrive(self) -> None:
+        item = self._due.popleft()
+        if item is None:
+            self._eof()
+        else:
+            self._deliver(item)
 
     def _deliver(self, data: bytes) -> None:
         self._queued -= len(data)
@@ -135,7 +153,7 @@ class _Pipe(asyncio.Transport):
             return
         self._closing = True
         delay = self._net.link(self._src, self._dst).latency
-        self._loop.call_at(max(self._free_at, self._loop.time()) + delay, self._eof)
+        self._send(None, max(self._free_at, self._loop.time()) + delay)
 
     def _eof(self) -> None:
         other = self.other
