@@ -8,9 +8,9 @@ Each run is a bootstrap peer and 4 node processes on 127.0.0.1 with the demo's s
 inner steps. Node i keeps the same identity (so the same peer ID and batch order) in every
 run, so runs differ only in the attack and in timing (who merges with whom); ``--clean-runs``
 repeats the clean run to show that spread. The attacker is stopped when the honest nodes are
-done (its own model may have diverged). In an attacked run node 3 sends, properly signed, poisoned pseudo-gradients
-(``trust.poison``): ``scale`` x1000 every round, ``flip`` x-1 every round, ``nan`` a NaN in every
-tensor every round, ``mix`` the three in turn. The result is the final held-out loss of the
+done (its own model may have diverged). In an attacked run node 3 sends, properly signed, poisoned
+pseudo-gradients (``python -m p2pdiloco.chaos.inject --poison KIND``): ``scale`` x1000 every round,
+``flip`` x-1 every round, ``nan`` a NaN in every tensor every round, ``mix`` the three in turn. The result is the final held-out loss of the
 global model (nats/byte, the same held-out bytes on every node), averaged over the three honest
 nodes, against the clean run's, and the reducers' rejections read from the node logs.
 """
@@ -52,9 +52,10 @@ def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[s
             d.mkdir(exist_ok=True)
             settings = {**DEMO_SETTINGS, "data.num_shards": str(NODES), "data.shard_index": str(i), "seed": str(seed),
                         "settle": "20", "trust.identity": str(ids / f"node{i}.key"), **(extra or {})}
-            if poison and i == ATTACKER:
-                settings["trust.poison"] = poison
-            argv = [py, "-m", "node", "run", "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
+            # the attacker: the ordinary node with its outgoing pseudo-gradients poisoned (p2pdiloco.chaos.inject)
+            entry = ["-m", "p2pdiloco.chaos.inject", "--poison", poison, "--", "node"] if poison and i == ATTACKER \
+                else ["-m", "node"]
+            argv = [py, *entry, "run", "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
                     "--name", f"node{i}", "--data-dir", str(d), "--max-steps", str(steps),
                     "--report-file", str(d / "report.json"), "--run-id", "poison"]
             for k, v in settings.items():

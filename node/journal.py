@@ -14,8 +14,7 @@ it instead of on log wording. Every line is ``{"t": unix seconds, "event": KIND,
 * ``download_failed``: ``fragment``, ``version``, ``donor`` (peer ID), ``reason``;
 * ``resumed``: the local checkpoint was loaded: ``step``;
 * ``joined``: the node took the swarm's inner step with the first state it downloaded:
-  ``step``, ``lr``;
-* ``fault``: an injected fault (``--set fault=...``) fired: ``fault``, and where.
+  ``step``, ``lr``.
 
 Bounded: past ``max_bytes`` the file is renamed to ``events.jsonl.1`` (replacing an older one)
 and a new one starts. Lines are appended whole and flushed; a reader skips a torn last line

@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,7 @@ class Node:
         trust = self.cfg.trust  # signed contributions (run and tag in every signature), robust merge
         self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout,
                                      sync_every=out.sync_every, run_id=f"{self.cfg.swarm.run_id}/{tag}",
-                                     outliers=trust.outliers, outlier_factor=trust.outlier_factor, poison=trust.poison)
+                                     outliers=trust.outliers, outlier_factor=trust.outlier_factor)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed,
                               on_event=self.journal.record, tag=tag)
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
@@ -89,11 +88,6 @@ class Node:
         self._residual: dict[int, list[torch.Tensor] | None] = {}
         self._interrupted = False
         self._stopped_at = 0.0  # time.monotonic() of the stop request
-        kind, _, n = self.cfg.fault.partition("@")
-        self._fault = (kind, int(n) if n else 0)
-        if kind == "kill-in-state-transfer":
-            self.swarm.inject_kill_midway("state.get", self._fault[1], lambda header: header.get("join") is True)
-        self._allreduces = 0
         self._resumed = False
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self._records_read = False  # whether the last read of the swarm's records succeeded
@@ -230,20 +224,12 @@ class Node:
                 self._count_no_shows(expected, group)
                 self.grace.t_quorum.update(group.formed_in)
                 t1 = time.monotonic()
-                self._allreduces += len(group.members) > 1  # faults count group rounds only
                 if len(group.members) > 1:  # every member held the anchor: a common ancestor
                     self.sync.shared(p, anchor.version)
-                fault = self._fault if self._fault[1] == self._allreduces and len(group.members) > 1 else ("", 0)
-                if fault[0] in ("kill-in-allreduce", "fail-last-stage"):
-                    self.journal.record("fault", fault=self.cfg.fault, fragment=p, version=anchor.version + 1)
-                if fault[0] == "kill-in-allreduce":  # contributions are on their way when it hits
-                    self._loop.call_later(0.02, os.kill, os.getpid(), signal.SIGKILL)
                 residual = self._residual.get(p)  # error feedback: what lossy wire coding left out last time
                 if residual is not None:
                     contrib = dataclasses.replace(contrib, delta=tuple(d + e for d, e in zip(contrib.delta, residual)))
                 merged = await self.allreducer.run(group, contrib)
-                if fault[0] == "fail-last-stage":
-                    raise RoundFailed(f"injected fault {self.cfg.fault}: merge received, treated as lost")
                 self.grace.t_sync.update(time.monotonic() - t1)
                 result = await self._commit(p, anchor, group, merged, contrib, t0)
             else:

@@ -180,9 +180,6 @@ class TrustConfig:
     revocations: str = ""  # the swarm's signed revocation list (optional)
     outliers: str = "clip"  # norms far above the round's median: clip | drop | off
     outlier_factor: float = 2.0  # "far above": more than this many times the lower median
-    # Benchmarks and tests only: send poisoned pseudo-gradients (properly signed), "scale" (x1000),
-    # "flip" (x-1), "nan", or "mix" (x1000, x-1, NaN in turn); see bench/trust_poison.py.
-    poison: str = ""
 
     def __post_init__(self) -> None:
         from p2pdiloco.core.merge import OUTLIER_POLICIES  # noqa: PLC0415
@@ -190,7 +187,6 @@ class TrustConfig:
         _validate(
             ("outliers", self.outliers in OUTLIER_POLICIES, f"must be one of {', '.join(OUTLIER_POLICIES)}"),
             ("outlier_factor", 1 < self.outlier_factor <= 10**6, f"must be in (1, {10**6}]"),
-            ("poison", self.poison in ("", "scale", "flip", "nan", "mix"), "must be scale, flip, nan or mix"),
             ("swarm_key", not self.swarm_key or _is_swarm_key(self.swarm_key),
              "expected 64 hex digits (from `p2pdiloco swarm init`) or the path of a swarm.pub file"),
             ("certificate", not self.certificate or Path(self.certificate).expanduser().is_file(),
@@ -234,13 +230,6 @@ class NodeConfig:
     checkpoint_every: float = 60.0  # seconds between local checkpoints (needs data_dir; 0: off)
     settle: float = 10.0  # seconds a node that spent its budget keeps serving until peers agree
     alone_after: float = 180.0  # seconds of training without merging with another node before it says it is alone
-    # Fault injection for tests and chaos runs, "KIND@ROUND" with ROUND the n-th all-reduce this
-    # node takes part in with at least one other member: "kill-in-allreduce@3" SIGKILLs the node
-    # while its 3rd such all-reduce runs;
-    # "fail-last-stage@3" completes the 3rd all-reduce but then treats it as failed;
-    # "kill-in-state-transfer@1" SIGKILLs the node midway through the 1st state it serves to a
-    # joining node.
-    fault: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -260,8 +249,6 @@ class NodeConfig:
             ("checkpoint_every", 0 <= self.checkpoint_every <= MAX_DURATION_S, f"must be in 0..{MAX_DURATION_S:g} (seconds; 0: off)"),
             ("settle", 0 <= self.settle <= MAX_WAIT_S, f"must be in 0..{MAX_WAIT_S:g} (seconds)"),
             ("alone_after", 0 < self.alone_after <= MAX_DURATION_S, f"must be in (0, {MAX_DURATION_S:g}] (seconds)"),
-            ("fault", not self.fault or _is_fault(self.fault),
-             "must look like kill-in-allreduce@N, fail-last-stage@N or kill-in-state-transfer@N (N >= 1)"),
             ("data_dir", _usable_dir(self.data_dir), f"{self.data_dir!r} exists and is not a folder"),
             ("trace_dir", _usable_dir(self.trace_dir), f"{self.trace_dir!r} exists and is not a folder"),
             ("metrics_port", 0 <= self.metrics_port <= 65535, "must be in 1..65535, or 0 for no metrics endpoint"),
@@ -290,11 +277,6 @@ def _factory_problems(spec: str) -> list[tuple[str, bool, str]]:
     except ValueError as e:
         return [("model.factory", False, str(e))]
     return []
-
-
-def _is_fault(text: str) -> bool:
-    kind, _, n = text.partition("@")
-    return kind in ("kill-in-allreduce", "fail-last-stage", "kill-in-state-transfer") and n.isdigit() and int(n) >= 1
 
 
 SECTIONS = ("model", "inner", "outer", "swarm", "data", "trust")

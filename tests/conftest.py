@@ -24,6 +24,19 @@ import pytest
 from p2pdiloco import presets
 
 POLL_S = 0.2  # seconds between two checks of a condition a test waits for
+FAULTS_FILE = "faults.jsonl"  # a node started with Harness.node(inject=...) records its faults here
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` (minute-long real-process scenarios whose behaviour a shorter
+    default test covers too, named in each docstring) run only when asked for: ``-m long`` or
+    RUN_LONG_TESTS=1. The default suite stays under 15 minutes on a 2-core machine."""
+    if os.environ.get("RUN_LONG_TESTS") or "long" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="a long real-process run: opt in with -m long or RUN_LONG_TESTS=1")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(skip)
 
 
 def default_sigint() -> None:
@@ -130,10 +143,15 @@ class Harness:
         return wait_for(started, 60, "the bootstrap peer's multiaddr", every=0.1)
 
     def node(self, maddr: str, name: str, settings: dict[str, str], *extra: str,
-             session: bool = True) -> tuple[subprocess.Popen, Path]:
+             session: bool = True, inject: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+        """A node process of run "test"; with ``inject`` (``--fault KIND@N``, ``--poison KIND``)
+        started through ``p2pdiloco.chaos.inject``, which records the faults that fire in
+        ``faults.jsonl`` of its data dir."""
         d = self.tmp / name
         d.mkdir()
-        args = ["-m", "node", "run", "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
+        entry = ["-m", "p2pdiloco.chaos.inject", *inject, "--record", str(d / FAULTS_FILE), "--", "node"] \
+            if inject else ["-m", "node"]
+        args = [*entry, "run", "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
                 "--name", name, "--data-dir", str(d), "--report-file", str(d / "report.json"),
                 "--status-file", str(d / "status.json"), "--run-id", "test", *extra]
         for k, v in settings.items():

@@ -13,7 +13,7 @@ import pytest
 
 from node.journal import FILE as JOURNAL_FILE
 from node.journal import read_journal
-from tests.conftest import TINY, read_report, running, wait_for
+from tests.conftest import FAULTS_FILE, TINY, read_report, running, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def test_node_killed_in_allreduce_survivors_agree(harness):
     p2pd does not outlive it (checked by the harness)."""
     maddr = harness.bootstrap()
     nodes = [harness.node(maddr, f"n{i}", _shards(i, 3), "--duration", "25", "--set", "settle=20",
-                          *(["--set", "fault=kill-in-allreduce@3"] if i == 2 else [])) for i in range(3)]
+                          inject=("--fault", "kill-in-allreduce@3") if i == 2 else ()) for i in range(3)]
     codes = [harness.wait(p, 200, d / "node.log") for p, d in nodes]
     assert codes[2] == -signal.SIGKILL, _log(nodes[2][1])[-2000:]
     assert codes[:2] == [0, 0], [_log(d)[-2000:] for _, d in nodes[:2]]
@@ -66,20 +66,20 @@ def test_member_that_loses_a_completed_round_follows_instead_of_retrying(harness
     double contribution, no solo retry at the old version) and ends at the same hash."""
     maddr = harness.bootstrap()
     nodes = [harness.node(maddr, f"n{i}", _shards(i, 3), "--duration", "20", "--set", "settle=20",
-                          *(["--set", "fault=fail-last-stage@3"] if i == 1 else [])) for i in range(3)]
+                          inject=("--fault", "fail-last-stage@3") if i == 1 else ()) for i in range(3)]
     for p, d in nodes:
         assert harness.wait(p, 200, d / "node.log") == 0, _log(d)[-2000:]
     reports = [read_report(d) for _, d in nodes]
     assert len({r["global_digest"] for r in reports}) == 1, [r["fragments"] for r in reports]
-    journal = read_journal(nodes[1][1] / JOURNAL_FILE)
-    at = next(i for i, e in enumerate(journal) if e["event"] == "fault" and e["fault"] == "fail-last-stage@3")
-    frag, version = journal[at]["fragment"], journal[at]["version"]
-    after = journal[at + 1:]
+    faults = read_journal(nodes[1][1] / FAULTS_FILE)
+    assert [e["fault"] for e in faults] == ["fail-last-stage@3"], faults
+    frag, version = faults[0]["fragment"], faults[0]["version"]
+    after = [e for e in read_journal(nodes[1][1] / JOURNAL_FILE) if e["t"] >= faults[0]["t"]]
     # it never merges that version alone: it follows the swarm's state of it instead
     assert not any(e["event"] == "round" and e["committed"] and (e["fragment"], e["version"], e["members"])
-                   == (frag, version, 1) for e in after), journal[at:]
+                   == (frag, version, 1) for e in after), after
     assert any(e["event"] == "follow" and (e["fragment"], e["from_version"]) == (frag, version - 1)
-               for e in after), journal[at:]
+               for e in after), after
 
 
 def _free_port() -> int:
@@ -151,10 +151,13 @@ def test_fresh_nodes_with_different_local_seeds_start_identical():
     assert not (xa == xb).all()
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_lone_node_progresses_then_merges_with_a_newcomer(harness):
     """I5 then I3/I8: a lone node applies its own outer steps and its loss falls; a second
-    node that arrives later catches up to its state and they merge together."""
+    node that arrives later catches up to its state and they merge together.
+    Long (opt-in): by default, test_swarm_integration's lone node and this file's restarted
+    node, which catches up from the swarm, cover it."""
     maddr = harness.bootstrap()
     p0, d0 = harness.node(maddr, "n0", _shards(0, 2), "--duration", "45", "--set", "settle=30")
     # n0 merges alone for a few rounds (both fragments moved) before the newcomer starts
@@ -172,6 +175,7 @@ def test_lone_node_progresses_then_merges_with_a_newcomer(harness):
     assert r0["global_digest"] == r1["global_digest"]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_newcomer_survives_a_donor_killed_midway_and_matches_the_swarm_exactly(harness):
     """A newcomer downloads the state from two donors (one fragment each, round-robin); n0
@@ -179,11 +183,13 @@ def test_newcomer_survives_a_donor_killed_midway_and_matches_the_swarm_exactly(h
     The newcomer discards the partial state, takes it from the other donor, continues at the
     swarm's inner step (so the same learning rate), and its first merge lands on the same
     digest as its peer's. (If n0 was not a holder of the newest state when the newcomer
-    joined, which can happen for a moment after a round, one more newcomer joins.)"""
+    joined, which can happen for a moment after a round, one more newcomer joins.)
+    Long (opt-in): by default, test_protocol's newcomer whose donor dies midway and
+    test_transport_limits' kill midway cover it."""
     big = {"model.n_embd": "256", "model.n_head": "4"}  # 0.8M parameters: a fragment's state is 4 frames
     maddr = harness.bootstrap()
     p0, d0 = harness.node(maddr, "n0", {**_shards(0, 3), **big}, "--duration", "150",
-                          "--set", "fault=kill-in-state-transfer@1")
+                          inject=("--fault", "kill-in-state-transfer@1"))
     p1, d1 = harness.node(maddr, "n1", {**_shards(1, 3), **big}, "--duration", "60", "--set", "settle=120")
     wait_for(lambda: len([e for e in _events(d1, "round", committed=True) if e["members"] == 2]) >= 4, 90,
              lambda: f"four 2-member rounds on n1:\n{_log(d1)[-2000:]}", tick=harness.track_daemons)
@@ -219,13 +225,16 @@ def test_newcomer_survives_a_donor_killed_midway_and_matches_the_swarm_exactly(h
     assert len(digests) == 1, digests
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_ctrl_c_to_a_nodes_process_group_stops_it_gracefully_and_the_swarm_sees_it_done(harness):
     """SIGINT to a training node's whole process group, as a terminal sends Ctrl+C to its job:
     its p2pd, in a process group of its own (``net.daemon._spawn_group``), does not get it, so
     the node finishes (or abandons) its rounds, publishes that it is done and ends its daemon
     itself. The other node then sees a live record marked done (2 nodes, 1 training) instead
-    of a record that goes silent; the stopped node exits 0 with its report."""
+    of a record that goes silent; the stopped node exits 0 with its report.
+    Long (opt-in): by default, test_stop's SIGTERM to a training node's process group and
+    test_status's swarm status of a node that leaves cover it."""
     maddr = harness.bootstrap()
     p0, d0 = harness.node(maddr, "n0", _shards(0, 2), "--duration", "40", "--set", "settle=5")
     p1, d1 = harness.node(maddr, "n1", _shards(1, 2), "--duration", "120", session=False)

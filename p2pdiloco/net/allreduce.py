@@ -87,7 +87,6 @@ log = logging.getLogger(__name__)
 # Reasons a reducer rejects a slice. All but "missing" and "outlier" also ban the sender.
 BANNING_REASONS = ("wrong_key", "bad_signature", "bad_counters", "malformed", "non_finite")
 KEEP_DECIDED_SECONDS = 30.0  # a decided round is kept this long after its deadline, for phase 2
-POISONS = ("", "scale", "flip", "nan", "mix")
 MAX_PENDING = 256  # undecided rounds one reducer holds at most
 MAX_PENDING_PER_PEER = 2  # ... of which one member may have opened at most this many per fragment
 MAX_KEPT = 1024  # rounds (decided or not) held at most; the oldest decided are forgotten first
@@ -153,26 +152,17 @@ class AllReducer:
         outliers: robust-merge policy for norms far above the round's median: ``clip``,
             ``drop`` or ``off`` (non-finite contributions are always dropped).
         outlier_factor: "far above" means more than this many times the lower median.
-        poison: benchmarks and tests only: this member sends poisoned pseudo-gradients, signed
-            like honest ones: ``scale`` (x1000), ``flip`` (x-1), ``nan``, or ``mix`` (the
-            three in turn, one per round); "" (default) for an honest member.
     """
 
     def __init__(self, swarm: Swarm, fragments: Sequence[Fragment], precision: str, timeout: float, *,
                  sync_every: int, run_id: str = "", outliers: str = "clip",
-                 outlier_factor: float = DEFAULT_OUTLIER_FACTOR,
-                 poison: str = ""):
+                 outlier_factor: float = DEFAULT_OUTLIER_FACTOR):
         wire.wire_dtype(precision)
         if outliers not in OUTLIER_POLICIES:
             raise ValueError(f"unknown outlier policy {outliers!r}; choose one of {OUTLIER_POLICIES}")
-        if poison not in POISONS:
-            raise ValueError(f"unknown poison {poison!r}; choose one of {POISONS}")
         self.swarm, self.fragments, self.precision, self.timeout = swarm, tuple(fragments), precision, timeout
         self.sync_every = sync_every
         self.run_id, self.outliers, self.outlier_factor = run_id, outliers, outlier_factor
-        self.poison, self._poisoned = poison, 0
-        if poison:
-            log.warning("this node sends POISONED pseudo-gradients (trust.poison=%s): benchmarks and tests only", poison)
         self._rounds: dict[str, _Round] = {}
         self._fragment_bytes = [wire.wire_nbytes([s.shape for s in f.slots], precision) for f in self.fragments]
         self.stats = AllReduceStats()
@@ -255,7 +245,7 @@ class AllReducer:
                 reducers' contributor sets have no member in common.
         """
         frag, me, members = group.key.fragment, self.swarm.peer_id, group.members
-        if members == (me,):  # a lone round: nothing is sent, so nothing is quantised (nor poisoned)
+        if members == (me,):  # a lone round: nothing is sent, so nothing is quantised
             if not is_finite_contribution(contrib.delta):
                 self.stats.failed += 1
                 raise RoundFailed(f"round {group.round_id}: our own contribution is not finite")
@@ -263,8 +253,6 @@ class AllReducer:
             tokens, position, first = self._counters([(contrib.tokens, contrib.steps, contrib.span, contrib.position)])
             return RoundResult([t.detach().to("cpu", torch.float32).clone() for t in contrib.delta], tokens, position,
                                first / FRACTION_GRID, (me,))
-        if self.poison:  # fault injection (benchmarks, tests): what is sent to the others
-            contrib = self._poison(contrib)
         parts = self._parts(frag, len(members), group.shares)
         reducers = [r for r in range(len(members)) if parts[r]]
         base = {"round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,
@@ -398,16 +386,6 @@ class AllReducer:
             self.swarm.ban(group.members[r], f"merged slice with a bad signature in round {group.round_id}")
             raise RoundFailed(f"reducer {group.members[r][-8:]}'s merged slice failed signature verification")
         return statement.contributors, statement.counters
-
-    def _poison(self, contrib: Contribution) -> Contribution:
-        kind = self.poison if self.poison != "mix" else ("scale", "flip", "nan")[self._poisoned % 3]
-        self._poisoned += 1
-        if kind == "nan":
-            delta = tuple(d.clone().view(-1).index_fill_(0, torch.tensor([0]), float("nan")).view(d.shape)
-                          if d.numel() else d for d in contrib.delta)
-        else:
-            delta = tuple(d * (1000.0 if kind == "scale" else -1.0) for d in contrib.delta)
-        return dataclasses.replace(contrib, delta=delta)
 
     def _outgoing(self, reducer: int, head: Header, payload: bytes) -> tuple[Header, bytes]:
         """The request about to be sent to ``reducer`` (index); tests override this to act
