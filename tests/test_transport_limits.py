@@ -367,14 +367,15 @@ async def test_blocked_peer_is_held_unanswered_then_closed_and_others_are_served
 
 SERVER = r"""
 import asyncio, sys
+from p2pdiloco.chaos.inject import kill_midway
 from p2pdiloco.net.transport import Swarm
 
 async def main():
     swarm = await Swarm.start()
     async def big(peer, header, payload):
         return {"k": 1}, bytes(8 << 20)
+    kill_midway("t.big", 2, lambda header: header.get("kill") is True)
     await swarm.add_handler("t.big", big)
-    swarm.inject_kill_midway("t.big", 2, lambda header: header.get("kill") is True)
     print(swarm.peer_id, (await swarm.visible_maddrs())[0], flush=True)
     await asyncio.Event().wait()
 
@@ -384,7 +385,7 @@ asyncio.run(main())
 
 @pytest.mark.asyncio
 async def test_kill_midway_sends_about_half_the_reply(tmp_path):
-    """inject_kill_midway: the 2nd matching answer is cut after its header and half its payload
+    """p2pdiloco.chaos.inject.kill_midway: the 2nd matching answer is cut after its header and half its payload
     bytes, by SIGKILL of the serving process (a child here)."""
     with open(tmp_path / "server.log", "wb") as log:
         proc = await asyncio.create_subprocess_exec(sys.executable, "-c", SERVER, stdout=asyncio.subprocess.PIPE,

@@ -12,7 +12,7 @@ use a ``FaultyAverager``; the same split here):
 * ``fail-last-stage@N``: its N-th all-reduce with other members completes, then raises
   ``RoundFailed``: the node treats a round the others committed as lost (invariant I2).
 * ``kill-in-state-transfer@N``: SIGKILL while it serves its N-th state to a joining node, after
-  the reply's header and half of its payload went out (``Swarm.inject_kill_midway``).
+  the reply's header and half of its payload went out (:func:`kill_midway`).
 * ``--poison scale|flip|nan|mix``: every pseudo-gradient it sends to other members is x1000,
   x-1, has a NaN, or the three in turn (one per round), signed like an honest one
   (bench/trust_poison.py; the robust merge, docs/trust.md).
@@ -26,23 +26,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from p2pdiloco.errors import RoundFailed
 from p2pdiloco.net.allreduce import AllReducer, Contribution
+from p2pdiloco.net import transport
 from p2pdiloco.net.transport import Swarm
 
 FAULTS = ("kill-in-allreduce", "fail-last-stage", "kill-in-state-transfer")
 POISONS = ("scale", "flip", "nan", "mix")
 KILL_DELAY_S = 0.02  # kill-in-allreduce: seconds into the all-reduce
+KILL_LINGER_S = 0.5  # kill midway: seconds the bytes written before the kill get to reach the caller
+# set, in the task serving one request, by the handler of the answer that kill_midway cuts
+_cut_this_answer: contextvars.ContextVar[bool] = contextvars.ContextVar("p2pdiloco_inject_cut", default=False)
 
 
 @dataclasses.dataclass
@@ -87,9 +95,9 @@ def poisoned(contrib: Contribution, kind: str, k: int) -> Contribution:
 
 
 def install(inj: Injection) -> None:
-    """Wrap ``AllReducer.run`` (faults at all-reduces, poison) and ``Swarm.__init__``
-    (``kill-in-state-transfer``) of this process as ``inj`` says; lone rounds are left alone
-    (nothing is sent in them)."""
+    """Wrap ``AllReducer.run`` (faults at all-reduces, poison; lone rounds are left alone:
+    nothing is sent in them) and, for ``kill-in-state-transfer``, the serving of ``state.get``
+    (:func:`kill_midway`) in this process, as ``inj`` says."""
     run = AllReducer.run
 
     async def faulty_run(self: AllReducer, group, contrib: Contribution):
@@ -114,13 +122,41 @@ def install(inj: Injection) -> None:
 
     AllReducer.run = faulty_run
     if inj.fault == "kill-in-state-transfer":
-        init = Swarm.__init__
+        kill_midway("state.get", inj.nth, lambda header: header.get("join") is True)
 
-        def faulty_init(self: Swarm, *args, **kwargs) -> None:
-            init(self, *args, **kwargs)
-            self.inject_kill_midway("state.get", inj.nth, lambda header: header.get("join") is True)
 
-        Swarm.__init__ = faulty_init
+def kill_midway(rpc: str, nth: int, when: Callable[[dict[str, Any]], bool] = lambda header: True) -> None:
+    """SIGKILL this process while it streams its ``nth`` answer to an ``rpc`` request whose
+    header satisfies ``when``, after the reply's header and half of its payload bytes went out
+    (then ``KILL_LINGER_S`` for them to reach the caller). Wraps ``Swarm.add_handler`` (the
+    handler, run in the task that serves the request, marks that answer) and the transport's
+    ``write_message`` (it cuts the marked answer): install before the handler is added."""
+    left = [nth]
+    add_handler, write_message = Swarm.add_handler, transport.write_message
+
+    async def marking_add_handler(self: Swarm, name: str, handler, **kwargs) -> None:
+        if name == rpc:
+            serve = handler
+
+            async def handler(peer: str, header: dict[str, Any], payload: bytes):
+                answer = await serve(peer, header, payload)
+                if when(header):
+                    left[0] -= 1
+                    _cut_this_answer.set(left[0] == 0)
+                return answer
+        await add_handler(self, name, handler, **kwargs)
+
+    async def cutting_write_message(writer, header, payload, *, stop_after: int | None = None) -> None:
+        if not _cut_this_answer.get():
+            return await write_message(writer, header, payload, stop_after=stop_after)
+        await write_message(writer, header, payload, stop_after=len(payload) // 2)
+        await asyncio.sleep(KILL_LINGER_S)
+        logging.getLogger(__name__).warning("injected fault: killed while answering %s (%d of %d payload bytes "
+                                            "sent)", rpc, len(payload) // 2, len(payload))
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    Swarm.add_handler, transport.write_message = marking_add_handler, cutting_write_message
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,9 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
-import signal
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -147,14 +145,6 @@ class Swarm:
         self.stats = TrafficStats()
         self.reach = Reachability()  # how peers can dial us (start() sets its mode and checks)
         self.started_at, self.initial_peers = time.time(), []  # start() sets the peers it joined through
-        # injected fault: RPC name -> (matching answers left before the kill, which requests count)
-        self._kill_midway: dict[str, tuple[int, Callable[[Header], bool]]] = {}
-
-    def inject_kill_midway(self, rpc: str, nth: int, when: Callable[[Header], bool] = lambda _: True) -> None:
-        """Fault injection (tests, chaos runs): SIGKILL this process while it streams its
-        ``nth`` answer to an ``rpc`` request whose header satisfies ``when``, after the reply's
-        header and half of its payload bytes went out."""
-        self._kill_midway[rpc] = (nth, when)
 
     def ban(self, peer: str, reason: str) -> None:
         """Exclude ``peer`` for the rest of the run (logged once)."""
@@ -402,24 +392,15 @@ class Swarm:
 
     async def _serve(self, name: str, handler: Handler, max_payload: int, remote: str,
                      reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request: Header = {}
         try:
-            request, reply, body = await self._answer(name, handler, max_payload, remote, reader)
+            reply, body = await self._answer(name, handler, max_payload, remote, reader)
         except _Drop as d:
             self.drop(remote, d.reason)
             if not d.answer:
                 return
             reply, body = {"error": str(d)}, b""
-        kill_at = self._kill_at(name, request, len(body))
         try:
             async with asyncio.timeout(payload_deadline(len(body))):
-                if kill_at is not None:
-                    await write_message(writer, reply, body, stop_after=kill_at)
-                    await asyncio.sleep(0.5)  # let the bytes sent so far reach the caller
-                    log.warning("injected fault: killed while answering %s (%d of %d payload bytes sent)",
-                                name, kill_at, len(body))
-                    logging.shutdown()
-                    os.kill(os.getpid(), signal.SIGKILL)
                 await write_message(writer, reply, body)
         except (TimeoutError, ConnectionError, OSError) as e:
             self.drop(remote, "reply_timeout" if isinstance(e, TimeoutError) else "reply_broken")
@@ -428,8 +409,8 @@ class Swarm:
         await drain(reader, LINGER_TIMEOUT, LINGER_DISCARD_BYTES)
 
     async def _answer(self, name: str, handler: Handler, max_payload: int, remote: str,
-                      reader: asyncio.StreamReader) -> tuple[Header, Header, bytes]:
-        """Read and serve one request: (request header, reply header, reply payload).
+                      reader: asyncio.StreamReader) -> tuple[Header, bytes]:
+        """Read and serve one request: (reply header, reply payload).
         Raises _Drop for a request that is not served."""
         try:
             async with asyncio.timeout(HEADER_TIMEOUT):
@@ -440,7 +421,6 @@ class Swarm:
             raise _Drop("bad_header", str(e)) from None
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             raise _Drop("closed", "stream closed before the header", answer=False) from None
-        request = dict(header)
         cert = header.pop("_cert", None)
         if cert is not None and not isinstance(cert, bytes):
             raise _Drop("bad_cert", "_cert is not bytes")
@@ -452,7 +432,7 @@ class Swarm:
             if len(self._refused_peers) < MAX_DROP_PEERS:
                 self._refused_peers.add(remote)
             log.log(level, "refused %s from %s: %s", name, remote[-8:], e)
-            return request, {"error": str(e), "denied": e.reason}, b""
+            return {"error": str(e), "denied": e.reason}, b""
         if n > max_payload:
             raise _Drop("too_large", f"{name} payload of {n} bytes exceeds the limit of {max_payload}")
         try:
@@ -471,21 +451,11 @@ class Swarm:
             frame(reply, len(body))  # fails here (answered as an error) rather than half-written
         except ProtocolError as e:
             log.debug("%s request from %s refused: %s", name, remote[-8:], e)
-            return request, {"error": str(e)}, b""
+            return {"error": str(e)}, b""
         except Exception as e:  # a handler bug must not take the node down
             log.exception("handler %s failed for %s", name, remote[-8:])
-            return request, {"error": f"internal error: {_short(e)}"}, b""
-        return request, reply, body
-
-    def _kill_at(self, name: str, request: Header, n_bytes: int) -> int | None:
-        """Payload bytes after which the injected kill-midway fault hits this answer, or None."""
-        left, when = self._kill_midway.get(name, (0, None))
-        if when is None or not when(request):
-            return None
-        self._kill_midway[name] = (left - 1, when)
-        if left - 1 > 0:
-            return None
-        return n_bytes // 2  # the header and about half of the payload went out
+            return {"error": f"internal error: {_short(e)}"}, b""
+        return reply, body
 
     async def call(
         self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float,
