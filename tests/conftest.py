@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked ``long`` (minute-long real-process scenarios whose behaviour a shorter
     default test covers too, named in each docstring) run only when asked for: ``-m long`` or
     RUN_LONG_TESTS=1. The default suite stays under 15 minutes on a 2-core machine."""
-    if os.environ.get("RUN_LONG_TESTS") or "long" in (config.getoption("markexpr") or ""):
+    if os.environ.get("RUN_LONG_TESTS", "0") not in ("", "0") or "long" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="a long real-process run: opt in with -m long or RUN_LONG_TESTS=1")
     for item in items:
