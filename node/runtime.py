@@ -69,7 +69,7 @@ class Node:
                                      sync_every=out.sync_every, run_id=f"{self.cfg.swarm.run_id}/{tag}",
                                      outliers=trust.outliers, outlier_factor=trust.outlier_factor)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed,
-                              on_event=self.journal.record, tag=tag)
+                              on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum))
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)

@@ -286,6 +286,33 @@ def test_swarm_cli_init_identity_admit_revoke(tmp_path: Path, capsys) -> None:
 
 # ---- plausible follows -------------------------------------------------------------------
 
+def test_state_sync_refuses_a_state_whose_momentum_would_wreck_the_next_step() -> None:
+    """Θ left in place, the buffer b huge: the jump bound passes it, but its next outer step
+    moves Θ by at least lr·μ²·‖b‖ (core.outer.nesterov_outer_step), held to one version's
+    bound (found by a hostile review: momentum was only checked for being finite)."""
+    from p2pdiloco.core.fragments import Fragment, TensorSlot
+    from p2pdiloco.core.outer import FragmentState
+    from p2pdiloco.errors import StateSyncError
+    from p2pdiloco.net.statesync import StateSync
+
+    frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
+    zeros = (torch.zeros(4),)
+    states = [FragmentState.create(0, 0, (torch.ones(4),), zeros)]
+    sync = StateSync(None, "run", [frag], lambda: states, outer=(0.7, 0.9))
+    sync._observe()
+    for v in range(1, 5):  # four own commits, each moving Θ by 0.5: one version may move it by 10 x 0.5 = 5
+        states[0] = FragmentState.create(0, v, (states[0].theta[0] + 0.25,), zeros)
+        sync._observe()
+    mine = states[0].theta[0]  # [2, 2, 2, 2]: |theta| 4, so 4 x |theta| = 16 is the looser bound
+    sync._check_plausible(FragmentState.create(0, 5, (mine,), (torch.full((4,), 4.0),)))  # 0.7 x 0.81 x 8 = 4.5
+    for b in (5.0, 1e30):  # 0.7 x 0.81 x 10 = 5.67 > 5, and the attack
+        with pytest.raises(StateSyncError, match="momentum buffer moves the parameters by .* largest recent step"):
+            sync._check_plausible(FragmentState.create(0, 5, (mine,), (torch.full((4,), b),)))
+    # without the run's outer settings (lr 0) the buffer is not bounded: the node passes them
+    StateSync(None, "run", [frag], lambda: states)._check_plausible(
+        FragmentState.create(0, 5, (mine,), (torch.full((4,), 5.0),)))
+
+
 def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads() -> None:
     import asyncio
 

@@ -42,7 +42,10 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   download: :meth:`StateSync.shared`): two honest nodes that both merged alone for a while
   are as far apart as the sum of their lone runs, not as their version gap. The claimed
   versions are capped by the corroboration rule above, so no claimed gap widens the bound
-  beyond ``LEAD``. Every peer whose signed record claims a refused state gets a strike (a
+  beyond ``LEAD``. The state's momentum buffer b is held to one version's bound too: its
+  next outer step moves Θ by at least lr·μ²·‖b‖ (``outer`` given to :class:`StateSync`), so a
+  state that leaves Θ in place with a huge b is refused. Every peer whose signed record claims
+  a refused state gets a strike (a
   bound on sizes is evidence, not proof: an honest peer must be able to come back).
   Source: the same median-norm bound as the robust merge (``core.merge.robust_merge``;
   Yin et al., arXiv 1803.01498), applied to outer steps.
@@ -222,8 +225,9 @@ class StateSync:
 
     def __init__(self, swarm: Swarm, run_id: str, fragments: Sequence[Fragment],
                  current: Callable[[], Sequence[FragmentState]], on_event: Callable[..., None] | None = None,
-                 tag: str = ""):
+                 tag: str = "", outer: tuple[float, float] = (0.0, 0.0)):
         self.swarm, self.run_id, self.fragments, self.current = swarm, run_id, tuple(fragments), current
+        self.outer_lr, self.outer_momentum = outer  # the run's outer lr and μ: the momentum bound (_check_plausible)
         self.on_event = on_event
         self.tag = tag  # our protocol tag, published in our record; records with another are not ours to follow
         # peer -> (its settings: protocol tag, or "other fragment count"; monotonic s last seen):
@@ -416,21 +420,33 @@ class StateSync:
             jump = _distance(mine, state)
             size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
             own = min(FOLLOW_FACTOR * self._own.get(p, 0.0), OWN_RELATIVE * size) if not steps else 0.0
-            if own > FOLLOW_RELATIVE * size:  # no step seen yet, but progress of our own: its size
-                bounds = [(k * own, f"{k} version(s) x {FOLLOW_FACTOR:g} x this node's own step (at most "
-                                    f"{OWN_RELATIVE:g} x |theta| {size:.3g})")]
-            else:
-                bounds = [(FOLLOW_RELATIVE * k * size, f"{FOLLOW_RELATIVE:g} x {k} version(s) x |theta| {size:.3g}")]
-            # the largest, not the median: a round for a small fraction of a period (a flush, a
-            # sub-group's share: core.outer.round_fraction) makes a small step by design
-            if steps and max(steps) > 0:
-                largest = max(steps)
-                bounds.append((FOLLOW_FACTOR * k * largest,
-                               f"{FOLLOW_FACTOR:g} x {k} version(s) x the largest recent step {largest:.3g}"))
-            over = [text for bound, text in bounds if jump > bound]
-            if not over:
+            largest = max(steps) if steps else 0.0
+
+            def bounds(n: int) -> list[tuple[float, str]]:  # what n versions may move Θ by
+                if own > FOLLOW_RELATIVE * size:  # no step seen yet, but progress of our own: its size
+                    out = [(n * own, f"{n} version(s) x {FOLLOW_FACTOR:g} x this node's own step (at most "
+                                     f"{OWN_RELATIVE:g} x |theta| {size:.3g})")]
+                else:
+                    out = [(FOLLOW_RELATIVE * n * size, f"{FOLLOW_RELATIVE:g} x {n} version(s) x |theta| {size:.3g}")]
+                # the largest, not the median: a round for a small fraction of a period (a flush, a
+                # sub-group's share: core.outer.round_fraction) makes a small step by design
+                if largest > 0:
+                    out.append((FOLLOW_FACTOR * n * largest,
+                                f"{FOLLOW_FACTOR:g} x {n} version(s) x the largest recent step {largest:.3g}"))
+                return out
+
+            # the buffer b moves Θ by at least lr·μ²·‖b‖ in the state's next outer step
+            # (core.outer.nesterov_outer_step): one version's bound holds it too, or a state that
+            # leaves Θ in place with a huge b would pass and wreck the step after it
+            kick = self.outer_lr * self.outer_momentum ** 2 * math.sqrt(
+                sum(float(torch.linalg.vector_norm(t)) ** 2 for t in state.momentum))
+            over = [text for bound, text in bounds(k) if jump > bound]
+            kicks = [text for bound, text in bounds(1) if kick > bound]
+            if not over and not kicks:
                 return
-            reason = f"it moves the parameters by {jump:.3g}, over {over[-1]}"
+            reason = (f"it moves the parameters by {jump:.3g}, over {over[-1]}" if over else
+                      f"its momentum buffer moves the parameters by {kick:.3g} in the next outer step, "
+                      f"over {kicks[-1]}")
         self._refused.add((p, state.version, state.digest))
         self.refused_states += 1
         log.warning("not following fragment %d v%d (%s): %s", p, state.version, state.short(), reason)
