@@ -82,7 +82,7 @@ class Node:
         self._live_learners = 0  # learners still training, from the swarm's records
         self._no_shows: dict[str, int] = {}  # peer -> our groups in a row it was expected in but missed
         self._round_ids: list[str] = [""] * len(self.committed)  # round that made each committed state
-        self._failed_round: dict[int, Group] = {}  # fragment -> the group of the round we could not finish
+        self._failed_round: dict[int, str] = {}  # fragment -> round we could not finish
         # fragment -> the part of our last merged Δ that lossy wire coding dropped (fp32, slot
         # shapes), added to the next Δ we send (error feedback); only _round touches it
         self._residual: dict[int, list[torch.Tensor] | None] = {}
@@ -247,7 +247,7 @@ class Node:
         except RoundFailed as e:
             self.stats.rounds_failed += 1
             self.matchmaker.group_failed(group)
-            self._failed_round[p] = group  # others may have committed it: see _follow
+            self._failed_round[p] = group.round_id  # others may have committed it: see _follow
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, str(e)))
             log.warning("round f%d v%d discarded: %s", p, anchor.version + 1, e)
         except NetworkError as e:
@@ -276,7 +276,7 @@ class Node:
         self.matchmaker.group_succeeded(group)
         if self.committed[p].digest != anchor.digest:  # another state was installed meanwhile
             self.stats.rounds_failed += 1
-            self._failed_round[p] = group  # its result holds our progress: see _follow
+            self._failed_round[p] = group.round_id  # its result holds our progress: see _follow
             self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, False, "superseded"))
             log.warning("round f%d v%d merged, but fragment %d moved to v%d meanwhile: result dropped",
                         p, new.version, p, self.committed[p].version)
@@ -389,12 +389,11 @@ class Node:
         """Per fragment, the head this node should move to, or None where it holds what it
         should. The heads rule (``statesync.newest_heads``: corroborated claims, ours counted)
         picks a newer state or a split brain's winner; for a fragment it has seen no step of yet
-        (joining), only a state at least two peers hold, or one made by the round this node lost
-        (a holder's record names our failed round: a member that lost a completed round follows
-        its group even when one member alone committed it, else the committer, ahead alone,
-        fell back and the round was lost); a node ahead alone falls back to the newest state two
-        other peers hold (``statesync.runaway_heads``). One peer outside that group never suffices:
-        before a step is seen, the plausibility bound is loose (docs/trust.md)."""
+        (joining), only a state at least two peers hold, even after a round of its own: before a
+        step is seen the plausibility bound is loose, so one peer's claim never suffices (not
+        even a member of a round this node lost, naming it: that member could have withheld our
+        result to make us follow its state). A state only one member of a round committed is
+        then abandoned: the committer, ahead alone, falls back (``statesync.runaway_heads``)."""
         states = self.committed if states is None else states
         n, me = len(states), self.swarm.peer_id
         mine = [st.version for st in states]
@@ -402,20 +401,11 @@ class Node:
         joining = [p for p in range(n) if not self.sync.has_seen_steps(p)]
         if joining:
             strict = newest_heads(records, n, me=me, mine=mine, min_holders=2)
-            heads = [strict[p] if p in joining and not self._made_by_our_lost_round(p, h, records) else h
-                     for p, h in enumerate(heads)]
+            heads = [strict[p] if p in joining else h for p, h in enumerate(heads)]
         fallback = runaway_heads(records, states, me)
         return [fall if fall is not None and (fall.version, fall.digest) != (st.version, st.digest)
                 else head if is_behind(st, head) else None
                 for st, head, fall in zip(states, heads, fallback)]
-
-    def _made_by_our_lost_round(self, p: int, head, records: dict[str, HeadsRecord]) -> bool:
-        """Whether a member of the round this node lost on fragment p holds ``head`` and says
-        that round made it."""
-        lost = self._failed_round.get(p)
-        return lost is not None and head is not None and any(
-            q in lost.members and q in records and len(records[q].rounds) > p and records[q].rounds[p] == lost.round_id
-            for q in head.holders)
 
     async def _catch_up(self, *, initial: bool = False, only: int | None = None) -> None:
         """Follow every fragment the swarm holds newer (or, at equal version, the winning
@@ -484,9 +474,8 @@ class Node:
             return state  # a concurrent caller of the same (shared) download installed it already
         made_by = next((r.rounds[p] for peer, r in records.items() if peer in head.holders), "")
         failed = self._failed_round.pop(p, None)
-        ours = bool(made_by) and failed is not None and failed.round_id == made_by
-        log.debug("fragment %d at v%d made by round %s; our failed round %s", p, head.version, made_by,
-                  failed and failed.round_id)
+        ours = bool(made_by) and failed == made_by
+        log.debug("fragment %d at v%d made by round %s; our failed round %s", p, head.version, made_by, failed)
         old = self.committed[p]
         self.committed[p], self._round_ids[p] = state, made_by
         self.stats.catchups += 1

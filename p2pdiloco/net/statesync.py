@@ -28,8 +28,8 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   ``ROLLBACK_MAX`` versions lower (:func:`runaway_heads`), as a split brain's losing side does.
 * **Joining needs two holders.** A node that has not yet seen a step of a fragment (it is
   joining) follows only a state held by at least two peers, when at least two other peers
-  publish claims, so one stranger cannot hand a newcomer its model (the node's one exception,
-  a state a member of its own lost round says that round made: ``Node._targets``).
+  publish claims, so one stranger cannot hand a newcomer its model (nor a node in its first
+  rounds of a fragment: ``Node._targets``).
 * **Bounded moves.** A downloaded state is refused (``StateSyncError``; counted in
   ``refused_states``) when it is not finite, or moves Θ away from this node's committed
   state by more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖ (before a step was seen,
