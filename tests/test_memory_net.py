@@ -82,6 +82,26 @@ async def test_bytes_arrive_in_the_order_written(link: Link):
 
 
 @pytest.mark.asyncio
+async def test_a_stream_across_a_partition_stalls_and_never_skips_a_hole():
+    """Bytes a partition swallowed are not followed by later ones after the heal (TCP delivers
+    in order or not at all): the reader sees what arrived before the partition, then nothing,
+    not even the EOF, until its own deadline (a hostile review found the hole)."""
+    async with memory_swarms(2, MemoryNet(default=Link(latency=0.01))) as (net, (a, b)):
+        (_, writer), (reader, _) = net.stream_pair(a.peer_id, b.peer_id)
+        writer.write(b"before")
+        assert await reader.readexactly(6) == b"before"
+        net.partition([[a.peer_id], [b.peer_id]])
+        writer.write(b"swallowed")
+        await until(lambda: writer.transport._stalled, 5, "the partition to swallow the bytes")
+        net.heal()
+        writer.write(b"after")
+        writer.close()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(5):
+                await reader.read(1)
+
+
+@pytest.mark.asyncio
 async def test_dht_records_are_signed_owner_only_and_expire():
     async with memory_swarms(3) as (net, (a, b, c)):
         assert await a.store("run/heads", a.peer_id, {"v": 1}, ttl=30)

@@ -18,7 +18,8 @@ Model (per :class:`MemoryNet`):
   Links are per stream, not shared between a peer's streams (no congestion between them).
 - ``partition(groups)``: peers in different groups cannot open streams (the dial hangs until
   the caller's deadline, as a dial into a black hole does) and bytes in flight between them
-  are never delivered; ``heal()`` ends every partition.
+  are never delivered, nor anything that stream carries later (it stalls until a deadline
+  ends it, as TCP does; no hole is skipped); ``heal()`` ends every partition.
 - ``kill(peer)``: the peer dies: its streams are reset (the other end reads a
   ``ConnectionResetError``), its handlers are gone, dials to it hang, and its DHT replica is
   lost.
@@ -94,6 +95,10 @@ class _Pipe(asyncio.Transport):
         # writes after it, as TCP's in-order delivery does
         self._due: deque[bytes | None] = deque()
         self._last_at = 0.0  # loop time at which the last entry of _due arrives
+        # a partition swallowed bytes of this direction: nothing after them arrives either (TCP
+        # retransmits in order, so a stream across a partition stalls until a deadline ends
+        # it; it never skips a hole and carries on after the heal)
+        self._stalled = False
         self._queued = 0  # bytes written and not yet delivered
         self._paused = self._closing = self._lost = False
         self._loop = asyncio.get_running_loop()
@@ -130,8 +135,11 @@ class _Pipe(asyncio.Transport):
             self._paused = False
             self._protocol.resume_writing()
         other = self.other
-        if other is None or other._lost or self._lost or not self._net.reachable(self._src, self._dst):
-            return  # the stream was reset, or a partition swallowed the bytes
+        if other is None or other._lost or self._lost or self._stalled:
+            return  # the stream was reset, or stalled
+        if not self._net.reachable(self._src, self._dst):
+            self._stalled = True  # a partition swallowed the bytes
+            return
         other._protocol.data_received(data)
 
     def get_write_buffer_size(self) -> int:
@@ -157,7 +165,7 @@ class _Pipe(asyncio.Transport):
 
     def _eof(self) -> None:
         other = self.other
-        if other is not None and not other._lost and self._net.reachable(self._src, self._dst):
+        if other is not None and not other._lost and not self._stalled and self._net.reachable(self._src, self._dst):
             other._protocol.eof_received()
         self._half_closed()
 
