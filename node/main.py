@@ -172,6 +172,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "rejected": rejected, "rejected_total": sum(rejected.values()),
         "bans": dict(swarm.bans), "ignored": node.sync.ignoring(), "other_settings": node.sync.other_settings(),
         "passed_over": node.matchmaker.passing_over(), "ignored_groups": node.matchmaker.ignoring_groups(),
+        "refused_states": node.sync.refused_states,
         "blocked": swarm.blocking(), "refused": dict(swarm.refused),
         "dropped": dict(swarm.dropped), "dropped_total": sum(swarm.drop_reasons.values()),
         "dropped_reasons": dict(swarm.drop_reasons), "internal_errors": st.internal_errors,

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT_FIELDS = {
     "name", "run_id", "peer_id", "maddrs", "reachability", "connections", "pid", "p2pd_pid", "state", "merging",
     "uptime_s", "step", "tokens", "tokens_per_s", "loss", "heldout_loss", "rounds_committed", "rounds_failed",
-    "rounds_late", "rounds_alone", "rounds_excluded", "refused", "catchups", "resyncs", "tokens_merged", "last_round", "recent_rounds", "bytes_out",
+    "rounds_late", "rounds_alone", "rounds_excluded", "refused", "refused_states", "catchups", "resyncs", "tokens_merged", "last_round", "recent_rounds", "bytes_out",
     "bytes_in", "rpc_calls", "rpc_failed", "rejected", "rejected_total", "fragments", "fragment_status", "swarm",
     "global_digest", "time", "control_socket", "metrics", "allreduce", "reach", "bytes_relayed",
 }
