@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m p2pdiloco.chaos.inject",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--fault", default="", metavar="KIND@N", help=f"one of {', '.join(FAULTS)}")
-    parser.add_argument("--poison", default="", choices=("", *POISONS))
+    parser.add_argument("--poison", default="", choices=POISONS)
     parser.add_argument("--record", type=Path, default=None, help="JSON lines of the faults that fired")
     args = parser.parse_args(ours)
     if not rest:
