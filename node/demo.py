@@ -129,6 +129,15 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.duration <= 0:
         print("p2pdiloco: --nodes must be >= 1 and --duration > 0", file=sys.stderr)
         return 2
+    from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
+    from p2pdiloco.errors import ConfigError  # noqa: PLC0415
+
+    try:  # the nodes' settings, checked before anything starts (a bad --set: one line, exit 2)
+        settings = {**DEMO_SETTINGS, **parse_overrides(args.set), "data.num_shards": str(args.nodes)}
+        load_config(None, overrides={**settings, "data.shard_index": "0", **({"data.path": args.data} if args.data else {})})
+    except ConfigError as e:
+        print(f"p2pdiloco: {e}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _terminate)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-demo-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -136,9 +145,6 @@ def run_demo(args: argparse.Namespace) -> int:
     py = sys.executable
     try:
         maddr = children.start_bootstrap(work)
-        settings = dict(DEMO_SETTINGS)
-        settings.update(dict(s.split("=", 1) for s in args.set if "=" in s))
-        settings.update({"data.num_shards": str(args.nodes)})
         nodes = []
         for i in range(args.nodes):
             d = work / f"node{i}"

@@ -178,6 +178,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             "bootstrap port in use": ["-m", "bootstrap", "--host", "127.0.0.1", "--port", str(busy)],
             "node port in use": ["-m", "node", "run", "--host", "127.0.0.1", "--port", str(busy)],
             "node peer not libp2p": NODE + ["--initial-peers", tcp_only],
+            "demo set without =": ["-m", "p2pdiloco.cli", "demo", "--set", "outer.sync_every"],
+            "demo bad setting": ["-m", "p2pdiloco.cli", "demo", "--set", "outer.fragments=0"],
         }
         with ThreadPoolExecutor(max_workers=4) as pool:
             futures = {name: pool.submit(run_command, args) for name, args in cases.items()}
@@ -226,6 +228,17 @@ def test_bootstrap_malformed_initial_peer(results: Runs) -> None:
 def test_set_without_equals(results: Runs) -> None:
     line = one_line(results["set without ="], code=2)
     assert line == "p2pdiloco: --set 'outer.lr': expected SECTION.FIELD=VALUE, for example --set outer.sync_every=50"
+
+
+def test_the_demo_checks_its_settings_before_anything_starts(results: Runs) -> None:
+    """A fresh user's finding: the demo ignored a --set without = and ran 4 minutes, and a bad
+    value failed only in each node after the swarm had started."""
+    line = one_line(results["demo set without ="], code=2)
+    assert line == ("p2pdiloco: --set 'outer.sync_every': expected SECTION.FIELD=VALUE, for example "
+                    "--set outer.sync_every=50")
+    line = one_line(results["demo bad setting"], code=2)
+    assert line == "p2pdiloco: invalid configuration: outer.fragments: must be in 1..1024 (from the command line)"
+    assert not results["demo set without ="].daemons_seen and not results["demo bad setting"].daemons_seen
 
 
 def test_set_with_a_bad_value(results: Runs) -> None:

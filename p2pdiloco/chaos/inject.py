@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(prog="python -m p2pdiloco.chaos.inject",
+                                     usage="%(prog)s [--fault KIND@N] [--poison KIND] [--record FILE] -- COMMAND ...",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--fault", default="", metavar="KIND@N", help=f"one of {', '.join(FAULTS)}")
     parser.add_argument("--poison", default="", choices=POISONS)
