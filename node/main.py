@@ -26,7 +26,7 @@ from p2pdiloco.data import bits_per_byte, evaluate
 from p2pdiloco.errors import ConfigError, NetworkError, P2PDilocoError
 from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.statesync import is_behind, newest_heads
+from p2pdiloco.net.heads import is_behind, newest_heads
 from p2pdiloco.net.transport import Swarm
 
 from node.control import ControlServer, start_metrics

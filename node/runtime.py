@@ -31,7 +31,8 @@ from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExclud
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.revocation import RevocationWatch
-from p2pdiloco.net.statesync import StateSync, is_behind, newest_heads, runaway_heads
+from p2pdiloco.net.heads import is_behind, newest_heads, runaway_heads
+from p2pdiloco.net.statesync import StateSync
 from p2pdiloco.net.transport import Swarm
 
 from node.alone import AloneWatch
@@ -387,13 +388,13 @@ class Node:
 
     def _targets(self, records: dict[str, HeadsRecord], states: list[FragmentState] | None = None) -> list:
         """Per fragment, the head this node should move to, or None where it holds what it
-        should. The heads rule (``statesync.newest_heads``: corroborated claims, ours counted)
+        should. The heads rule (``heads.newest_heads``: corroborated claims, ours counted)
         picks a newer state or a split brain's winner; for a fragment it has seen no step of yet
         (joining), only a state at least two peers hold, even after a round of its own: before a
         step is seen the plausibility bound is loose, so one peer's claim never suffices (not
         even a member of a round this node lost, naming it: that member could have withheld our
         result to make us follow its state). A state only one member of a round committed is
-        then abandoned: the committer, ahead alone, falls back (``statesync.runaway_heads``)."""
+        then abandoned: the committer, ahead alone, falls back (``heads.runaway_heads``)."""
         states = self.committed if states is None else states
         n, me = len(states), self.swarm.peer_id
         mine = [st.version for st in states]

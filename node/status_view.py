@@ -261,7 +261,8 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
     time, ``Swarm.clock``; default this machine's clock) as ``gone``: the DHT keeps records
     longer, for nodes whose clocks are ahead."""
     from p2pdiloco.net.records import parse_many, parse_heads  # noqa: PLC0415
-    from p2pdiloco.net.statesync import HEAD_TTL, newest_heads  # noqa: PLC0415
+    from p2pdiloco.net.heads import newest_heads  # noqa: PLC0415
+    from p2pdiloco.net.statesync import HEAD_TTL  # noqa: PLC0415
 
     now = time.time() if now is None else now
     # only records under a peer ID count: the DHT accepts those only when signed by that peer

@@ -1,5 +1,5 @@
 """Claims a peer makes about itself must be earned: hand-computed cases of the corroboration
-rule of the heads (``statesync.newest_heads``), the joining rule, the holder strikes, and the
+rule of the heads (``heads.newest_heads``), the joining rule, the holder strikes, and the
 matchmaking leader order. No network: the rules are pure functions of the records."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 from p2pdiloco.net.drops import TrafficStats
 from p2pdiloco.net.matchmaking import leader_rank
 from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.statesync import IGNORE_S, LEAD, Head, StateSync, newest_heads
+from p2pdiloco.net.heads import LEAD, Head, newest_heads
+from p2pdiloco.net.statesync import IGNORE_S, StateSync
 
 A, B, C, X = "A", "B", "C", "X"  # newest_heads takes any keys; the DHT only yields peer IDs
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
@@ -103,7 +104,7 @@ def test_a_node_ahead_alone_falls_back_to_the_state_two_others_hold() -> None:
     import torch
 
     from p2pdiloco.core.outer import FragmentState
-    from p2pdiloco.net.statesync import ROLLBACK_MAX, runaway_heads
+    from p2pdiloco.net.heads import ROLLBACK_MAX, runaway_heads
 
     zeros = (torch.zeros(2),)
 

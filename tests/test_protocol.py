@@ -29,7 +29,8 @@ from p2pdiloco.errors import StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
 from p2pdiloco.net.memory import Link, MemoryNet
-from p2pdiloco.net.statesync import Head, StateSync
+from p2pdiloco.net.heads import Head
+from p2pdiloco.net.statesync import StateSync
 from p2pdiloco.trust.identity import Identity
 
 pytestmark = pytest.mark.timeout(120)  # real seconds; the scenarios run in virtual ones

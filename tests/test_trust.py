@@ -319,7 +319,8 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
     from p2pdiloco.core.fragments import Fragment, TensorSlot
     from p2pdiloco.core.outer import FragmentState
     from p2pdiloco.errors import StateSyncError
-    from p2pdiloco.net.statesync import FOLLOW_FACTOR, StateSync, newest_heads
+    from p2pdiloco.net.heads import newest_heads
+    from p2pdiloco.net.statesync import FOLLOW_FACTOR, StateSync
 
     frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
     zeros = (torch.zeros(4),)

@@ -18,7 +18,7 @@ from p2pdiloco.net.addresses import (
     check_listen_port,
     check_peer_maddr,
 )
-from p2pdiloco.net.statesync import Head, is_behind, newest_heads
+from p2pdiloco.net.heads import Head, is_behind, newest_heads
 
 # A valid peer ID: base58 of the sha2-256 multihash of b"p2pdiloco-test".
 PID = "QmV6bPa3xB8gg5YhjHnmHBCvVpymShB3aaPJmsvxWoq5LB"

@@ -17,19 +17,9 @@ Trust (docs/trust.md). Records are signed DHT records under their owner's peer I
 (``transport.SignedRecords``): nobody can write another node's record. But a signature
 proves who claims a state, not that the claim is honest, so a claim has to be earned:
 
-* **Corroborated versions.** A version counts only up to ``LEAD`` versions above the larger
-  of this node's own version and the highest version that at least two *other* peers hold
-  (:func:`claim_ceiling`), once at least two other peers publish a claim for the fragment.
-  One peer claiming a billion versions ahead is looked past (and, more than ``ROLLBACK_MAX``
-  above, its whole record ignored for ``IGNORE_S`` seconds); an honest node that committed a
-  round others have not followed yet is within the lead. With a single other peer nothing can be corroborated and its claim
-  counts. The converse case, this node ahead alone (lone rounds while the others were busy,
-  so they look past it), falls back to the newest state two other peers hold, at most
-  ``ROLLBACK_MAX`` versions lower (:func:`runaway_heads`), as a split brain's losing side does.
-* **Joining needs two holders.** A node that has not yet seen a step of a fragment (it is
-  joining) follows only a state held by at least two peers, when at least two other peers
-  publish claims, so one stranger cannot hand a newcomer its model (nor a node in its first
-  rounds of a fragment: ``Node._targets``).
+* **Earned heads** (:mod:`p2pdiloco.net.heads`): corroborated versions (a claim counts only
+  up to ``LEAD`` versions above what two other peers hold), the fallback of a node ahead alone,
+  and two holders for a node joining a fragment.
 * **Bounded moves.** A downloaded state is refused (``StateSyncError``; counted in
   ``refused_states``) when it is not finite, or moves Θ away from this node's committed
   state by more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖ (before a step was seen,
@@ -76,8 +66,7 @@ import hashlib
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +77,7 @@ from p2pdiloco.core.outer import FragmentState, fragment_digest
 from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, ProtocolError, StateSyncError
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
+from p2pdiloco.net.heads import LEAD, ROLLBACK_MAX, Head, claim_ceiling
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.transport import Header, Swarm
 
@@ -98,8 +88,6 @@ FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the largest
 FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
 FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
 OWN_RELATIVE = 16.0  # ... or, before any step was seen, FOLLOW_FACTOR x our own step, up to this many times ‖Θ‖
-LEAD = 1  # versions a claim may run ahead of the highest version two other peers hold
-ROLLBACK_MAX = 8  # versions a node ahead alone falls back at most (runaway_heads)
 STATE_TIMEOUT_S = 3.0  # seconds of a state download's deadline, plus its size over MIN_RATE
 MIN_RATE = 256 * 1024  # bytes/s: the slowest donor link a download waits for
 FIRST_REPLY_S = 1.0  # seconds a holder has to begin its answer once the stream is open, before any download...
@@ -108,106 +96,6 @@ FIRST_REPLY_MIN_S = 0.5  # ... but never less than this (seconds), nor more than
 IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its first strike (doubling)
 IGNORE_MAX_S = 600.0
 STALE_S = 15.0  # seconds a record may go unchanged before its author counts as gone (nodes publish every <= 5 s)
-
-
-@dataclass(frozen=True)
-class Head:
-    """The swarm's newest state of one fragment, and who holds it."""
-
-    version: int
-    digest: str
-    holders: tuple[str, ...]
-
-
-def _as_record(value: Any, num_fragments: int) -> HeadsRecord | None:
-    if isinstance(value, HeadsRecord):
-        return value if len(value.fragments) == num_fragments else None
-    try:
-        return rec.parse_heads(value, num_fragments)
-    except ProtocolError:
-        return None
-
-
-def claim_ceiling(versions: Mapping[str, int], me: str | None, mine: int | None) -> float:
-    """The highest version of one fragment this node counts as corroborated: ``LEAD`` above
-    the larger of its own version (``mine``, else ``me``'s claim in ``versions``) and the
-    second-highest version among the other peers' claims; unbounded with fewer than two
-    other claims (nothing to corroborate with). ``versions``: {peer: claimed version}."""
-    others = sorted((v for p, v in versions.items() if p != me), reverse=True)
-    if len(others) < 2:
-        return math.inf
-    own = mine if mine is not None else versions.get(me, -1) if me is not None else -1
-    return max(others[1], own) + LEAD
-
-
-def newest_heads(records: Mapping[str, HeadsRecord | dict], num_fragments: int, *, me: str | None = None,
-                 mine: Sequence[int] | None = None, min_holders: int = 1) -> list[Head | None]:
-    """Per fragment, the winning (version, digest) among peers' records and its holders.
-
-    Rule (invariant I7): highest version; at equal versions, most holders, then the smaller
-    digest. Records that do not parse (raw dicts are parsed here) are ignored.
-    Corroboration (module docstring): claims above :func:`claim_ceiling` (``me``: this
-    node's peer ID, ``mine``: its own versions) are ignored; with ``min_holders`` > 1 (a
-    joining node), states held by fewer peers are ignored too, where at least that many other
-    peers claim one.
-    """
-    parsed = {p: r for p, v in records.items() if (r := _as_record(v, num_fragments)) is not None}
-    heads: list[Head | None] = []
-    for f in range(num_fragments):
-        claims = {p: r.fragments[f] for p, r in parsed.items() if r.fragments[f] is not None}
-        ceiling = claim_ceiling({p: c[0] for p, c in claims.items()}, me, mine[f] if mine is not None else None)
-        votes: dict[tuple[int, str], list[str]] = {}
-        for p, claim in claims.items():
-            if claim[0] <= ceiling:
-                votes.setdefault(claim, []).append(p)
-        others = sum(p != me for p in claims)
-        if min_holders > 1 and others >= min_holders:
-            votes = {k: h for k, h in votes.items() if len(h) >= min_holders} or votes
-        heads.append(_winner(votes))
-    return heads
-
-
-def runaway_heads(records: Mapping[str, HeadsRecord], states: Sequence[FragmentState], me: str) -> list[Head | None]:
-    """Per fragment, the state this node should fall back to because it is ahead alone, else
-    None. A node whose version is more than ``LEAD`` above the second-highest version of the
-    other peers (two or more of them) made its last versions without anyone corroborating them
-    (lone rounds while the others were busy): the others look past its claims, and it would
-    merge alone forever. It then takes the newest state at least two other peers hold, at most
-    ``ROLLBACK_MAX`` versions below its own (a lower state is not a fallback but a stale or
-    hostile claim), as the losing side of a split brain does (invariant I7)."""
-    out: list[Head | None] = []
-    for f, mine in enumerate(states):
-        claims = {p: r.fragments[f] for p, r in records.items() if p != me and r.fragments[f] is not None}
-        versions = sorted((c[0] for c in claims.values()), reverse=True)
-        if len(versions) < 2 or mine.version <= versions[1] + LEAD:
-            out.append(None)
-            continue
-        votes: dict[tuple[int, str], list[str]] = {}
-        for p, claim in claims.items():
-            if mine.version - ROLLBACK_MAX <= claim[0] <= versions[1]:
-                votes.setdefault(claim, []).append(p)
-        out.append(_winner({k: h for k, h in votes.items() if len(h) >= 2}))
-    return out
-
-
-def _winner(votes: dict[tuple[int, str], list[str]]) -> Head | None:
-    """The heads rule's choice among (version, digest) -> holders: highest version, then most
-    holders, then the smaller digest (invariant I7); None without votes."""
-    if not votes:
-        return None
-    (version, digest), holders = max(votes.items(), key=lambda kv: (kv[0][0], len(kv[1]), _neg(kv[0][1])))
-    return Head(version, digest, tuple(sorted(holders)))
-
-
-def _neg(digest: str) -> tuple[int, ...]:
-    return tuple(-ord(c) for c in digest)
-
-
-def is_behind(mine: FragmentState, head: Head | None) -> bool:
-    """True when ``head`` should replace ``mine`` (newer version, or same version, other digest)."""
-    if head is None:
-        return False
-    return head.version > mine.version or (head.version == mine.version and head.digest != mine.digest)
 
 
 class StateSync:
