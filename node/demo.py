@@ -134,7 +134,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     try:  # the nodes' settings, checked before anything starts (a bad --set: one line, exit 2)
         settings = {**DEMO_SETTINGS, **parse_overrides(args.set), "data.num_shards": str(args.nodes)}
-        load_config(None, overrides={**settings, "data.shard_index": "0", **({"data.path": args.data} if args.data else {})})
+        load_config(None, overrides={**settings, "data.shard_index": "0",
+                                     **({"data.path": args.data} if args.data else {})})
     except ConfigError as e:
         print(f"p2pdiloco: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   when larger: ``FOLLOW_FACTOR`` × the outer step of this node's own last contribution to
   that fragment, :meth:`StateSync.own_step`, at most ``OWN_RELATIVE`` × ‖Θ‖, per version:
   early with a large H one honest step moves Θ by several ‖Θ‖), or, once this node has
-  seen a step of that fragment, more than ``FOLLOW_FACTOR`` × (versions apart) × the median
+  seen a step of that fragment, more than ``FOLLOW_FACTOR`` × (versions apart) × the largest
   of the last ``FOLLOW_HISTORY`` per-version steps it saw. Versions apart count both paths
   from the last state this node knows another peer held too (a group formed at it, or a
   download: :meth:`StateSync.shared`): two honest nodes that both merged alone for a while
@@ -35,8 +35,8 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   beyond ``LEAD``. The state's momentum buffer b is held to one version's bound too: its
   next outer step moves Θ by at least lr·μ²·‖b‖ (``outer`` given to :class:`StateSync`), so a
   state that leaves Θ in place with a huge b is refused. Every peer whose signed record claims
-  a refused state gets a strike (a
-  bound on sizes is evidence, not proof: an honest peer must be able to come back).
+  a refused state gets a strike (a bound on sizes is evidence, not proof: an honest peer must
+  be able to come back).
   Source: the same median-norm bound as the robust merge (``core.merge.robust_merge``;
   Yin et al., arXiv 1803.01498), applied to outer steps.
 * **Deliver or be ignored.** A holder that does not deliver the state it claims (no answer
