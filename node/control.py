@@ -280,6 +280,8 @@ SCALAR_METRICS = (
     ("counter", "p2pdiloco_rounds_alone", "committed rounds with no other member", "rounds_alone"),
     ("counter", "p2pdiloco_rounds_excluded", "rounds merged without this node's contribution (kept for the next)",
      "rounds_excluded"),
+    ("counter", "p2pdiloco_rounds_superseded", "merged rounds dropped: the fragment moved to another state meanwhile",
+     "rounds_superseded"),
 )
 
 

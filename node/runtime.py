@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.learner import lr_at
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, run_tokens
@@ -37,6 +35,7 @@ from p2pdiloco.net.transport import Swarm
 
 from node.alone import AloneWatch
 from node.checkpoint import load_checkpoint, save_checkpoint
+from node.committed import CommittedStates
 from node.journal import FILE as JOURNAL_FILE, Journal, save_round_trace
 from node.setup import Setup, protocol_tag
 from node.stats import NodeStats, RoundRecord
@@ -56,7 +55,7 @@ class Node:
 
     def __init__(self, setup: Setup, swarm: Swarm):
         self.setup, self.cfg, self.swarm = setup, setup.cfg, swarm
-        self.committed: list[FragmentState] = list(setup.learner.global_states)
+        self.committed = CommittedStates(setup.learner.global_states)  # the one owner of the committed states
         self.stats = NodeStats()
         self.journal = Journal(Path(self.cfg.data_dir) / JOURNAL_FILE if self.cfg.data_dir else None)
         out = self.cfg.outer
@@ -69,24 +68,18 @@ class Node:
         self.allreducer = AllReducer(swarm, setup.fragments, out.wire_precision, out.liveness_timeout,
                                      sync_every=out.sync_every, run_id=f"{self.cfg.swarm.run_id}/{tag}",
                                      outliers=trust.outliers, outlier_factor=trust.outlier_factor)
-        self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, lambda: self.committed,
+        self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, self.committed.states,
                               on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum))
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
         self.training: TrainingLoop | None = None
-        self._in_flight: set[int] = set()
         self._round_tasks: set[asyncio.Task] = set()  # abandoned (cancelled) when a stopped node leaves
         self._rounds: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._publish_now = asyncio.Event()
         self._live_learners = 0  # learners still training, from the swarm's records
         self._no_shows: dict[str, int] = {}  # peer -> our groups in a row it was expected in but missed
-        self._round_ids: list[str] = [""] * len(self.committed)  # round that made each committed state
-        self._failed_round: dict[int, str] = {}  # fragment -> round we could not finish
-        # fragment -> the part of our last merged Δ that lossy wire coding dropped (fp32, slot
-        # shapes), added to the next Δ we send (error feedback); only _round touches it
-        self._residual: dict[int, list[torch.Tensor] | None] = {}
         self._interrupted = False
         self._stopped_at = 0.0  # time.monotonic() of the stop request
         self._resumed = False
@@ -110,7 +103,7 @@ class Node:
         self.stats.state = "joining"
         data_dir = Path(self.cfg.data_dir) if self.cfg.data_dir else None
         if data_dir is not None and await asyncio.to_thread(load_checkpoint, data_dir, self.setup.learner) is not None:
-            self.committed = list(self.setup.learner.global_states)
+            self.committed.resume(self.setup.learner.global_states)
             self._resumed = self._joined = True
             self.journal.record("resumed", step=self.setup.learner.step)
         await self._catch_up(initial=True)
@@ -177,7 +170,7 @@ class Node:
             records = await self._records()
             await self._catch_up()
             mine = tuple((st.version, st.digest) for st in self.committed)
-            if all(r.done and r.fragments == mine for r in records.values()) and not self._in_flight:
+            if all(r.done and r.fragments == mine for r in records.values()) and not self.committed.in_flight():
                 agreed_at = min(agreed_at, time.monotonic())  # a last round elsewhere shows within the wait
                 if time.monotonic() - agreed_at >= SETTLE_CONFIRM_S:
                     break
@@ -196,7 +189,7 @@ class Node:
         if self._rounds is None or self.done:
             self.training.deliver((p, None, False))
             return
-        self._in_flight.add(p)
+        self.committed.begin_round(p)
         task = self._rounds.create_task(self._round(p, contrib, anchor))
         self._round_tasks.add(task)
         task.add_done_callback(self._round_tasks.discard)
@@ -227,7 +220,7 @@ class Node:
                 t1 = time.monotonic()
                 if len(group.members) > 1:  # every member held the anchor: a common ancestor
                     self.sync.shared(p, anchor.version)
-                residual = self._residual.get(p)  # error feedback: what lossy wire coding left out last time
+                residual = self.committed.residual(p)  # error feedback: what lossy wire coding left out last time
                 if residual is not None:
                     contrib = dataclasses.replace(contrib, delta=tuple(d + e for d, e in zip(contrib.delta, residual)))
                 merged = await self.allreducer.run(group, contrib)
@@ -244,11 +237,11 @@ class Node:
             log.warning("round f%d v%d: our contribution was left out (%s); kept for the next round",
                         p, anchor.version + 1, e)
             if e.result is not None:
-                self._take_excluded(p, anchor, e.result, group.round_id)
+                await self._take_excluded(p, anchor, e.result, group.round_id)
         except RoundFailed as e:
             self.stats.rounds_failed += 1
             self.matchmaker.group_failed(group)
-            self._failed_round[p] = group.round_id  # others may have committed it: see _follow
+            self.committed.lose(p, group.round_id)  # others may have committed it: see _follow
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, str(e)))
             log.warning("round f%d v%d discarded: %s", p, anchor.version + 1, e)
         except NetworkError as e:
@@ -261,30 +254,29 @@ class Node:
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "abandoned: stopping"))
             raise
         finally:
-            self._in_flight.discard(p)
+            self.committed.end_round(p)
             self.training.deliver((p, result, False))
         if result is None:
             await self._catch_up(only=p)  # a group may have merged without us: follow it
 
     async def _commit(self, p: int, anchor: FragmentState, group: Group, merged: RoundResult,
                       contrib: Contribution, t0: float) -> FragmentState | None:
-        """Apply a merged round to fragment ``p`` (outer step on ``anchor``) and commit it unless another
-        state was installed meanwhile, by digest, not identity (a catch-up may install an equal state as
-        another object: tests/test_commit.py); a superseded result is recorded, counted and logged."""
+        """Apply a merged round to fragment ``p`` (outer step on ``anchor``) and commit it, under the
+        fragment's lock, unless another state was installed meanwhile (``CommittedStates.commit``: by
+        digest, not identity; tests/test_commit.py); a superseded result is recorded, counted and logged."""
         out = self.cfg.outer
         fraction, ledger = round_fraction(anchor.ledger, merged.tokens, merged.position, out.sync_every, merged.first)
         new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, fraction, ledger)
         self.matchmaker.group_succeeded(group)
-        if self.committed[p].digest != anchor.digest:  # another state was installed meanwhile
+        async with self.committed.lock(p):
+            # residual: error feedback for the next round (None: nothing left out)
+            committed = self.committed.commit(p, anchor, new, group.round_id, merged.residual)
+        if not committed:  # another state was installed meanwhile; its round is remembered as lost: see _follow
             self.stats.rounds_failed += 1
-            self._failed_round[p] = group.round_id  # its result holds our progress: see _follow
             self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, False, "superseded"))
             log.warning("round f%d v%d merged, but fragment %d moved to v%d meanwhile: result dropped",
                         p, new.version, p, self.committed[p].version)
             return None
-        self.committed[p] = new
-        self._round_ids[p] = group.round_id
-        self._residual[p] = merged.residual  # error feedback for the next round (None: nothing left out)
         self.stats.rounds_committed += 1
         self.stats.rounds_alone += int(len(group.members) == 1)
         if len(group.members) > 1:
@@ -303,18 +295,19 @@ class Node:
                                     new, [s.is_embedding for s in self.setup.fragments[p].slots])
         return new
 
-    def _take_excluded(self, p: int, anchor: FragmentState, merged: RoundResult, round_id: str) -> None:
+    async def _take_excluded(self, p: int, anchor: FragmentState, merged: RoundResult, round_id: str) -> None:
         """Commit the result of a round that merged without our contribution, as its included
         members do (same merged Δ and counters, so the same state, bit for bit), with our
         progress rebased on it (``TrainingLoop.deliver`` with rebase): a member left out (an
         outlier, or late) is then at the swarm's version for the next round instead of a
         download behind, where the others would look past it (invariant I3)."""
         out = self.cfg.outer
-        if self.committed[p].digest != anchor.digest:
-            return  # another state was installed meanwhile: the records decide
         fraction, ledger = round_fraction(anchor.ledger, merged.tokens, merged.position, out.sync_every, merged.first)
         new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, fraction, ledger)
-        self.committed[p], self._round_ids[p] = new, round_id
+        async with self.committed.lock(p):
+            if not self.committed.holds(p, anchor):
+                return  # another state was installed meanwhile: the records decide
+            self.committed.install(p, new, round_id)  # our residual stays: what it corrects was not merged
         self.journal.record("follow", fragment=p, from_version=anchor.version, version=new.version,
                             digest=new.short(), ours=False, excluded=True)
         log.info("fragment %d: took v%d (%s), merged without us", p, new.version, new.short())
@@ -360,12 +353,13 @@ class Node:
         its anchor, and following rebases that progress (θ_p = Θ_new − Δ), so the contribution
         stays valid (invariant I3: contributions only at the swarm's version)."""
         records = await self._records()
-        states = list(self.committed)
+        chosen_on = self.committed[p]
+        states = self.committed.states()
         states[p] = anchor
         head = self._targets(records, states)[p]
         if head is None:
             return anchor, records
-        return await self._follow(p, head, records) or anchor, records
+        return await self._follow(p, head, records, chosen_on) or anchor, records
 
     def _record(self, rec: RoundRecord) -> None:
         self.stats.recent = [*self.stats.recent[-19:], rec]
@@ -395,7 +389,7 @@ class Node:
         even a member of a round this node lost, naming it: that member could have withheld our
         result to make us follow its state). A state only one member of a round committed is
         then abandoned: the committer, ahead alone, falls back (``heads.runaway_heads``)."""
-        states = self.committed if states is None else states
+        states = self.committed.states() if states is None else states
         n, me = len(states), self.swarm.peer_id
         mine = [st.version for st in states]
         heads = newest_heads(records, n, me=me, mine=mine)
@@ -414,12 +408,13 @@ class Node:
         so that the learning-rate schedule continues where the swarm is."""
         await self._estimate_own_steps()
         records = await self._records()
-        targets = self._targets(records)
+        chosen_on = self.committed.states()
+        targets = self._targets(records, chosen_on)
         followed = []
         for p, head in enumerate(targets):
-            if (only is None or p == only) and p not in self._in_flight and head is not None:
+            if (only is None or p == only) and not self.committed.is_in_flight(p) and head is not None:
                 self.stats.state = "joining" if initial else "catching up"
-                if await self._follow(p, head, records, initial=initial):
+                if await self._follow(p, head, records, chosen_on[p], initial=initial):
                     followed.append(head)
         if followed and not self._joined:
             # the first state this node adopts also gives it the swarm's place in the learning-rate
@@ -456,9 +451,12 @@ class Node:
             if p not in self._stepped and not self.sync.has_seen_steps(p) and learner.counters(p)[1] > 0:
                 self.sync.own_step(p, out.lr * (1 + out.momentum) * await asyncio.to_thread(learner.progress_norm, p))
 
-    async def _follow(self, p: int, head, records: dict[str, HeadsRecord], *,
+    async def _follow(self, p: int, head, records: dict[str, HeadsRecord], chosen_on: FragmentState, *,
                       initial: bool = False) -> FragmentState | None:
-        """Download fragment p at ``head``, verify it and install it.
+        """Download fragment p at ``head``, verify it and install it, under the fragment's lock, if
+        fragment p still holds ``chosen_on``, the state the head was chosen against (a round of ours,
+        or another follow, may have moved it meanwhile: the head may then be behind, or a fallback
+        from a state no longer held). Returns the installed state, or None.
 
         Local progress is rebased on top (θ_p ← Θ_new − (Θ_old − θ_p), counters kept), except
         when our own contribution is already inside the new state: we were a member of the
@@ -466,19 +464,22 @@ class Node:
         as the members that completed did, instead of contributing the same progress twice.
         On joining after a resume from a local checkpoint, progress is rebased only when the
         swarm is still at the checkpoint's version of p; otherwise it is overwritten."""
-        try:
-            state = await self.sync.download(p, head, joining=initial)
-        except StateSyncError as e:
-            log.info("catch-up of fragment %d failed: %s", p, e)
-            return None
-        if (state.version, state.digest) == (self.committed[p].version, self.committed[p].digest):
-            return state  # a concurrent caller of the same (shared) download installed it already
-        made_by = next((r.rounds[p] for peer, r in records.items() if peer in head.holders), "")
-        failed = self._failed_round.pop(p, None)
-        ours = bool(made_by) and failed == made_by
-        log.debug("fragment %d at v%d made by round %s; our failed round %s", p, head.version, made_by, failed)
-        old = self.committed[p]
-        self.committed[p], self._round_ids[p] = state, made_by
+        async with self.committed.lock(p):
+            if (self.committed[p].version, self.committed[p].digest) == (head.version, head.digest):
+                return self.committed[p]  # another follow of the same head installed it meanwhile
+            if not self.committed.holds(p, chosen_on):
+                log.debug("fragment %d moved to v%d while its catch-up waited: skipped", p, self.committed[p].version)
+                return None
+            try:
+                state = await self.sync.download(p, head, joining=initial)
+            except StateSyncError as e:
+                log.info("catch-up of fragment %d failed: %s", p, e)
+                return None
+            made_by = next((r.rounds[p] for peer, r in records.items() if peer in head.holders), "")
+            failed = self.committed.pop_lost(p)
+            ours = bool(made_by) and failed == made_by
+            log.debug("fragment %d at v%d made by round %s; our lost round %s", p, head.version, made_by, failed)
+            old = self.committed.install(p, state, made_by)
         self.stats.catchups += 1
         self.stats.resyncs += state.version == old.version
         self.journal.record("follow", fragment=p, from_version=old.version, version=state.version,
@@ -535,14 +536,14 @@ class Node:
     async def _gathering_step(self) -> None:
         open_now = await self.matchmaker.open_gatherings()
         for p, key in open_now.items():
-            if not 0 <= p < len(self.committed) or p in self._in_flight:
+            if not 0 <= p < len(self.committed) or self.committed.is_in_flight(p):
                 continue
             if key.version > self.committed[p].version:
                 # peers gather at a newer version: follow it now, or this learner would
                 # trail one version behind every round and only ever download
                 await self._catch_up(only=p)
             mine = self.committed[p]
-            if p not in self._in_flight and (key.version, key.digest) == (mine.version, mine.digest):
+            if not self.committed.is_in_flight(p) and (key.version, key.digest) == (mine.version, mine.digest):
                 self.training.request(p)
 
     async def _revocation_watch(self) -> None:
@@ -567,7 +568,7 @@ class Node:
             "name": self.setup.name, "state": self.state_name(), "done": self.done, "step": st.step if st else 0,
             "tps": round(st.tokens_per_s, 1) if st and math.isfinite(st.tokens_per_s) else 0.0,
             "loss": round(st.loss, 4) if st and math.isfinite(st.loss) else None,
-            "rounds": tuple(self._round_ids),  # the round that made each fragment's state
+            "rounds": self.committed.round_ids(),  # the round that made each fragment's state
             "merged": run_tokens(self.committed), "mine": int(self.stats.tokens_merged),
             "reach": self.swarm.reach.state(),
         }

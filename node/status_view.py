@@ -203,7 +203,8 @@ def node_lines(s: dict[str, Any]) -> Table:
                               f"{fmt_num(s.get('tokens_per_s'), ',.0f')} tokens/s")
         g.add_row("loss", f"training {fmt_num(s.get('loss'))}   held-out {fmt_num(s.get('heldout_loss'))} (nats/byte)")
         g.add_row("rounds", f"{s.get('rounds_committed', 0)} committed ({s.get('rounds_alone', 0)} alone), "
-                            f"{s.get('rounds_failed', 0)} failed, {s.get('rounds_late', 0)} late, "
+                            f"{s.get('rounds_failed', 0)} failed ({s.get('rounds_superseded', 0)} superseded), "
+                            f"{s.get('rounds_late', 0)} late, "
                             f"{s.get('rounds_excluded', 0)} excluded (kept); "
                             f"{s.get('catchups', 0)} catch-ups; {fmt_count(s.get('tokens_merged'))} of its tokens merged")
         rejected = s.get("rejected") or {}

@@ -15,15 +15,17 @@ import asyncio
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, until
 
 from node.runtime import Node
 from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction
 from p2pdiloco.net.allreduce import Contribution, RoundResult
+from p2pdiloco.net.heads import Head
 from p2pdiloco.net.matchmaking import Group, GroupKey
 from p2pdiloco.net.memory import MemoryNet
+from p2pdiloco.net.records import HeadsRecord
 
 P = 1  # the fragment the round is for
 
@@ -49,7 +51,9 @@ async def test_a_round_commits_over_an_equal_state_installed_meanwhile():
     try:
         node, anchor, group, merged, contrib = await node_and_round(net)
         # a catch-up finished during the round: the swarm's state, equal to our anchor, another object
-        node.committed[P] = FragmentState.create(P, anchor.version, anchor.theta, anchor.momentum, anchor.ledger)
+        async with node.committed.lock(P):
+            node.committed.install(P, FragmentState.create(P, anchor.version, anchor.theta, anchor.momentum,
+                                                           anchor.ledger), "")
         assert node.committed[P] is not anchor and node.committed[P].digest == anchor.digest
 
         new = await node._commit(P, anchor, group, merged, contrib, t0=0.0)
@@ -59,7 +63,8 @@ async def test_a_round_commits_over_an_equal_state_installed_meanwhile():
         expected = nesterov_outer_step(anchor, merged.delta, node.cfg.outer.lr, node.cfg.outer.momentum, fraction,
                                        ledger)
         assert new is node.committed[P] and (new.version, new.digest) == (anchor.version + 1, expected.digest)
-        assert (node.stats.rounds_committed, node.stats.rounds_failed) == (1, 0)
+        assert (node.stats.rounds_committed, node.stats.rounds_failed, node.committed.superseded) == (1, 0, 0)
+        assert node.committed.round_ids()[P] == "r1"
         assert node.stats.recent[-1].committed and node.stats.recent[-1].digest == new.short()
     finally:
         await net.close()
@@ -72,13 +77,45 @@ async def test_a_round_is_superseded_by_another_state_installed_meanwhile_and_sa
         node, anchor, group, merged, contrib = await node_and_round(net)
         moved = FragmentState.create(P, anchor.version + 1, [t + 0.01 for t in anchor.theta], anchor.momentum,
                                      anchor.ledger)
-        node.committed[P] = moved
+        node.committed.install(P, moved, "r0")
 
         assert await node._commit(P, anchor, group, merged, contrib, t0=0.0) is None
 
         assert node.committed[P] is moved  # the newer state stays
-        assert (node.stats.rounds_committed, node.stats.rounds_failed) == (0, 1)
+        assert (node.stats.rounds_committed, node.stats.rounds_failed, node.committed.superseded) == (0, 1, 1)
+        assert node.committed.lost(P) == "r1"  # its result holds our progress: a later follow decides with it
         last = node.stats.recent[-1]
         assert (last.committed, last.reason, last.version) == (False, "superseded", anchor.version + 1)
+    finally:
+        await net.close()
+
+
+@pytest.mark.asyncio
+async def test_a_commit_waits_for_a_follow_of_its_fragment_in_progress_and_is_then_superseded():
+    """The ledger's lock (``CommittedStates.lock``): a catch-up that chose the swarm's v1 and is
+    downloading it from a real donor holds fragment P; a round that merged meanwhile waits, then
+    finds P moved and is recorded as superseded. Without the lock the round committed its own v1
+    and the download then replaced it, a committed round undone with nothing recorded."""
+    net = MemoryNet()
+    try:
+        node, anchor, group, merged, contrib = await node_and_round(net)
+        dswarm = await net.swarm()
+        donor = Node(await asyncio.to_thread(Setup.build, node.cfg, "n1", dswarm.peer_id), dswarm)
+        theirs = FragmentState.create(P, anchor.version + 1, [t + 0.01 for t in anchor.theta], anchor.momentum,
+                                      anchor.ledger)
+        donor.committed.install(P, theirs, "r0")
+        await donor.sync.start()
+        head = Head(theirs.version, theirs.digest, (donor.swarm.peer_id,))
+        records = {donor.swarm.peer_id: HeadsRecord(tuple((s.version, s.digest) for s in donor.committed),
+                                                    donor.committed.round_ids())}
+
+        follow = asyncio.create_task(node._follow(P, head, records, anchor))
+        await until(lambda: node.sync._pending, 5.0, "the download of v1 to start", every=0)  # the transfer in flight
+        assert await node._commit(P, anchor, group, merged, contrib, t0=0.0) is None
+        assert (await follow).digest == theirs.digest
+
+        assert node.committed.holds(P, theirs) and node.committed.round_ids()[P] == "r0"
+        assert (node.stats.rounds_committed, node.stats.rounds_failed, node.committed.superseded) == (0, 1, 1)
+        assert node.stats.catchups == 1 and node.stats.recent[-1].reason == "superseded"
     finally:
         await net.close()

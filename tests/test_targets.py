@@ -45,7 +45,7 @@ async def test_before_a_step_is_seen_one_holder_never_suffices_after_it_does():
 
         assert node._targets(records)[P] is None  # joining fragment 1
         node._stepped.add(P)  # it tried a round of fragment 1 (Node._round) ...
-        node._failed_round[P] = "r1"  # ... and lost it; the holder names that round
+        node.committed.lose(P, "r1")  # ... and lost it; the holder names that round
         assert node._targets(records)[P] is None
 
         records[other] = HeadsRecord(theirs, made)  # a second holder
