@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from node.demo import Children, _read as read_json, _wait_for_file as wait_file  # noqa: E402  (bootstrap only)
+from p2pdiloco.procs import Proc, Processes, read_json, wait_for_file as wait_file  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks"
 PY = sys.executable
@@ -263,32 +263,11 @@ def cleanup_stale() -> None:
 
 # ---- processes --------------------------------------------------------------------------
 
-class Procs(Children):
-    """node.demo's Children (own process group each, SIGTERM on the parent's death, close
-    ends every group) plus a check that nothing of ours is left."""
-
-    def start(self, argv: list[str], log: Path) -> subprocess.Popen:  # noqa: D102
-        log.parent.mkdir(parents=True, exist_ok=True)
-        return super().start(argv, log)
-
-    def survivors(self) -> list[int]:
-        import psutil  # noqa: PLC0415
-
-        groups = {p.pid for p in self.procs}
-        out = []
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if os.getpgid(p.pid) in groups and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p.pid)
-            except (ProcessLookupError, psutil.Error, OSError):
-                continue
-        return out
-
-
 @contextmanager
 def processes():
-    """Children that are all ended (TERM, then KILL) when the block exits, however it exits."""
-    procs = Procs()
+    """Children (nodes get SIGTERM if the benchmark dies) that are all ended (TERM, then KILL)
+    when the block exits, however it exits; anything left of them is killed and reported."""
+    procs = Processes(parent_death=signal.SIGTERM)
     try:
         yield procs
     finally:
@@ -311,7 +290,7 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
+def wait_all(procs: list[Proc], timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
     for p in procs:
         try:
@@ -328,10 +307,10 @@ def free_port() -> int:
 
 # ---- systems ------------------------------------------------------------------------------
 
-def start_swarm(procs: Procs, work: Path, n: int, values: dict[str, str], *, run_id: str = "bench",
+def start_swarm(procs: Processes, work: Path, n: int, values: dict[str, str], *, run_id: str = "bench",
                 prefix: list[str] | None = None, node_prefix: list[list[str]] | None = None,
                 max_steps: int = 0, duration: float = 0.0, names: list[str] | None = None,
-                shards: int | None = None) -> list[tuple[subprocess.Popen, Path]]:
+                shards: int | None = None) -> list[tuple[Proc, Path]]:
     """A bootstrap peer and ``n`` p2pdiloco nodes (``python -m node run``), as node/demo.py
     starts them; ``prefix`` (a namespace) wraps every process, ``node_prefix[i]`` (a CPU cap)
     wraps node i."""
@@ -426,7 +405,7 @@ def status_of(path: Path) -> dict[str, Any] | None:
             "cpu_s": s.get("cpu_s")}
 
 
-def wait_training(paths: list[Path], procs: list[subprocess.Popen], timeout: float) -> None:
+def wait_training(paths: list[Path], procs: list[Proc], timeout: float) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         st = [status_of(p) for p in paths]

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 import common as c  # noqa: E402
 
-from node.demo import Children, _terminate  # noqa: E402
+from p2pdiloco.procs import Processes  # noqa: E402
 from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def capabilities() -> list[str]:
 def run(work: Path, caps: list[str], duration: float, seed: int) -> list[dict]:
     """One swarm; returns each node's report (with the capability it ran under)."""
     work.mkdir(parents=True, exist_ok=True)
-    children = Children()
+    children = Processes(parent_death=signal.SIGTERM)
     try:
         maddr = children.start_bootstrap(work)
         nodes = []
@@ -77,7 +77,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the logs here")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, _terminate)
+    c.install_signal_handlers()
     offered = capabilities()
     caps = [offered[i % len(offered)] for i in range(args.nodes)]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cpu-kernels-"))

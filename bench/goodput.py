@@ -85,7 +85,7 @@ class Life:
 
 def throttled_standalone(n: int, share: float, warm: float, window: float, work: Path, values: dict) -> float:
     """Median tokens/s of n lone learners under the harness's duty-cycle throttle."""
-    from p2pdiloco.chaos.procs import Processes  # noqa: PLC0415
+    from p2pdiloco.procs import Processes  # noqa: PLC0415
     from p2pdiloco.chaos.throttle import Throttle  # noqa: PLC0415
 
     procs, throttle = Processes(), Throttle(0.1)
@@ -120,7 +120,7 @@ def throttled_standalone(n: int, share: float, warm: float, window: float, work:
 
 def run_torchft(n: int, schedule, share: float, H: int, duration: float, warmup: float, tps: float, work: Path,
                 values: dict) -> dict:
-    from p2pdiloco.chaos.procs import Processes  # noqa: PLC0415
+    from p2pdiloco.procs import Processes  # noqa: PLC0415
     from p2pdiloco.chaos.throttle import Throttle  # noqa: PLC0415
 
     procs, throttle = Processes(), Throttle(0.1)

@@ -24,7 +24,6 @@ import argparse
 import os
 import re
 import sys
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,7 +50,7 @@ def cleanup_stale() -> None:
     delete_namespaces(dead)
 
 
-def start_boot(net: Internet, procs: c.Procs, work: Path) -> str:
+def start_boot(net: Internet, procs: c.Processes, work: Path) -> str:
     """The bootstrap peer (and relay) on ``boot``; returns its multiaddr under RELAY."""
     path = work / "bootstrap.txt"
     boot = procs.start([*net.exec_prefix("boot"), c.PY, "-m", "bootstrap", "--host", "0.0.0.0", "--port", "31337",
@@ -60,7 +59,7 @@ def start_boot(net: Internet, procs: c.Procs, work: Path) -> str:
                                  None), boot, 90, "the bootstrap peer's multiaddr")
 
 
-def wait_for(get: Callable[[], Any], proc: subprocess.Popen, timeout: float, what: str) -> Any:
+def wait_for(get: Callable[[], Any], proc: c.Proc, timeout: float, what: str) -> Any:
     """Poll ``get()`` until it returns something truthy; RuntimeError when ``proc`` exits or on timeout."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:

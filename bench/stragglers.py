@@ -87,7 +87,7 @@ def main() -> None:
     life = 3600  # processes are ended after their window; this only bounds a forgotten one
 
     def standalone(folder: Path):
-        def start(procs: c.Procs, i: int, prefix: list[str]):
+        def start(procs: c.Processes, i: int, prefix: list[str]):
             st = folder / f"rank{i}.status"
             pr = procs.start([*prefix, *c.worker_argv("standalone", i, n, base, folder / f"rank{i}.json",
                                                       duration=life, status=st)], folder / f"rank{i}.log")
@@ -95,7 +95,7 @@ def main() -> None:
         return start
 
     def sync(mode: str, folder: Path):
-        def start(procs: c.Procs, i: int, prefix: list[str]):
+        def start(procs: c.Processes, i: int, prefix: list[str]):
             st = folder / f"rank{i}.status"
             pr = procs.start([*prefix, *c.worker_argv(mode, i, n, base, folder / f"rank{i}.json", duration=life,
                                                       status=st, H=a.H if mode == "diloco" else None)],
@@ -108,7 +108,7 @@ def main() -> None:
     swarm_dir = work / "p2pdiloco"
     booted: dict = {}
 
-    def swarm(procs: c.Procs, i: int, prefix: list[str]):
+    def swarm(procs: c.Processes, i: int, prefix: list[str]):
         # the bootstrap peer (uncapped, in the namespace) starts with node 0
         if "maddr" not in booted:
             swarm_dir.mkdir(parents=True, exist_ok=True)

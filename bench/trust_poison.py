@@ -30,8 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from node.demo import Children, _terminate  # noqa: E402
+import common as c  # noqa: E402
+from p2pdiloco.procs import Processes  # noqa: E402
 from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
 from p2pdiloco.trust.identity import Identity  # noqa: E402
 
@@ -42,7 +44,7 @@ ATTACKER = NODES - 1
 def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[str, str] | None = None) -> dict:
     """One swarm run; returns the honest nodes' end losses and the rejections seen."""
     work.mkdir(parents=True, exist_ok=True)
-    children = Children()
+    children = Processes(parent_death=signal.SIGTERM)
     py = sys.executable
     try:
         maddr = children.start_bootstrap(work)
@@ -99,7 +101,7 @@ def main() -> int:
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="trust-poison-"))
     extra = dict(item.split("=", 1) for item in args.set)
-    signal.signal(signal.SIGTERM, _terminate)
+    c.install_signal_handlers()
     ids = work / "identities"
     for i in range(NODES):
         Identity.load_or_create(ids / f"node{i}.key")

@@ -9,20 +9,14 @@ path, so no node or p2pd is left behind.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 from p2pdiloco.presets import DEMO
-
-PR_SET_PDEATHSIG = 1
+from p2pdiloco.procs import Processes
+from p2pdiloco.status import read_status
 
 DEMO_SETTINGS = DEMO  # the demo's settings: p2pdiloco.presets
 
@@ -38,80 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no live progress, final table only")
 
 
-class Children:
-    """Child processes, each in its own process group; ``close`` ends every one of them."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, argv: list[str], log: Path) -> subprocess.Popen:
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                    preexec_fn=_die_with_parent)
-        self.procs.append(proc)
-        return proc
-
-    def start_bootstrap(self, work: Path, timeout: float = 60) -> str:
-        """Start a bootstrap peer on 127.0.0.1 (logs in ``work``); returns its multiaddr.
-        Raises RuntimeError when it exits or writes no address within ``timeout`` seconds."""
-        boot = self.start([sys.executable, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
-                           "--maddrs-file", str(work / "bootstrap.txt")], work / "bootstrap.log")
-        return _wait_for_file(work / "bootstrap.txt", boot, timeout)
-
-    def close(self, grace: float = 15.0) -> None:
-        """SIGTERM to each child process itself (not its group: its p2pd must stay up while
-        the node finishes its rounds and stops it), then SIGKILL to every group after ``grace``."""
-        for proc in self.procs:
-            try:
-                proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + grace
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the demo dies, even by SIGKILL (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # run the cleanup in run_demo's finally
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> str:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().split()[0]
-        if proc.poll() is not None:
-            raise RuntimeError(f"bootstrap peer exited with code {proc.returncode}")
-        time.sleep(0.2)
-    raise RuntimeError("bootstrap peer did not start in time")
 
 
 def _last_line(path: Path) -> str:
@@ -142,7 +64,7 @@ def run_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    children = Children()
+    children = Processes(parent_death=signal.SIGTERM)  # nodes leave gracefully if the demo dies
     py = sys.executable
     try:
         maddr = children.start_bootstrap(work)
@@ -160,9 +82,9 @@ def run_demo(args: argparse.Namespace) -> int:
             for k, v in settings.items():
                 argv += ["--set", f"{k}={v}"]
             d.mkdir(exist_ok=True)
-            nodes.append((children.start(argv, d / "node.log"), d))
+            nodes.append((children.start(argv, d / "node.log", f"node{i}"), d))
         live_view(nodes, quiet=args.quiet)
-        reports = [_read(d / "report.json") for _, d in nodes]
+        reports = [read_status(d / "report.json") for _, d in nodes]
         codes = [p.returncode for p, _ in nodes]
         ok = final_table(reports, codes, [_last_line(d / "node.log") for _, d in nodes])
         print(f"logs and reports: {work}")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,26 +12,22 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from p2pdiloco.procs import Proc
+from p2pdiloco.status import read_status
+
 console = Console(width=None if sys.stdout.isatty() else 150)  # a log file gets the whole table
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None or x != x else format(x, spec)
 
 
-def _live_table(nodes: list[tuple[subprocess.Popen, Path]]) -> Table:
+def _live_table(nodes: list[tuple[Proc, Path]]) -> Table:
     t = Table(title="p2pdiloco demo: live")
     for col in ("node", "state", "inner step", "tokens/s", "loss", "held-out", "rounds", "last round", "versions"):
         t.add_column(col)
     for proc, d in nodes:
-        s = _read(d / "status.json") or {}
+        s = read_status(d / "status.json") or {}
         last = s.get("last_round") or {}
         last_txt = f"f{last['fragment']} v{last['version']} x{last['members']}" if last.get("committed") else "-"
         state = s.get("state", "starting") if proc.poll() is None or s.get("state") == "stopped" else f"exit {proc.returncode}"
@@ -46,18 +40,18 @@ def _live_table(nodes: list[tuple[subprocess.Popen, Path]]) -> Table:
 PLAIN_EVERY_S = 10.0  # seconds between two progress lines when stdout is not a terminal
 
 
-def _plain_line(nodes: list[tuple[subprocess.Popen, Path]], elapsed: float) -> str:
+def _plain_line(nodes: list[tuple[Proc, Path]], elapsed: float) -> str:
     """One progress line for a log file: per node its state, inner step, loss, rounds."""
     parts = []
     for proc, d in nodes:
-        s = _read(d / "status.json") or {}
+        s = read_status(d / "status.json") or {}
         state = s.get("state", "starting") if proc.poll() is None or s.get("state") == "stopped" else f"exit {proc.returncode}"
         parts.append(f"{d.name} {state} step {s.get('step', 0)} loss {_fmt(s.get('loss'))} "
                      f"held-out {_fmt(s.get('heldout_loss'))} rounds {s.get('rounds_committed', 0)}")
     return f"[{elapsed:5.0f} s] " + " | ".join(parts)
 
 
-def live_view(nodes: list[tuple[subprocess.Popen, Path]], quiet: bool = False) -> None:
+def live_view(nodes: list[tuple[Proc, Path]], quiet: bool = False) -> None:
     """Refresh the live table until every node process has exited; when stdout is not a
     terminal (a file, a pipe), print a plain progress line every ``PLAIN_EVERY_S`` instead."""
     if quiet:

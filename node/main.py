@@ -28,6 +28,7 @@ from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.heads import is_behind, newest_heads
 from p2pdiloco.net.transport import Swarm
+from p2pdiloco.status import Status
 
 from node.control import ControlServer, start_metrics
 from node.runtime import Node
@@ -135,13 +136,13 @@ class SwarmView:
 
 
 def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None = None,
-             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+             extra: dict[str, Any] | None = None) -> Status:
     """The node's figures as one JSON-able dict: the status file, the report, `node status`,
-    the metrics endpoint and the live view all read it."""
+    the metrics endpoint and the live view all read it. Its keys and types: ``p2pdiloco.status``."""
     tr = node.training.stats if node.training else None
     st = node.stats
     swarm_figures, fragments = (view or SwarmView()).summary(node.committed, swarm.peer_id)
-    in_flight = sorted(getattr(node, "_in_flight", ()))
+    in_flight = list(node.committed.in_flight())
     rejected = dict(node.allreducer.stats.rejected)
     maddrs = swarm.reach.maddrs or maddrs  # refreshed by the swarm view (a relay slot adds one)
     return {
@@ -160,6 +161,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "loss": _num(tr.loss) if tr else None, "heldout_loss": _num(tr.heldout_loss) if tr else None,
         "heldout_rising": tr.heldout_rising if tr else False,
         "rounds_committed": st.rounds_committed, "rounds_failed": st.rounds_failed,
+        "rounds_superseded": node.committed.superseded,
         "rounds_late": st.rounds_late, "rounds_alone": st.rounds_alone, "rounds_excluded": st.rounds_excluded,
         "rounds_with_peers": st.rounds_committed - st.rounds_alone,
         "catchups": st.catchups,

@@ -22,6 +22,8 @@ import psutil
 import pytest
 
 from p2pdiloco import presets
+from p2pdiloco.procs import Proc, Processes
+from p2pdiloco.status import Report, conforms, keys
 
 POLL_S = 0.2  # seconds between two checks of a condition a test waits for
 FAULTS_FILE = "faults.jsonl"  # a node started with Harness.node(inject=...) records its faults here
@@ -106,22 +108,24 @@ TINY = {**presets.TINY, "inner.total_steps": "400"}
 
 
 class Harness:
+    """The processes of one test (bootstrap peers, nodes), started and ended by the one
+    supervisor (``p2pdiloco.procs.Processes``), and every p2pd seen under them (``daemons``:
+    none may outlive the test)."""
+
     def __init__(self, tmp: Path):
         self.tmp = tmp
-        self.procs: list[subprocess.Popen] = []
+        self.processes = Processes()  # SIGKILL to every child if the test process dies
         self.daemons: set[psutil.Process] = set()
 
-    def spawn(self, args: list[str], log: Path, *, session: bool = True) -> subprocess.Popen:
+    @property
+    def procs(self) -> list[Proc]:
+        return self.processes.procs
+
+    def spawn(self, args: list[str], log: Path, *, session: bool = True) -> Proc:
         """Start ``python args`` leading a new session (``session``), else only a new process
         group, as a shell starts a job (a session leader cannot move its p2pd out of its group:
         ``net.daemon._spawn_group``). Either way the process group's ID is the PID."""
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=session,
-                                    process_group=None if session else 0, preexec_fn=default_sigint,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.procs.append(proc)
-        return proc
+        return self.processes.start([sys.executable, *args], log, log.parent.name, session=session)
 
     def track_daemons(self) -> None:
         """Remember every p2pd under our processes (to check that none outlives the test)."""
@@ -143,7 +147,7 @@ class Harness:
         return wait_for(started, 60, "the bootstrap peer's multiaddr", every=0.1)
 
     def node(self, maddr: str, name: str, settings: dict[str, str], *extra: str,
-             session: bool = True, inject: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+             session: bool = True, inject: tuple[str, ...] = ()) -> tuple[Proc, Path]:
         """A node process of run "test"; with ``inject`` (``--fault KIND@N``, ``--poison KIND``)
         started through ``p2pdiloco.chaos.inject``, which records the faults that fire in
         ``faults.jsonl`` of its data dir."""
@@ -158,7 +162,7 @@ class Harness:
             args += ["--set", f"{k}={v}"]
         return self.spawn(args, d / "node.log", session=session), d
 
-    def wait(self, proc: subprocess.Popen, timeout: float, log: Path) -> int:
+    def wait(self, proc: Proc | subprocess.Popen, timeout: float, log: Path) -> int:
         try:
             wait_for(lambda: proc.poll() is not None, timeout, "the process's exit", every=0.5,
                      tick=self.track_daemons)
@@ -168,22 +172,18 @@ class Harness:
 
     def close(self) -> None:
         self.track_daemons()
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + 15
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        self.processes.close(grace=15.0)
 
 
-def read_report(d: Path) -> dict:
-    return json.loads((d / "report.json").read_text())
+def read_report(d: Path) -> Report:
+    """A node's final report, held to its documented form (p2pdiloco.status.Report): every key,
+    no other, each of its type."""
+    report = json.loads((d / "report.json").read_text())
+    schema = keys(Report)
+    assert set(report) == set(schema), (set(schema) - set(report), set(report) - set(schema))
+    assert all(conforms(report[k], t) for k, (t, _) in schema.items()), \
+        {k: report[k] for k, (t, _) in schema.items() if not conforms(report[k], t)}
+    return report
 
 
 @pytest.fixture

@@ -32,20 +32,13 @@ from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError, NetworkError
 from p2pdiloco.net.reachability import Reachability
 from p2pdiloco.net.records import parse_heads
+from p2pdiloco.status import Status, conforms, keys
 from p2pdiloco.trust.identity import Identity
 
 from tests.conftest import TINY, Harness, wait_for
 from tests.conftest import running as running_pids
 
 ROOT = Path(__file__).resolve().parents[1]
-
-SNAPSHOT_FIELDS = {
-    "name", "run_id", "peer_id", "maddrs", "reachability", "connections", "pid", "p2pd_pid", "state", "merging",
-    "uptime_s", "step", "tokens", "tokens_per_s", "loss", "heldout_loss", "rounds_committed", "rounds_failed",
-    "rounds_late", "rounds_alone", "rounds_excluded", "refused", "refused_states", "catchups", "resyncs", "tokens_merged", "last_round", "recent_rounds", "bytes_out",
-    "bytes_in", "rpc_calls", "rpc_failed", "rejected", "rejected_total", "fragments", "fragment_status", "swarm",
-    "global_digest", "time", "control_socket", "metrics", "allreduce", "reach", "bytes_relayed",
-}
 
 
 def cli(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
@@ -143,7 +136,10 @@ def test_status_json_has_every_field_and_sane_values(running):
     assert result.returncode == 0, result.stderr
     assert elapsed < 20
     s = json.loads(result.stdout)
-    assert SNAPSHOT_FIELDS <= set(s), SNAPSHOT_FIELDS - set(s)
+    schema = keys(Status)  # the documented JSON form (p2pdiloco.status): every key, no other, each of its type
+    assert set(s) == set(schema), (set(schema) - set(s), set(s) - set(schema))
+    assert all(conforms(s[k], t) for k, (t, _) in schema.items()), {k: s[k] for k, (t, _) in schema.items()
+                                                                     if not conforms(s[k], t)}
     assert s["name"] == "n0" and s["run_id"] == "test" and s["state"] in ("training", "catching up")
     assert s["pid"] == running.proc.pid
     daemon = psutil.Process(s["p2pd_pid"])

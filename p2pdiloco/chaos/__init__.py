@@ -12,14 +12,27 @@ results: docs/chaos.md.
 
 from __future__ import annotations
 
+import importlib
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from p2pdiloco.chaos.harness import ChaosConfig, ChaosError, run
-from p2pdiloco.chaos.metrics import ChaosResult
 from p2pdiloco.presets import PRESETS, TINY
-from p2pdiloco.chaos.replay import round_seconds
 from p2pdiloco.chaos.schedule import Freeze, Kill, Schedule, Slow, parse_script, random_schedule, round_robin_schedule
+
+if TYPE_CHECKING:
+    from p2pdiloco.chaos.harness import ChaosConfig, ChaosError, run
+    from p2pdiloco.chaos.metrics import ChaosResult
+
+# imported on first use (PEP 562), so that `p2pdiloco --help`, which builds the chaos command's
+# parser (p2pdiloco.chaos.cli), does not import torch through the harness
+_LAZY = {"ChaosConfig": "harness", "ChaosError": "harness", "run": "harness", "ChaosResult": "metrics"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"p2pdiloco.chaos.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # inner steps per second of one tiny node at the default CPU share on the 2-core development machine
 TINY_STEPS_PER_S = 40.0
@@ -39,6 +52,9 @@ def run_schedule(schedule, *, settings: dict[str, str] | None = None, workdir: P
     that one node's H inner steps take about ``round_s`` seconds (at ``TINY_STEPS_PER_S``);
     the realized value is added to the result's notes.
     """
+    from p2pdiloco.chaos.harness import ChaosConfig, run  # noqa: PLC0415
+    from p2pdiloco.chaos.replay import round_seconds  # noqa: PLC0415
+
     sched = round_robin_schedule(schedule.nodes, schedule.kill_interval_s, schedule.restart_delay_s,
                                  schedule.duration_s)
     base = dict(TINY if settings is None else settings)

@@ -15,7 +15,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from p2pdiloco.chaos.observe import TRAINING, close_incarnation, read_json
+from p2pdiloco.chaos.observe import TRAINING, close_incarnation
+from p2pdiloco.status import read_status
 from p2pdiloco.chaos.schedule import Event
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def finish_nodes(run: Run) -> None:
     for tr in live:
         cur = tr.current
         tr.poll(run.offset)
-        report = read_json(tr.report_path)
+        report = read_status(tr.report_path)
         if cur.proc.alive():
             run.procs.kill(cur.proc)
         cur.ended = cur.ended or time.monotonic()

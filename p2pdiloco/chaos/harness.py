@@ -7,7 +7,7 @@ duration), wait until every node trains, a fault-free warm-up, the measured wind
 then every node ends by its budget: it finishes its rounds, settles with the swarm and
 writes its report (SIGTERM only to a node still running ``stop_timeout`` later; a node
 stopped by a signal leaves without settling). Every process is ended on every exit path (own
-process groups; :class:`~p2pdiloco.chaos.procs.Processes`).
+process groups; :class:`~p2pdiloco.procs.Processes`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from p2pdiloco.chaos.faults import apply_event, finish_nodes
 from p2pdiloco.chaos.load import LoadMonitor
 from p2pdiloco.chaos.metrics import ChaosResult, commit_times, summarize, warmup_rate
 from p2pdiloco.chaos.observe import TRAINING, Incarnation, NodeTrack, clock_offset, close_incarnation, is_rejoined
-from p2pdiloco.chaos.procs import Processes
+from p2pdiloco.procs import Processes
 from p2pdiloco.chaos.replay import replay_goodput
 from p2pdiloco.chaos.schedule import Event, Schedule
 from p2pdiloco.chaos.throttle import Throttle

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import psutil
 
-from p2pdiloco.chaos.procs import Processes
+from p2pdiloco.procs import Processes
 
 
 class LoadMonitor:

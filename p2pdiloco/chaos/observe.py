@@ -10,25 +10,17 @@ tokens/s from the status time to the kill.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from p2pdiloco.chaos.procs import Proc
+from p2pdiloco.procs import Proc
+from p2pdiloco.status import Status, read_status
 
 # node states (status JSON) in which the node trains: "alone" trains too, merging with nobody
 TRAINING = ("training", "alone")
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 @dataclass
@@ -124,7 +116,7 @@ class NodeTrack:
         cur = self.current
         if cur is None or cur.ended is not None:
             return None
-        data = read_json(self.status_path)
+        data = read_status(self.status_path)
         if data is None or data.get("pid") != cur.proc.pid:
             return None
         wall = data.get("time")
@@ -143,7 +135,7 @@ class NodeTrack:
         return s
 
 
-def sample_of(data: dict[str, Any], t: float) -> Sample:
+def sample_of(data: Status, t: float) -> Sample:
     def num(key: str) -> float:
         v = data.get(key)
         return float(v) if isinstance(v, (int, float)) else 0.0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import signal
 
-from p2pdiloco.chaos.procs import Proc
+from p2pdiloco.procs import Proc
 
 
 class Throttle:

@@ -7,14 +7,13 @@ not in the default suite; run with ``python -m pytest -q tests/internet``."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
+from p2pdiloco.procs import Proc
 from tests.conftest import TINY, read_report, wait_for
 from tests.internet.topology import Internet, unavailable
 
@@ -42,13 +41,9 @@ class Hosts:
     def __init__(self, net: Internet, harness):
         self.net, self.harness = net, harness
 
-    def spawn(self, host: str, args: list[str], log: Path) -> subprocess.Popen:
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([*self.net.exec_prefix(host), sys.executable, *args], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.harness.procs.append(proc)
-        return proc
+    def spawn(self, host: str, args: list[str], log: Path) -> Proc:
+        return self.harness.processes.start([*self.net.exec_prefix(host), sys.executable, *args], log,
+                                            f"{host}:{log.parent.name}", cwd=Path(__file__).resolve().parents[2])
 
     def bootstrap(self, host: str, *extra: str) -> str:
         """Start a bootstrap peer on ``host`` announcing ``RELAY_NAME``; returns its multiaddr."""
@@ -63,7 +58,7 @@ class Hosts:
 
         return wait_for(started, 60, "the bootstrap peer's public multiaddr", every=0.2)
 
-    def node(self, host: str, maddr: str, settings: dict[str, str], duration: int) -> tuple[subprocess.Popen, Path]:
+    def node(self, host: str, maddr: str, settings: dict[str, str], duration: int) -> tuple[Proc, Path]:
         d = self.harness.tmp / host
         d.mkdir()
         args = ["-m", "node", "run", "--initial-peers", maddr, "--host", "0.0.0.0", "--port", "4001", "--name", host,

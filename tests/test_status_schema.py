@@ -1,0 +1,50 @@
+"""The status snapshot's documented JSON form (p2pdiloco.status) against docs/operating.md and
+its readers' checks: the table in the docs is the one the schema gives, and the type check
+accepts and refuses what it should."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from p2pdiloco.status import Report, Starting, Status, conforms, keys, read_status, schema_table
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "operating.md"
+
+
+def test_the_docs_table_is_the_schemas():
+    text = DOCS.read_text()
+    found = re.search(r"<!-- status-schema: [^>]*-->\n(.*?)\n<!-- /status-schema -->", text, re.S)
+    assert found, "docs/operating.md lost its status-schema table"
+    assert found.group(1) == schema_table(), "regenerate with python -c 'from p2pdiloco.status import " \
+                                             "schema_table; print(schema_table())'"
+
+
+def test_each_schema_extends_the_one_before_and_every_key_is_documented():
+    start, status, report = keys(Starting), keys(Status), keys(Report)
+    assert set(start) < set(status) < set(report)
+    assert set(report) - set(status) == {"start_loss", "end_loss", "end_bits_per_byte", "heldout_history"}
+    assert all(doc.strip() for _, doc in report.values())
+
+
+@pytest.mark.parametrize("key,value,fits", [
+    ("step", 3, True), ("step", 3.0, False), ("step", True, False), ("tokens_per_s", 3, True),
+    ("loss", None, True), ("loss", "1.2", False), ("connections", None, True), ("maddrs", ["/ip4/x"], True),
+    ("maddrs", "/ip4/x", False), ("bans", {"12D3": "bad signature"}, True), ("alone", None, True),
+    ("heldout_rising", False, True), ("heldout_rising", 0, False),
+])
+def test_conforms(key, value, fits):
+    assert conforms(value, keys(Report)[key][0]) is fits
+
+
+def test_read_status_takes_a_node_file_and_nothing_else(tmp_path):
+    path = tmp_path / "status.json"
+    assert read_status(path) is None  # missing
+    for text in ("{", "[]", json.dumps({"name": "n0"}), json.dumps({"name": 1, "state": "training"})):
+        path.write_text(text)
+        assert read_status(path) is None, text
+    path.write_text(json.dumps({"name": "n0", "state": "training", "step": 4}))
+    assert read_status(path) == {"name": "n0", "state": "training", "step": 4}
