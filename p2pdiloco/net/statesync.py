@@ -106,15 +106,16 @@ class StateSync:
         swarm: the transport.
         run_id: the run's name.
         fragments: the model's fragments.
-        current: callable returning this node's committed global states (one per fragment).
+        committed: callable returning this node's committed states, one per fragment
+            (``node.committed.CommittedStates.states``).
         on_event: called as ``on_event("download_failed", fragment=, version=, donor=, reason=)``
             for each failed download (the node's journal); None: nothing is called.
     """
 
     def __init__(self, swarm: Swarm, run_id: str, fragments: Sequence[Fragment],
-                 current: Callable[[], Sequence[FragmentState]], on_event: Callable[..., None] | None = None,
+                 committed: Callable[[], Sequence[FragmentState]], on_event: Callable[..., None] | None = None,
                  tag: str = "", outer: tuple[float, float] = (0.0, 0.0)):
-        self.swarm, self.run_id, self.fragments, self.current = swarm, run_id, tuple(fragments), current
+        self.swarm, self.run_id, self.fragments, self.committed = swarm, run_id, tuple(fragments), committed
         self.outer_lr, self.outer_momentum = outer  # the run's outer lr and μ: the momentum bound (_check_plausible)
         self.on_event = on_event
         self.tag = tag  # our protocol tag, published in our record; records with another are not ours to follow
@@ -160,7 +161,7 @@ class StateSync:
     async def publish(self, extra: dict[str, Any]) -> None:
         """Store this node's record: per-fragment [version, digest] plus ``extra`` figures
         (the other fields of :class:`HeadsRecord`)."""
-        record = HeadsRecord(tuple((s.version, s.digest) for s in self.current()), t=self.swarm.clock.now(),
+        record = HeadsRecord(tuple((s.version, s.digest) for s in self.committed()), t=self.swarm.clock.now(),
                              tag=self.tag, **extra)
         await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
 
@@ -251,7 +252,7 @@ class StateSync:
         node that merged a few rounds alone, or whose record ran ahead of the others' (records
         are published every few seconds), stays visible, so that it can be told it is ahead
         alone (:func:`runaway_heads`) and the others wait for it when they settle."""
-        me, mine, out = self.swarm.peer_id, self.current(), {}
+        me, mine, out = self.swarm.peer_id, self.committed(), {}
         for p in range(len(self.fragments)):
             claims = {q: r.fragments[p][0] for q, r in records.items() if r.fragments[p] is not None}
             ceiling = claim_ceiling(claims, me, mine[p].version if p < len(mine) else None)
@@ -263,7 +264,7 @@ class StateSync:
 
     def _observe(self) -> None:
         """Record the per-version step of every fragment whose committed state moved on."""
-        for p, state in enumerate(self.current()):
+        for p, state in enumerate(self.committed()):
             prev = self._seen.get(p)
             if prev is not None and state.version > prev.version and p in self._steps:
                 step = _distance(prev, state) / (state.version - prev.version)
@@ -300,7 +301,7 @@ class StateSync:
         if not all(bool(torch.isfinite(t).all()) for t in (*state.theta, *state.momentum)):
             reason = "it is not finite"
         else:
-            mine, steps = self.current()[p], self._steps.get(p, ())
+            mine, steps = self.committed()[p], self._steps.get(p, ())
             # versions between the two states through their last common one (lone rounds on
             # either side since: both paths count, not only the claimed lead)
             common = min(state.version, self._shared.get(p, mine.version), mine.version)
@@ -492,7 +493,7 @@ class StateSync:
         except ProtocolError:
             self.swarm.drop(peer, "state_request")
             raise
-        state = self.current()[request.fragment]
+        state = self.committed()[request.fragment]
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
         return {"v": state.version, "d": state.digest, "l": state.ledger.to_list()}, body
 
