@@ -82,6 +82,8 @@ def run_demo(args: argparse.Namespace) -> int:
             for k, v in settings.items():
                 argv += ["--set", f"{k}={v}"]
             d.mkdir(exist_ok=True)
+            for old in ("node.log", "status.json", "report.json"):  # a reused --workdir: this run's files only
+                (d / old).unlink(missing_ok=True)
             nodes.append((children.start(argv, d / "node.log", f"node{i}"), d))
         live_view(nodes, quiet=args.quiet)
         reports = [read_status(d / "report.json") for _, d in nodes]

@@ -204,7 +204,10 @@ class Node:
                            * out.sync_every / max(contrib.steps, out.sync_every))
         self._stepped.add(p)
         try:
-            anchor, records = await self._rebase_if_behind(p, anchor)
+            anchor, records, ours = await self._rebase_if_behind(p)  # Δ is the same progress against it
+            if ours:  # the state followed holds this progress already (made by a round of ours we lost): not twice
+                self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "merged already"))
+                return
             expected = self._expected(p, anchor, records)
             key = GroupKey(p, anchor.version, anchor.digest)
             # synchronous: the "grace" is the whole quorum timeout (close once all joined); no lone wait in the
@@ -347,19 +350,30 @@ class Node:
         if len(self._no_shows) > 4096:  # bounded: keep the most frequent absentees
             self._no_shows = dict(sorted(self._no_shows.items(), key=lambda kv: -kv[1])[:1024])
 
-    async def _rebase_if_behind(self, p: int, anchor: FragmentState) -> tuple[FragmentState, dict[str, HeadsRecord]]:
-        """Before matchmaking: if the swarm holds a newer (or winning) state of fragment p,
-        follow it first and merge the same Δ against it. Δ is this learner's progress since
-        its anchor, and following rebases that progress (θ_p = Θ_new − Δ), so the contribution
-        stays valid (invariant I3: contributions only at the swarm's version)."""
+    async def _rebase_if_behind(self, p: int) -> tuple[FragmentState, dict[str, HeadsRecord], bool]:
+        """Before matchmaking: the state fragment p's round goes on at. Δ is this learner's
+        progress since the round's anchor, and every install the training thread gets rebases that
+        progress (θ_p = Θ_new − Δ), so Δ is the same progress against whatever fragment p holds
+        now (invariant I3: contributions only at the swarm's version). If the swarm holds a newer
+        (or winning) state than that, follow it first. The head is chosen against the state held
+        now, not against the anchor, which may be older (a delivery the training thread has not
+        drained yet): chosen against that, it could be older than what is held. A follow
+        skipped because another one moved the fragment meanwhile chooses once more. Also returns
+        whether the state followed holds our contribution already (``_follow``): then the round
+        must not send Δ, which holds that progress too (invariant I2)."""
         records = await self._records()
-        chosen_on = self.committed[p]
-        states = self.committed.states()
-        states[p] = anchor
-        head = self._targets(records, states)[p]
-        if head is None:
-            return anchor, records
-        return await self._follow(p, head, records, chosen_on) or anchor, records
+        for _ in range(2):
+            chosen_on = self.committed[p]
+            head = self._targets(records)[p]
+            if head is None:
+                return chosen_on, records, False
+            followed = await self._follow(p, head, records, chosen_on)
+            if followed is not None:
+                state, ours = followed
+                return state, records, ours
+            if self.committed.holds(p, chosen_on):  # the download failed: go on at what we hold
+                return chosen_on, records, False
+        return self.committed[p], records, False
 
     def _record(self, rec: RoundRecord) -> None:
         self.stats.recent = [*self.stats.recent[-19:], rec]
@@ -452,11 +466,12 @@ class Node:
                 self.sync.own_step(p, out.lr * (1 + out.momentum) * await asyncio.to_thread(learner.progress_norm, p))
 
     async def _follow(self, p: int, head, records: dict[str, HeadsRecord], chosen_on: FragmentState, *,
-                      initial: bool = False) -> FragmentState | None:
+                      initial: bool = False) -> tuple[FragmentState, bool] | None:
         """Download fragment p at ``head``, verify it and install it, under the fragment's lock, if
         fragment p still holds ``chosen_on``, the state the head was chosen against (a round of ours,
         or another follow, may have moved it meanwhile: the head may then be behind, or a fallback
-        from a state no longer held). Returns the installed state, or None.
+        from a state no longer held). Returns the installed state and whether our own contribution
+        was inside it (below), or None.
 
         Local progress is rebased on top (θ_p ← Θ_new − (Θ_old − θ_p), counters kept), except
         when our own contribution is already inside the new state: we were a member of the
@@ -466,7 +481,7 @@ class Node:
         swarm is still at the checkpoint's version of p; otherwise it is overwritten."""
         async with self.committed.lock(p):
             if (self.committed[p].version, self.committed[p].digest) == (head.version, head.digest):
-                return self.committed[p]  # another follow of the same head installed it meanwhile
+                return self.committed[p], False  # another follow of the same head installed (and delivered) it
             if not self.committed.holds(p, chosen_on):
                 log.debug("fragment %d moved to v%d while its catch-up waited: skipped", p, self.committed[p].version)
                 return None
@@ -499,7 +514,7 @@ class Node:
         else:
             self.training.deliver((p, state, not ours))
             self._keep_schedule()
-        return state
+        return state, ours
 
     def _keep_schedule(self) -> None:
         """Keep this learner's place in the learning-rate schedule at least at the swarm's:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
 import os
 import socket
 import sys
+import typing
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -75,7 +77,7 @@ def run_async(coro: Coroutine[Any, Any, int]) -> int:
 
 def _node_parser(sub: argparse._SubParsersAction) -> None:
     node = sub.add_parser("node", help="run or inspect a training node")
-    nsub = node.add_subparsers(dest="node_cmd", required=True)
+    nsub = node.add_subparsers(dest="node_cmd", required=True, metavar="{run,status}")
     run = nsub.add_parser("run", help="run a node that joins a swarm and trains")
     run.add_argument("--join", default=None, metavar="MANIFEST",
                      help="join a run: its manifest file or its p2pdiloco-run:... string (from `p2pdiloco run "
@@ -117,7 +119,7 @@ def _node_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_parser(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="a training run's manifest: init (the owner, once), show")
-    rsub = run.add_subparsers(dest="run_cmd", required=True)
+    rsub = run.add_subparsers(dest="run_cmd", required=True, metavar="{init,show}")
     init = rsub.add_parser("init", help="make and sign a run's manifest: what nodes need to join it",
                            description="Write RUN_ID.manifest and print its one-string form. Every node started "
                                        "with `p2pdiloco node run --join MANIFEST` takes the run ID, the run's "
@@ -180,7 +182,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _swarm_parser(sub: argparse._SubParsersAction) -> None:
     swarm = sub.add_parser("swarm", help="swarm status (without joining), private-swarm keys: init, admit, revoke, identity")
-    ssub = swarm.add_subparsers(dest="swarm_cmd", required=True)
+    ssub = swarm.add_subparsers(dest="swarm_cmd", required=True, metavar="{init,admit,revoke,identity,status}")
     from p2pdiloco.trust.cli import add_swarm_key_parsers  # noqa: PLC0415
 
     add_swarm_key_parsers(ssub)  # init, admit, revoke, identity: private-swarm keys (docs/trust.md)
@@ -245,11 +247,23 @@ def _print_node_status(snap: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(snap, indent=1))
         return
-    from rich.console import Console  # noqa: PLC0415
-
     from node.status_view import render_node  # noqa: PLC0415
 
-    Console().print(render_node(snap))
+    _print_view(render_node(snap))
+
+
+def _print_view(view: Any) -> None:
+    """Print a rich renderable: as rich lays it out on a terminal; into a pipe or a file, without
+    wrapping long lines (peer IDs, multiaddrs) at 80 columns and without trailing padding, so that
+    ``grep`` and scripts see whole lines."""
+    from rich.console import Console  # noqa: PLC0415
+
+    if sys.stdout.isatty():
+        Console().print(view)
+        return
+    console = Console(file=io.StringIO(), width=400, color_system=None)
+    console.print(view)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in console.file.getvalue().splitlines()))
 
 
 def _swarm_status(args: argparse.Namespace) -> int:
@@ -276,9 +290,7 @@ def _swarm_status(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(view, indent=1))
         else:
-            from rich.console import Console  # noqa: PLC0415
-
-            Console().print(render_swarm(view))
+            _print_view(render_swarm(view))
         if not view["peers"]:
             print(f"p2pdiloco: no node of run {run_id!r} published a record in the last minute "
                   "(check --run-id; nodes publish every 5 s)", file=sys.stderr)
@@ -337,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     the preflight checks, a daemon starting) ends with one line and exit code 130, not a
     traceback and death by SIGINT."""
     try:
-        args = _parser().parse_args(argv)  # --help and usage errors end here, without torch (~0.3 s)
+        args = _parse(argv)  # --help and usage errors end here, without torch (~0.3 s)
         # torch and hivemind (about 2-3 s of imports) only for the commands that use them: not for
         # `node status`, which only asks a running node's control socket
         if not (args.cmd == "node" and args.node_cmd == "status") and _load_native_libraries():
@@ -372,9 +384,30 @@ def _load_native_libraries() -> bool:
     return bool(held)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one line per usage error, naming the command and where its help is (the
+    default prints the whole usage first, dozens of lines for ``node run``). Subcommands inherit
+    the class (``add_subparsers`` uses the parser's own class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line's arguments; a usage error exits 2 with one line (``_Parser``), naming
+    the subcommand an unknown flag was given to."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        words = [w for w in (args.cmd, getattr(args, f"{args.cmd}_cmd", None)) if isinstance(w, str)]
+        parser.prog = " ".join([parser.prog, *words])
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="p2pdiloco", description="Decoupled DiLoCo over a peer-to-peer swarm")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser = _Parser(prog="p2pdiloco", description="Decoupled DiLoCo over a peer-to-peer swarm")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _node_parser(sub)
     _swarm_parser(sub)
     _run_parser(sub)

@@ -133,6 +133,8 @@ class Processes:
         Raises:
             RuntimeError: it exits, or writes no address within ``timeout`` seconds."""
         path = work / "bootstrap.txt"
+        for old in (path, work / "bootstrap.log"):  # a reused folder: never a previous run's address or log
+            old.unlink(missing_ok=True)
         boot = self.start([*prefix, sys.executable, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
                            "--maddrs-file", str(path)], work / "bootstrap.log", "bootstrap")
         return wait_for_file(path, boot, timeout)
@@ -177,6 +179,9 @@ class Processes:
                 p.popen.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+        end = time.monotonic() + 5  # the rest of each group (p2pd) dies a moment after its SIGKILL
+        while self.survivors() and time.monotonic() < end:
+            time.sleep(0.05)
 
     def survivors(self) -> list[int]:
         """PIDs of anything still running in a group we started (should be none after close)."""

@@ -4,6 +4,8 @@ report says it never merged: real nodes over loopback, a bootstrap peer, `alone_
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
@@ -48,6 +50,9 @@ def test_a_node_merging_with_nobody_shows_state_alone_with_the_reason(harness):
             s = _status(d)
             return s.get("state") == "alone" and (s.get("alone") or {}).get("reason") == reason
         wait_for(alone, 60, lambda d=d, name=name: f"{name} alone ({reason}): {_status(d)}", tick=harness.track_daemons)
+    for name, ((proc, d), _) in nodes.items():  # then stopped as a supervisor would, not at the end of their budget
+        wait_for(lambda d=d: _status(d).get("rounds_committed", 0) > 0, 60, f"{name} to commit a round")
+        os.kill(proc.pid, signal.SIGTERM)
     for name, ((proc, d), reason) in nodes.items():
         assert harness.wait(proc, 90, d / "node.log") == 0
         report = read_report(d)

@@ -112,7 +112,7 @@ async def test_a_commit_waits_for_a_follow_of_its_fragment_in_progress_and_is_th
         follow = asyncio.create_task(node._follow(P, head, records, anchor))
         await until(lambda: node.sync._pending, 5.0, "the download of v1 to start", every=0)  # the transfer in flight
         assert await node._commit(P, anchor, group, merged, contrib, t0=0.0) is None
-        assert (await follow).digest == theirs.digest
+        assert (await follow)[0].digest == theirs.digest
 
         assert node.committed.holds(P, theirs) and node.committed.round_ids()[P] == "r0"
         assert (node.stats.rounds_committed, node.stats.rounds_failed, node.committed.superseded) == (0, 1, 1)
