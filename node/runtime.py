@@ -121,8 +121,10 @@ class Node:
         out = self.cfg.outer
         async with asyncio.TaskGroup() as tg:
             self._rounds = tg
-            background = [tg.create_task(self._publisher()), tg.create_task(self._catch_up_loop()),
-                          tg.create_task(self._gathering_watch()), tg.create_task(self._revocation_watch()),
+            background = [tg.create_task(self._publisher()),
+                          tg.create_task(self._forever("catch-up", self._catch_up, CATCHUP_SECONDS)),
+                          tg.create_task(self._forever("gathering watch", self._gathering_step, GATHER_POLL_SECONDS)),
+                          tg.create_task(self._revocation_watch()),
                           tg.create_task(self._forever("alone watch", self._alone_step, ALONE_POLL_SECONDS))]
             try:
                 await asyncio.to_thread(self.training.run)
@@ -493,7 +495,6 @@ class Node:
             made_by = next((r.rounds[p] for peer, r in records.items() if peer in head.holders), "")
             failed = self.committed.pop_lost(p)
             ours = bool(made_by) and failed == made_by
-            log.debug("fragment %d at v%d made by round %s; our lost round %s", p, head.version, made_by, failed)
             old = self.committed.install(p, state, made_by)
         self.stats.catchups += 1
         self.stats.resyncs += state.version == old.version
@@ -502,10 +503,8 @@ class Node:
         log.info("followed fragment %d: v%d -> v%d (%s)%s", p, old.version, state.version, state.short(),
                  " with our contribution inside" if ours else "")
         if self.training is None:
-            # resumed from a local checkpoint: its progress on p is relative to the checkpoint's
-            # anchor. If the swarm moved past that version, the previous incarnation may have
-            # contributed that progress after the checkpoint; dropping it loses a little work,
-            # rebasing it could merge the same progress twice (invariant I2), so drop it.
+            # resumed from a checkpoint: if the swarm moved past its anchor's version, the previous
+            # incarnation may have sent that progress since; dropped rather than merged twice (I2)
             rebase = self._resumed and state.version <= old.version
             if self._resumed and not rebase and self.setup.learner.counters(p)[1]:
                 log.info("fragment %d: checkpoint progress (%d steps at v%d) dropped, the swarm moved to v%d",
@@ -544,11 +543,8 @@ class Node:
                 self.stats.internal_errors += 1
                 log.exception("%s failed; going on", name)
 
-    async def _gathering_watch(self) -> None:
-        """Join groups others are gathering at our version before our own schedule says so."""
-        await self._forever("gathering watch", self._gathering_step, GATHER_POLL_SECONDS)
-
     async def _gathering_step(self) -> None:
+        """Join groups others are gathering at our version before our own schedule says so."""
         open_now = await self.matchmaker.open_gatherings()
         for p, key in open_now.items():
             if not 0 <= p < len(self.committed) or self.committed.is_in_flight(p):
@@ -572,9 +568,6 @@ class Node:
 
         if self.swarm.membership.private:
             await self._forever("revocation watch", step, self.revocations.poll_s)
-
-    async def _catch_up_loop(self) -> None:
-        await self._forever("catch-up", self._catch_up, CATCHUP_SECONDS)
 
     def record(self) -> dict[str, Any]:
         """This node's heartbeat figures, published in its record and shown by status."""
