@@ -127,7 +127,7 @@ def test_two_nodes_join_with_the_manifest_only_and_a_differing_one_is_refused(ha
                               "--name", name, "--data-dir", str(d), "--report-file", str(d / "report.json"),
                               # started apart, the nodes end apart: the first waits for the other's last
                               # rounds (settle) so that both end on one state, as test_churn's nodes do
-                              "--duration", "20", "--set", "settle=15", *extra], d / "node.log"), d
+                              "--duration", "14", "--set", "settle=15", *extra], d / "node.log"), d
 
     refused, rd = join("n2", "--set", "model.n_embd=32")
     assert harness.wait(refused, 60, rd / "node.log") == 2

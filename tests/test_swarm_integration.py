@@ -23,7 +23,7 @@ def _traces(d: Path) -> dict[str, dict]:
 def test_three_nodes_merge_like_one_process(harness):
     maddr = harness.bootstrap()
     nodes = [harness.node(maddr, f"n{i}", {**TINY, "data.num_shards": "3", "data.shard_index": str(i)},
-                          "--duration", "20", "--set", f"trace_dir={harness.tmp / f'n{i}' / 'trace'}")
+                          "--duration", "14", "--set", f"trace_dir={harness.tmp / f'n{i}' / 'trace'}")
              for i in range(3)]
     for proc, d in nodes:
         assert harness.wait(proc, 240, d / "node.log") == 0, (d / "node.log").read_text()[-3000:]
