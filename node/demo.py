@@ -12,6 +12,7 @@ import argparse
 import signal
 import sys
 import tempfile
+import typing
 from pathlib import Path
 
 from p2pdiloco.presets import DEMO
@@ -21,9 +22,21 @@ from p2pdiloco.status import read_status
 DEMO_SETTINGS = DEMO  # the demo's settings: p2pdiloco.presets
 
 
+def _positive(kind: type) -> typing.Callable[[str], int | float]:
+    """An argparse type: a number of ``kind`` above 0 (a usage error names the flag)."""
+    def parse(text: str) -> int | float:
+        value = kind(text)  # ValueError: argparse says "invalid int value: ..."
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=3, help="number of training nodes (default 3)")
-    parser.add_argument("--duration", type=float, default=240, help="seconds of training per node (default 240)")
+    parser.add_argument("--nodes", type=_positive(int), default=3, help="number of training nodes (default 3)")
+    parser.add_argument("--duration", type=_positive(float), default=240,
+                        help="seconds of training per node (default 240)")
     parser.add_argument("--max-steps", type=int, default=0, help="stop each node after this many inner steps")
     parser.add_argument("--workdir", type=Path, default=None, help="keep statuses and reports here")
     parser.add_argument("--data", default=None, help="text file or folder instead of the stdlib source")
@@ -48,9 +61,6 @@ def _last_line(path: Path) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     from node.demo_view import final_table, live_view  # noqa: PLC0415
 
-    if args.nodes < 1 or args.duration <= 0:
-        print("p2pdiloco: --nodes must be >= 1 and --duration > 0", file=sys.stderr)
-        return 2
     from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
     from p2pdiloco.errors import ConfigError  # noqa: PLC0415
 

@@ -95,7 +95,8 @@ def _node_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--memory-limit", type=int, default=None, metavar="MIB",
                      help="refuse to start when training would need more memory than this (MiB); warn when over it")
     run.add_argument("--max-steps", type=int, default=None, help="stop after this many inner steps")
-    run.add_argument("--duration", type=float, default=None, help="stop after this many seconds of training")
+    run.add_argument("--duration", type=float, default=None,
+                     help="stop after this many seconds of training (default: the config's duration, 0: until stopped)")
     run.add_argument("--name", default=None, help="a label for logs and status (default: the data dir's name, "
                                                   "else this machine's host name)")
     run.add_argument("--status-file", type=Path, default=None, help="write a JSON status snapshot here every second")

@@ -21,6 +21,9 @@ from p2pdiloco.cli import main
     (["node"], "p2pdiloco node: the following arguments are required: {run,status} (see p2pdiloco node --help)"),
     ([], "p2pdiloco: the following arguments are required: COMMAND (see p2pdiloco --help)"),
     (["demo", "--nodes", "x"], "p2pdiloco demo: argument --nodes: invalid int value: 'x' (see p2pdiloco demo --help)"),
+    (["demo", "--nodes", "0"], "p2pdiloco demo: argument --nodes: must be above 0, got 0 (see p2pdiloco demo --help)"),
+    (["demo", "--duration", "-1"],
+     "p2pdiloco demo: argument --duration: must be above 0, got -1 (see p2pdiloco demo --help)"),
 ])
 def test_a_usage_error_is_one_line_naming_the_command(argv, line, capsys):
     with pytest.raises(SystemExit) as exit_:
