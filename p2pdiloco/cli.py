@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import io
 import json
 import logging
@@ -332,6 +333,8 @@ def _node_run(args: argparse.Namespace) -> int:
         check_any_reachable(cfg.swarm.initial_peers)
     except P2PDilocoError as e:
         return report_error(e)
+    if _load_native_libraries(("hivemind",)):
+        return interrupted()
     from node.main import run_node  # noqa: PLC0415
 
     async def go() -> int:
@@ -351,17 +354,25 @@ def main(argv: list[str] | None = None) -> int:
     traceback and death by SIGINT."""
     try:
         args = _parse(argv)  # --help and usage errors end here, without torch (~0.3 s)
-        # torch and hivemind (about 2-3 s of imports) only for the commands that use them: not for
-        # `node status`, which only asks a running node's control socket
-        if not (args.cmd == "node" and args.node_cmd == "status") and _load_native_libraries():
+        # torch (about 2 s of imports) and hivemind (1 s more) only for the commands that use them:
+        # not for `node status`, which only asks a running node's control socket; `node run`
+        # imports hivemind once its settings and preflight checks passed; the demo never does
+        if _load_native_libraries(_native_modules(args)):
             return interrupted()
         return _main(args)
     except KeyboardInterrupt:
         return interrupted()
 
 
-def _load_native_libraries() -> bool:
-    """Import torch and hivemind with Ctrl+C held, and say whether it was pressed meanwhile.
+def _native_modules(args: argparse.Namespace) -> tuple[str, ...]:
+    """The native libraries a command needs before it runs (``_load_native_libraries``)."""
+    if args.cmd == "node":
+        return ("torch",) if args.node_cmd == "run" else ()
+    return ("torch",) if args.cmd == "demo" else ("torch", "hivemind")
+
+
+def _load_native_libraries(modules: tuple[str, ...] = ("torch", "hivemind")) -> bool:
+    """Import ``modules`` (torch, hivemind) with Ctrl+C held, and say whether it was pressed meanwhile.
     torch runs Python callbacks from its C++ initialisation (pybind11); a KeyboardInterrupt
     raised in one ends in C++ ``terminate``: the process aborts (SIGABRT, exit -6) instead of
     saying one line (measured: Ctrl+C 1 s after ``node run`` started on a loaded machine). A
@@ -377,8 +388,8 @@ def _load_native_libraries() -> bool:
     if hold:
         signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
-        import hivemind  # noqa: F401, PLC0415
-        import torch  # noqa: F401, PLC0415
+        for name in modules:
+            importlib.import_module(name)
     finally:
         if hold:
             signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -111,7 +111,7 @@ def test_an_excluded_contribution_is_counted_and_its_node_ends_with_the_swarm(ha
     follows, for its next round: ``Node._round``), and all three end at the same digest."""
     maddr = harness.bootstrap()
     settings = {**TINY, "data.num_shards": "3", "trust.outliers": "drop", "trust.outlier_factor": "50"}
-    nodes = [harness.node(maddr, f"n{i}", {**settings, "data.shard_index": str(i)}, "--duration", "20",
+    nodes = [harness.node(maddr, f"n{i}", {**settings, "data.shard_index": str(i)}, "--duration", "15",
                           "--set", "settle=20", inject=("--poison", "scale") if i == 2 else ()) for i in range(3)]
     for proc, d in nodes:
         assert harness.wait(proc, 180, d / "node.log") == 0, _log(d)[-3000:]
