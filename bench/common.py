@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2pdiloco.procs import Proc, Processes, read_json, wait_for_file as wait_file  # noqa: E402
+from p2pdiloco.procs import Proc, Processes, read_json  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks"
 PY = sys.executable
@@ -315,9 +315,7 @@ def start_swarm(procs: Processes, work: Path, n: int, values: dict[str, str], *,
     starts them; ``prefix`` (a namespace) wraps every process, ``node_prefix[i]`` (a CPU cap)
     wraps node i."""
     prefix = prefix or []
-    boot = procs.start([*prefix, PY, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
-                        "--maddrs-file", str(work / "bootstrap.txt")], work / "bootstrap.log")
-    maddr = wait_file(work / "bootstrap.txt", boot, 90)
+    maddr = procs.start_bootstrap(work, tuple(prefix), timeout=90)
     nodes = []
     for i in range(n):
         name = names[i] if names else f"node{i}"

@@ -116,9 +116,7 @@ def run(args: argparse.Namespace, values: dict[str, str], frags: list[dict], wor
     """The swarm: node0 and node1, then the newcomer; their reports and journals' figures."""
     dirs = [work / n for n in NAMES]
     with c.processes() as procs:
-        boot = procs.start([c.PY, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
-                            "--maddrs-file", str(work / "bootstrap.txt")], work / "bootstrap.log")
-        maddr = c.wait_file(work / "bootstrap.txt", boot, 90)
+        maddr = procs.start_bootstrap(work, timeout=90)
         first = []
         for i in range(2):
             dirs[i].mkdir(exist_ok=True)

@@ -112,9 +112,7 @@ def main() -> None:
         # the bootstrap peer (uncapped, in the namespace) starts with node 0
         if "maddr" not in booted:
             swarm_dir.mkdir(parents=True, exist_ok=True)
-            boot = procs.start([*prefix, c.PY, "-m", "bootstrap", "--host", "127.0.0.1", "--port", "0",
-                                "--maddrs-file", str(swarm_dir / "bootstrap.txt")], swarm_dir / "bootstrap.log")
-            booted["maddr"] = c.wait_file(swarm_dir / "bootstrap.txt", boot, 90)
+            booted["maddr"] = procs.start_bootstrap(swarm_dir, tuple(prefix), timeout=90)
         d = swarm_dir / f"node{i}"
         d.mkdir(parents=True, exist_ok=True)
         argv = [c.PY, "-m", "node", "run", "--initial-peers", booted["maddr"], "--host", "127.0.0.1", "--port", "0",

@@ -89,7 +89,7 @@ class Proc:
 
 class Processes:
     """Starts children, each leading its own process group, and ends every one of them on
-    :meth:`close` (also as a context manager: ``with Processes() as procs:``).
+    :meth:`close`.
 
     Args:
         parent_death: the signal each child gets when this process dies (SIGKILL: the chaos
@@ -99,12 +99,6 @@ class Processes:
     def __init__(self, parent_death: int = signal.SIGKILL) -> None:
         self.procs: list[Proc] = []
         self.parent_death = parent_death
-
-    def __enter__(self) -> Processes:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def start(self, argv: list[str], log: Path, name: str = "", *, session: bool = True,
               cwd: Path | None = None) -> Proc:
