@@ -7,6 +7,7 @@ line on stderr and a non-zero exit code: 2 for configuration errors, 1 for the r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import io
@@ -16,7 +17,7 @@ import os
 import socket
 import sys
 import typing
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -319,8 +320,12 @@ def _node_run(args: argparse.Namespace) -> int:
 
             run = manifest.load(args.join)
             manifest.check_factory(run, overrides.get("model.factory"))
-        cfg = load_config(args.config, overrides=overrides, run=run and manifest.pinned(run),
-                          run_source=run and f"the manifest of run {run.run_id!r}" or "")
+        # checking initial peers' multiaddrs imports hivemind, and torch with it: Ctrl+C held
+        with _sigint_held() as held:
+            cfg = load_config(args.config, overrides=overrides, run=run and manifest.pinned(run),
+                              run_source=run and f"the manifest of run {run.run_id!r}" or "")
+        if held:
+            return interrupted()
         if run is not None and run.initial_peers:  # the run's peers, after the node's own
             cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, initial_peers=tuple(
                 dict.fromkeys(cfg.swarm.initial_peers + run.initial_peers))))
@@ -330,11 +335,11 @@ def _node_run(args: argparse.Namespace) -> int:
             from node.control import check_metrics_port  # noqa: PLC0415
 
             check_metrics_port(cfg.metrics_host, cfg.metrics_port)
+        if _load_native_libraries():  # before dialing: check_any_reachable parses with hivemind
+            return interrupted()
         check_any_reachable(cfg.swarm.initial_peers)
     except P2PDilocoError as e:
         return report_error(e)
-    if _load_native_libraries(("hivemind",)):
-        return interrupted()
     from node.main import run_node  # noqa: PLC0415
 
     async def go() -> int:
@@ -355,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse(argv)  # --help and usage errors end here, without torch (~0.3 s)
         # torch (about 2 s of imports) and hivemind (1 s more) only for the commands that use them:
-        # not for `node status`, which only asks a running node's control socket; `node run`
-        # imports hivemind once its settings and preflight checks passed; the demo never does
+        # not for `node status`, which only asks a running node's control socket, nor the demo,
+        # which supervises node processes; `node run` imports both once its settings are checked
         if _load_native_libraries(_native_modules(args)):
             return interrupted()
         return _main(args)
@@ -366,19 +371,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _native_modules(args: argparse.Namespace) -> tuple[str, ...]:
     """The native libraries a command needs before it runs (``_load_native_libraries``)."""
-    if args.cmd == "node":
-        return ("torch",) if args.node_cmd == "run" else ()
-    return ("torch",) if args.cmd == "demo" else ("torch", "hivemind")
+    if args.cmd in ("node", "demo"):  # `node run` loads them itself once its settings are checked;
+        return ()  # `node status` and the demo (which supervises node processes) need neither
+    return ("torch", "hivemind")
 
 
-def _load_native_libraries(modules: tuple[str, ...] = ("torch", "hivemind")) -> bool:
-    """Import ``modules`` (torch, hivemind) with Ctrl+C held, and say whether it was pressed meanwhile.
-    torch runs Python callbacks from its C++ initialisation (pybind11); a KeyboardInterrupt
-    raised in one ends in C++ ``terminate``: the process aborts (SIGABRT, exit -6) instead of
-    saying one line (measured: Ctrl+C 1 s after ``node run`` started on a loaded machine). A
-    SIGINT during the imports only counts; the previous handler is back afterwards. Off the
-    main thread, or when SIGINT is not Python's default handler (ignored by ``nohup``, or a
-    test's own), nothing is changed."""
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[list[int]]:
+    """Hold Ctrl+C while native libraries are imported: a SIGINT meanwhile is only recorded in
+    the list yielded, and the previous handler is back afterwards. torch runs Python callbacks
+    from its C++ initialisation (pybind11); a KeyboardInterrupt raised in one ends in C++
+    ``terminate``: the process aborts (SIGABRT, exit -6) instead of saying one line (measured:
+    Ctrl+C 1 s after ``node run`` started on a loaded machine). Off the main thread, or when
+    SIGINT is not Python's default handler (ignored by ``nohup``, or a test's own), nothing is
+    changed."""
     import signal  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
@@ -388,11 +394,18 @@ def _load_native_libraries(modules: tuple[str, ...] = ("torch", "hivemind")) -> 
     if hold:
         signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
-        for name in modules:
-            importlib.import_module(name)
+        yield held
     finally:
         if hold:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _load_native_libraries(modules: tuple[str, ...] = ("torch", "hivemind")) -> bool:
+    """Import ``modules`` (torch, hivemind) with Ctrl+C held (``_sigint_held``), and say whether
+    it was pressed meanwhile."""
+    with _sigint_held() as held:
+        for name in modules:
+            importlib.import_module(name)
     return bool(held)
 
 

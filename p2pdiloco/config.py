@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from p2pdiloco.core.learner import InnerConfig
+from p2pdiloco.core.choices import OUTLIER_POLICIES
+from p2pdiloco.core.inner import InnerConfig
 from p2pdiloco.errors import AddressError, ConfigError
-from p2pdiloco.model import ModelConfig
-from p2pdiloco.net.wire import WIRE_DTYPES
+from p2pdiloco.model_config import ModelConfig
+from p2pdiloco.net.precision import WIRE_PRECISIONS
 
 
 class Invalid(ValueError):
@@ -92,7 +93,7 @@ class OuterConfig:
              f"need 0 <= grace_min <= grace_max <= {MAX_WAIT_S:g} (seconds)"),
             ("quorum_timeout", 0 < self.quorum_timeout <= MAX_WAIT_S, f"must be in (0, {MAX_WAIT_S:g}] (seconds)"),
             ("liveness_timeout", 0 < self.liveness_timeout <= MAX_WAIT_S, f"must be in (0, {MAX_WAIT_S:g}] (seconds)"),
-            ("wire_precision", self.wire_precision in WIRE_DTYPES, f"must be one of {', '.join(WIRE_DTYPES)}"),
+            ("wire_precision", self.wire_precision in WIRE_PRECISIONS, f"must be one of {', '.join(WIRE_PRECISIONS)}"),
             ("on_arrival", self.on_arrival in ("keep", "overwrite"), "must be keep or overwrite"),
         )
 
@@ -182,8 +183,6 @@ class TrustConfig:
     outlier_factor: float = 2.0  # "far above": more than this many times the lower median
 
     def __post_init__(self) -> None:
-        from p2pdiloco.core.merge import OUTLIER_POLICIES  # noqa: PLC0415
-
         _validate(
             ("outliers", self.outliers in OUTLIER_POLICIES, f"must be one of {', '.join(OUTLIER_POLICIES)}"),
             ("outlier_factor", 1 < self.outlier_factor <= 10**6, f"must be in (1, {10**6}]"),

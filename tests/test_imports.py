@@ -6,6 +6,8 @@ annotations-only imports (``if TYPE_CHECKING:``) excluded."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,3 +117,13 @@ def test_the_library_imports_apps_only_from_its_entry_module():
     wrong = sorted((m, d) for m, deps in g.items() if m.startswith("p2pdiloco") and m != ENTRY
                    for d in deps if not d.startswith("p2pdiloco"))
     assert wrong == []
+
+
+def test_settings_are_checked_without_torch():
+    """``node run`` and the demo check a node's settings before importing torch (p2pdiloco.cli),
+    so a bad setting is answered in well under a second: the configuration's modules import
+    neither torch nor hivemind."""
+    code = ("import sys; from p2pdiloco.config import load_config; cfg = load_config(env={}); "
+            "print(sorted(m for m in ('torch', 'hivemind', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .choices import DEFAULT_OUTLIER_FACTOR, OUTLIER_POLICIES
+
 __all__ = ["contribution_weight", "merge_tensor", "merge_pseudo_gradients", "is_finite_contribution",
            "robust_merge", "RobustMerge", "OUTLIER_POLICIES", "DEFAULT_OUTLIER_FACTOR"]
 
-OUTLIER_POLICIES = ("clip", "drop", "off")
-DEFAULT_OUTLIER_FACTOR = 2.0
 DIRECTION_MARGIN = 0.1  # cosine below -max(this, 3/sqrt(numel)) against the median direction: misaligned
 
 DIRECTION_EPS = 1e-6  # below this norm of the (normalised) direction sum, use the weighted mean

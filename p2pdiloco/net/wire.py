@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from p2pdiloco.errors import ProtocolError
+from p2pdiloco.net.precision import WIRE_PRECISIONS
 
 # name -> storage dtype of one element on the wire (int4 codes are packed two per uint8)
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -39,6 +40,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "int4": torch.uint8,
 }
+assert tuple(WIRE_DTYPES) == WIRE_PRECISIONS, "p2pdiloco/net/precision.py names the same precisions"
 QUANT_LEVELS: dict[str, int] = {"int8": 127, "int4": 7}  # largest code magnitude L
 CHUNK = 256  # elements per absmax scale
 
