@@ -150,7 +150,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
     try:
         if args.run_cmd == "show":
-            m = manifest.load(args.manifest)
+            m = manifest.load(args.manifest, "run show")
             view = {"run_id": m.run_id, "owner": m.owner_id, "digest": m.digest, "created": m.created,
                     "initial_peers": list(m.initial_peers), "target_tokens": m.target_tokens,
                     "settings": dict(m.settings)}
@@ -161,7 +161,10 @@ def _run_command(args: argparse.Namespace) -> int:
         overrides: dict[str, Any] = {**parse_overrides(args.set), "swarm.run_id": args.run_id}
         if args.initial_peers:
             overrides["swarm.initial_peers"] = args.initial_peers
-        cfg = load_config(args.config, overrides=overrides)
+        with _sigint_held() as held:  # initial peers' multiaddrs are parsed with hivemind (and torch)
+            cfg = load_config(args.config, overrides=overrides)
+        if held:
+            return interrupted()
         if args.target_tokens < 0:
             raise ConfigError("--target-tokens must be >= 0")
         identity, created = Identity.load_or_create(args.identity)
@@ -371,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _native_modules(args: argparse.Namespace) -> tuple[str, ...]:
     """The native libraries a command needs before it runs (``_load_native_libraries``)."""
-    if args.cmd in ("node", "demo"):  # `node run` loads them itself once its settings are checked;
-        return ()  # `node status` and the demo (which supervises node processes) need neither
+    if args.cmd in ("node", "demo", "run"):  # `node run` loads them once its settings are checked, and
+        return ()  # `run init` while it parses multiaddrs; `node status`, `run show` and the demo need neither
     return ("torch", "hivemind")
 
 

@@ -199,9 +199,10 @@ def decode(data: bytes) -> RunManifest:
     return m
 
 
-def load(handle: str) -> RunManifest:
+def load(handle: str, what: str = "--join") -> RunManifest:
     """A manifest from ``handle``: a file (its last non-comment line is the string form) or the
-    string itself. Raises ConfigError (one line) when neither holds a valid manifest."""
+    string itself. Raises ConfigError (one line, starting with ``what``, the flag or command
+    that named it, when the file cannot be read) when neither holds a valid manifest."""
     text = handle.strip()
     if not text.startswith(PREFIX):
         path = Path(handle).expanduser()
@@ -210,9 +211,9 @@ def load(handle: str) -> RunManifest:
                 raise _bad(f"{handle} is too large")
             lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
         except FileNotFoundError:
-            raise ConfigError(f"--join: {handle!r} is neither a manifest file nor a {PREFIX}... string") from None
+            raise ConfigError(f"{what}: {handle!r} is neither a manifest file nor a {PREFIX}... string") from None
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--join: cannot read {handle}: {getattr(e, 'strerror', None) or e}") from None
+            raise ConfigError(f"{what}: cannot read {handle}: {getattr(e, 'strerror', None) or e}") from None
         if len(lines) != 1 or not lines[0].startswith(PREFIX):
             raise _bad(f"{handle} does not hold one {PREFIX}... line")
         text = lines[0]

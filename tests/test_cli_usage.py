@@ -32,10 +32,17 @@ def test_a_usage_error_is_one_line_naming_the_command(argv, line, capsys):
     assert exit_.value.code == 2 and out == "" and err == line + "\n"
 
 
-def test_help_and_node_status_do_not_import_torch_or_hivemind(tmp_path):
+def test_help_node_status_and_bad_settings_do_not_import_torch_or_hivemind(tmp_path):
+    """``--help``, ``node status``, a bad setting of ``node run`` or of the demo, and ``run show``
+    of a missing file answer without torch or hivemind (settings load without them)."""
     probe = ("import sys; from p2pdiloco.cli import main\n"
-             "for argv in (['--help'], ['node', 'status', '--data-dir', sys.argv[1]]):\n"
-             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "d = sys.argv[1]\n"
+             "for argv in (['--help'], ['node', 'status', '--data-dir', d], ['node', 'run', '--set', 'outer.lr=fast'],\n"
+             "             ['demo', '--set', 'outer.fragments=0'], ['run', 'show', d + '/none.manifest']):\n"
+             "    try:\n        print('exit', main(argv))\n    except SystemExit as e:\n        print('exit', e.code)\n"
              "print(sorted(m for m in ('torch', 'hivemind') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip().splitlines()[-1] == "[]", out
+    lines = out.stdout.strip().splitlines()
+    assert [ln for ln in lines if ln.startswith("exit")] == ["exit 0", "exit 1", "exit 2", "exit 2", "exit 2"], out
+    assert lines[-1] == "[]", out
+    assert f"p2pdiloco: run show: '{tmp_path}/none.manifest' is neither a manifest file" in out.stderr, out
