@@ -178,8 +178,11 @@ async def test_idle_streams_bounded_per_peer(monkeypatch):
                 assert a.open_streams(b.peer_id) == limit and a.open_streams() == limit
                 answered = [t.result() for t in polls if t.done()]
                 busy = [h for h in answered if h == {"error": "busy"}]
-                assert len(busy) + answered.count("closed") == 300 - limit
-                assert len(busy) == a.drop_reasons["busy"] > 0
+                closed = answered.count("closed")
+                assert len(busy) + closed == 300 - limit
+                # the server counts every busy answer; one it closes at once can be lost (the caller
+                # then sees the stream closed: seen once in CI, 283 answers of 284 counted)
+                assert 0 < len(busy) <= a.drop_reasons["busy"] <= len(busy) + closed
                 for t, (_, w) in zip(polls, streams):
                     if t.done():
                         w.transport.abort()

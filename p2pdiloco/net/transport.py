@@ -20,7 +20,9 @@ A server never buffers what it has not decided to accept: it reads the header wi
 ``max_payload`` *before* reading the payload, then reads the payload within
 ``framing.payload_deadline(_n)`` seconds. At most ``MAX_STREAMS_PER_PEER`` inbound
 streams per peer and ``MAX_STREAMS`` in all are served at once; the others are answered
-``{"error": "busy"}`` without being read. After answering, the server waits up to
+``{"error": "busy"}`` without being read and closed at once, so that they hold no descriptor
+(best effort: the close can reset the stream before the answer arrives, and the caller then
+sees the stream closed, a failed call either way). After answering, the server waits up to
 ``LINGER_TIMEOUT`` seconds for the caller to close its end (closing first can reset the stream
 and lose the answer). The caller reads the reply while it still writes (a refusal arrives
 before the request is fully sent) and checks the reply's ``_n`` against its ``max_reply``.
