@@ -1,0 +1,133 @@
+"""Mixed speeds: what the robust merge's norm bound costs honest learners of different speeds,
+in an in-process replica of the swarm's outer-step math (no network; ``bench.partial_rounds``).
+
+L learners, the first half fast and the second half ``--ratio`` times slower: a fast learner
+takes an inner step every tick, a slow one every ``ratio``-th. Whenever the fast learners have
+H inner steps of progress since their last install, all L merge in one group, as in a swarm
+where a fast learner's gathering pulls the slow ones in early (the schedule's early pull,
+``core.fragments.StaggeredSchedule.due``): the slow ones bring H / ratio steps. The merge is
+the reducers' ``core.merge.robust_merge`` with the token weights, then the fractional outer
+step (``round_fraction``), as ``Node._round`` does; a slow learner's place in the learning-rate
+schedule is kept at the swarm's (``Node._keep_schedule``). Merge rules:
+
+* ``off``: no norm bound (``trust.outliers = off``): the plain token-weighted merge, the reference;
+* ``clip``: the default, ``trust.outliers = clip`` with ``outlier_factor`` 2: a tensor whose
+  norm is over 2 × the lower median of the members' norms is scaled down to that bound. With
+  two members the slower one's shorter Δ sets the bound, so the faster one's honest Δ is
+  clipped in many rounds (seen in a real 2-node swarm at 1.0 and 0.25 cores).
+
+Reported: held-out loss of the final global state (nats per byte), and the share of
+(member, tensor) pairs the bound clipped, all of them honest.
+
+Usage: python -m bench.mixed_speeds [--learners 2 4] [--seeds 0 1 2] [--steps 2000] [--ratio 2]
+Writes docs/benchmarks/mixed_speeds.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from bench.common import Doc, fmt, machine
+from bench.partial_rounds import Replica
+from p2pdiloco.core.merge import contribution_weight, robust_merge
+from p2pdiloco.core.outer import nesterov_outer_step, round_fraction, span_fraction
+
+RULES = ("off", "clip")
+
+
+class MixedReplica(Replica):
+    """A ``Replica`` whose learners ``fast`` step every tick and the others every ``ratio``-th."""
+
+    def __init__(self, learners: int, seed: int, steps: int, sync_every: int, ratio: int):
+        super().__init__(learners, seed, steps, sync_every)
+        self.fast, self.ratio = learners // 2, ratio
+        self.clipped = self.pairs = 0
+
+    def tick(self, t: int) -> None:
+        for i, s in enumerate(self.setups):
+            if i < self.fast or t % self.ratio == 0:
+                s.learner.inner_step(*s.sampler.next())
+
+    def merge_round(self, rule: str) -> None:
+        """All learners merge on the newest state, each installs the result (``Node._round``)."""
+        anchor = self.global_state
+        learners = [s.learner for s in self.setups]
+        deltas = [ln.pseudo_gradient(0) for ln in learners]
+        counters = [(*ln.counters(0), ln.span(0)) for ln in learners]
+        weights = [contribution_weight(t, s) for t, s, _ in counters]
+        out = robust_merge(deltas, weights, self.mask, policy=rule, factor=2.0)
+        self.clipped += len(out.clipped)
+        self.pairs += len(deltas) * len(self.mask)
+        position = sorted(ln.step for ln in learners)[(len(learners) - 1) // 2]
+        f, ledger = round_fraction(anchor.ledger, sum(t for t, _, _ in counters), position, self.H,
+                                   span_fraction(counters, self.H))
+        new = nesterov_outer_step(anchor, out.merged, self.out.lr, self.out.momentum, f, ledger)
+        for ln in learners:  # and the schedule's place at least the swarm's (Node._keep_schedule)
+            ln.install(new)
+            ln.step = max(ln.step, new.ledger.period_start)
+
+
+def run(learners: int, seed: int, steps: int, sync_every: int, ratio: int, rule: str) -> dict[str, Any]:
+    rep = MixedReplica(learners, seed, steps, sync_every, ratio)
+    t0 = time.monotonic()
+    for t in range(1, steps + 1):
+        rep.tick(t)
+        if t % sync_every == 0:
+            rep.merge_round(rule)
+    out = {"learners": learners, "seed": seed, "rule": rule, "ratio": ratio, "heldout": rep.heldout(),
+           "clipped": rep.clipped, "pairs": rep.pairs, "seconds": time.monotonic() - t0}
+    print(f"L={learners} seed={seed} {rule:8s} held-out {out['heldout']:.4f} clipped {rep.clipped}/{rep.pairs} "
+          f"({out['seconds']:.0f} s)", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--learners", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=2000, help="inner steps of a fast learner")
+    ap.add_argument("--sync-every", type=int, default=100)
+    ap.add_argument("--ratio", type=int, default=2, help="a slow learner takes one step per RATIO ticks")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    a = ap.parse_args()
+    m, t0 = machine(), time.monotonic()
+    runs = [(L, seed, a.steps, a.sync_every, a.ratio, rule) for L in a.learners for seed in a.seeds for rule in RULES]
+    with ProcessPoolExecutor(a.jobs) as pool:
+        results = list(pool.map(run, *zip(*runs)))
+    if not a.no_write:
+        report(results, a, m, time.monotonic() - t0)
+
+
+def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, Any], seconds: float) -> None:
+    doc = Doc("mixed_speeds", "Mixed speeds: what the norm bound costs honest learners of different speeds",
+              "python -m bench.mixed_speeds " + " ".join(
+                  [f"--learners {' '.join(map(str, a.learners))}", f"--seeds {' '.join(map(str, a.seeds))}",
+                   f"--steps {a.steps}", f"--sync-every {a.sync_every}", f"--ratio {a.ratio}"]))
+    paragraphs = __doc__.split("\n\n")
+    doc.intro = [paragraphs[1], "", paragraphs[2].replace("* ", "- "), "", paragraphs[3], "",
+                 f"{a.steps} inner steps per fast learner ({a.steps // a.ratio} per slow one), H = {a.sync_every}, "
+                 f"outer lr 0.7, momentum 0.9, one fragment; seeds {a.seeds}; mean over seeds, and the relative "
+                 "change against `off` of the same seeds."]
+    rows = []
+    for L in a.learners:
+        base = {r["seed"]: r["heldout"] for r in results if r["learners"] == L and r["rule"] == "off"}
+        for rule in RULES:
+            rs = [r for r in results if r["learners"] == L and r["rule"] == rule]
+            rel = [r["heldout"] / base[r["seed"]] - 1 for r in rs]
+            rows.append([L, rule, fmt(statistics.mean(r["heldout"] for r in rs), 4),
+                         f"{statistics.mean(rel):+.2%}" if rule != "off" else "",
+                         f"{max(rel):+.2%}" if rule != "off" else "",
+                         f"{sum(r['clipped'] for r in rs) / sum(r['pairs'] for r in rs):.1%}"])
+    doc.table(["learners", "merge rule", "held-out (mean)", "vs off (mean)", "vs off (worst seed)",
+               "(member, tensor) pairs clipped"], rows, "Held-out loss at the end, and honest tensors clipped")
+    path = doc.write(m, seconds, {"results": results, "seconds": seconds})
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
