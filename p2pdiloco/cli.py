@@ -361,6 +361,21 @@ def main(argv: list[str] | None = None) -> int:
     the preflight checks, a daemon starting) ends with one line and exit code 130, not a
     traceback and death by SIGINT."""
     try:
+        return _main_interruptible(argv)
+    finally:
+        exec("")  # noqa: S102  (forgets an interrupt that was handled: see _main_interruptible)
+
+
+def _main_interruptible(argv: list[str] | None) -> int:
+    """``main``'s body. A KeyboardInterrupt raised inside ``exec`` of a string (dataclasses
+    build their methods that way, so an import can be the place) sets CPython's "unhandled
+    keyboard interrupt" flag even when it is then handled, and under ``python -m`` the
+    interpreter ends itself with SIGINT at exit (``Py_RunMain`` in CPython's Modules/main.c):
+    exit -2 after ``p2pdiloco: interrupted``, seen 2 times in 30 with Ctrl+C 0.3 to 0.6 s into
+    ``node run``. The flag is cleared at the start of every string ``exec``
+    (``run_eval_code_obj``, Python/pythonrun.c), so ``main`` runs an empty one on its way out; an
+    interrupt that leaves ``main`` unhandled sets it again."""
+    try:
         args = _parse(argv)  # --help and usage errors end here, without torch (~0.3 s)
         # torch (about 2 s of imports) and hivemind (1 s more) only for the commands that use them:
         # not for `node status`, which only asks a running node's control socket, nor the demo,

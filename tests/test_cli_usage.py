@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,14 @@ def test_help_node_status_and_bad_settings_do_not_import_torch_or_hivemind(tmp_p
     assert [ln for ln in lines if ln.startswith("exit")] == ["exit 0", "exit 1", "exit 2", "exit 2", "exit 2"], out
     assert lines[-1] == "[]", out
     assert f"p2pdiloco: run show: '{tmp_path}/none.manifest' is neither a manifest file" in out.stderr, out
+
+
+def test_ctrl_c_inside_exec_of_a_string_still_exits_130():
+    """A KeyboardInterrupt raised inside a string ``exec`` (dataclasses build methods that way,
+    so a Ctrl+C during an import can land there) and handled by ``main`` must not end the
+    process by SIGINT under ``python -m`` (CPython's unhandled-interrupt flag; seen as exit -2
+    in tests/test_stop.py's Ctrl+C 0.5 s into ``node run``)."""
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "tests.interrupt_in_exec"], capture_output=True, text=True,
+                         timeout=60, cwd=root)
+    assert (out.returncode, out.stderr) == (130, "p2pdiloco: interrupted\n"), out
