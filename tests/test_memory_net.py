@@ -19,7 +19,7 @@ from test_trust_net import FRAGMENT, KEY, delta, expected_merge
 
 from p2pdiloco.errors import PeerTimeout, ProtocolError, RoundFailed
 from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult
-from p2pdiloco.net.matchmaking import FAILED_GROUP_WAIT_S, Group, GroupKey, Matchmaker
+from p2pdiloco.net.matchmaking import FAILED_GROUP_WAIT_S, Group, GroupKey, Matchmaker, leader_rank
 from p2pdiloco.net.memory import Link, MemoryNet
 
 # virtual time (looptime: the loop's clock jumps to the next timer whenever every task waits, as
@@ -326,3 +326,23 @@ async def test_a_forged_group_costs_at_most_round_time_a_key_and_its_author_is_t
             assert set(mm.empty_groups.values()) == {1} and not mm.ignored_groups
         else:
             assert forger_swarm.peer_id in mm.ignored_groups and mm.empty_groups[forger_swarm.peer_id] == 3
+
+
+@pytest.mark.asyncio
+async def test_a_member_we_excluded_makes_us_decline_the_group_not_ban_its_leader():
+    """A revocation reaches the members at different times: one joiner has excluded a member
+    the leader still admits (it declared under the key). The joiner declines the group and
+    bans nobody more (before, it took that member for one that never declared, and banned the
+    honest leader for leading a forged group: tests/attacks/test_revocation_live.py saw it)."""
+    async with memory_swarms(3, MemoryNet(default=Link(latency=0.005))) as (net, sw):
+        dht_key = KEY.dht_key("run")
+        leader, first, second = sorted(sw, key=lambda s: leader_rank(dht_key, s.peer_id))
+        mms = {s.peer_id: Matchmaker(s, "run", 1) for s in sw}
+        for m in mms.values():
+            await m.start()
+        first.ban(second.peer_id, "revoked")  # the revocation has reached `first` only
+        (o_l, g_l), (o_f, g_f), (o_s, g_s) = await asyncio.gather(
+            *(mms[s.peer_id].form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=3) for s in (leader, first, second)))
+        assert o_l == o_s == "group" and second.peer_id in g_l.members and g_l.members == g_s.members
+        assert o_f in ("late", "group") and (g_f is None or second.peer_id not in g_f.members)
+        assert set(first.bans) == {second.peer_id} and leader.bans == {} and second.bans == {}

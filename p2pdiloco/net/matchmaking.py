@@ -541,6 +541,8 @@ class Matchmaker:
             if answer.shares and max(answer.shares) > max_share(len(members)):
                 self.swarm.ban(leader, f"gave one member {max(answer.shares)} of {rec.SHARE_GRID} of the all-reduce")
                 return "gone"
+            if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that
+                return "gone"  # reached us first): we cannot merge with it; the leader is not at fault
             ghosts = [m for m in members if m not in (me, leader)]
             for attempt in range(2 if ghosts else 0):  # a declaration stored just now may still be on its way
                 declared = await self._declarations(dht_key)
