@@ -74,6 +74,7 @@ async def one_size(n: int, rounds: int, spread: float, seed: int) -> dict:
     mms = [Matchmaker(s, "scale", 1, num_fragments=1) for s in sw]
     reducers = [AllReducer(s, [FRAGMENT], "int4", QUORUM_TIMEOUT, sync_every=100, run_id="scale") for s in sw]
     for m, r in zip(mms, reducers):
+        m.listed_in = r.expect  # as the node wires them
         await m.start()
         await r.start()
     gen = torch.Generator().manual_seed(seed)

@@ -76,6 +76,8 @@ async def measure(rounds_per_fragment: int) -> dict:
         reducers = [AllReducer(s, fragments, out.wire_precision, out.liveness_timeout, sync_every=out.sync_every,
                                run_id="bench/run",
                                outliers=cfg.trust.outliers, outlier_factor=cfg.trust.outlier_factor) for s in swarms]
+        for m, r in zip(mms, reducers):
+            m.listed_in = r.expect  # as the node wires them
         for service in (*mms, *reducers):
             await service.start()
         rows, skipped = [], 0

@@ -70,6 +70,7 @@ class Node:
                                      outliers=trust.outliers, outlier_factor=trust.outlier_factor)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, self.committed.states,
                               on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum))
+        self.matchmaker.listed_in = self.allreducer.expect  # our reducer part serves each group we are listed in
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)

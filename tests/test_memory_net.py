@@ -18,7 +18,7 @@ from conftest import until
 from test_trust_net import FRAGMENT, KEY, delta, expected_merge
 
 from p2pdiloco.errors import PeerTimeout, ProtocolError, RoundFailed
-from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult
+from p2pdiloco.net.allreduce import GROUP_WAIT_S, AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import FAILED_GROUP_WAIT_S, Group, GroupKey, Matchmaker, leader_rank
 from p2pdiloco.net.memory import Link, MemoryNet
 
@@ -340,9 +340,62 @@ async def test_a_member_we_excluded_makes_us_decline_the_group_not_ban_its_leade
         mms = {s.peer_id: Matchmaker(s, "run", 1) for s in sw}
         for m in mms.values():
             await m.start()
+        reducers = await _reducers(sw)
+        for s in sw:
+            mms[s.peer_id].listed_in = reducers[s.peer_id].expect  # as the node wires them
         first.ban(second.peer_id, "revoked")  # the revocation has reached `first` only
         (o_l, g_l), (o_f, g_f), (o_s, g_s) = await asyncio.gather(
             *(mms[s.peer_id].form_group(KEY, grace=0.5, quorum_timeout=10.0, expected=3) for s in (leader, first, second)))
-        assert o_l == o_s == "group" and second.peer_id in g_l.members and g_l.members == g_s.members
+        assert o_l == o_s == "group" and g_l.members == g_s.members == tuple(sorted(s.peer_id for s in sw))
         assert o_f in ("late", "group") and (g_f is None or second.peer_id not in g_f.members)
         assert set(first.bans) == {second.peer_id} and leader.bans == {} and second.bans == {}
+
+        # the leader and `second` run the round; `first`, which declined, still reduces its part
+        # of it (the group was given to its reducer) and rejects the excluded member's slice there:
+        # the round merges the leader's progress alone, the same result for both (phase 2)
+        async def run(s):
+            try:
+                return await reducers[s.peer_id].run(g_l, Contribution(delta(sw.index(s)), 1000, 10))
+            except ContributionExcluded as e:
+                return e
+        r_l, r_s = await asyncio.gather(run(leader), run(second))
+        assert isinstance(r_l, RoundResult) and r_l.contributors == (leader.peer_id,)
+        assert isinstance(r_s, ContributionExcluded)
+        assert set(first.bans) == {second.peer_id} and leader.bans == {} and second.bans == {}
+
+
+@pytest.mark.asyncio
+async def test_a_reduce_request_names_its_group_by_fingerprint_and_may_overtake_the_reducers_group():
+    """Requests carry no member list, only the round ID and the group's fingerprint: a member
+    whose own group comes 1 s after the others started (its join answer still on the way)
+    reduces their slices once it has it, and the round merges all three; a member given other
+    shares under the same round ID (a leader lying to one member) has another fingerprint: each
+    side refuses the other's requests (after GROUP_WAIT_S), the round fails, nobody is banned."""
+    async with memory_swarms(3, MemoryNet(default=Link(latency=0.005))) as (net, sw):
+        reducers = await _reducers(sw)
+        members = tuple(sorted(s.peer_id for s in sw))
+        group = Group("r1", KEY, members, 0.0)
+        contribs = {p: Contribution(delta(i), 1000, 10) for i, p in enumerate(members)}
+
+        async def late_member():
+            await asyncio.sleep(1.0)  # within the others' liveness timeout (2 s)
+            return await reducers[members[0]].run(group, contribs[members[0]])
+        results = await asyncio.gather(late_member(), *(reducers[p].run(group, contribs[p]) for p in members[1:]))
+        expected = expected_merge([contribs[p] for p in members], policy="clip")
+        for res in results:
+            assert isinstance(res, RoundResult) and len(res.contributors) == 3
+            assert all(torch.equal(x, y) for x, y in zip(res.delta, expected))
+
+        lied_to = Group("r2", KEY, members, 0.0, shares=(0, 500, 500))
+        honest = Group("r2", KEY, members, 0.0)
+
+        async def run(p):
+            try:
+                return await reducers[p].run(lied_to if p == members[0] else honest, contribs[p])
+            except RoundFailed as e:
+                return e
+        results = await asyncio.gather(*(run(p) for p in members))
+        assert all(isinstance(r, RoundFailed) for r in results)
+        await until(lambda: all(s.drop_reasons["reduce_round"] >= 1 for s in sw), GROUP_WAIT_S + 1,
+                    "every reducer refusing the requests of the other fingerprint", every=0.5)
+        assert all(s.bans == {} for s in sw)

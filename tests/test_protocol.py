@@ -54,6 +54,7 @@ async def learners(n: int, seed: int, link: Link = LINK) -> AsyncIterator[tuple[
         reducers = [AllReducer(s, [FRAGMENT], "fp32", QUORUM_TIMEOUT, sync_every=H, run_id="run", outlier_factor=4.0)
                     for s in sw]
         for m, r in zip(mms, reducers):
+            m.listed_in = r.expect  # as the node wires them
             await m.start()
             await r.start()
         yield net, sw, mms, reducers

@@ -54,19 +54,23 @@ class Resigned(AllReducer):
         super().__init__(*args, **kwargs)
         self.mode, self.other = mode, Identity.generate()
 
+    async def run(self, group, contrib):
+        self.members = list(group.members)
+        return await super().run(group, contrib)
+
     def _outgoing(self, reducer, head, payload):
         head = dict(head)
         if self.mode == "bad_signature":  # the signature no longer matches the bytes
             head["sig"] = bytes([head["sig"][0] ^ 1]) + head["sig"][1:]
         elif self.mode == "other_key":  # signed by a key that is not its peer ID's
             fields = signing.contribution_fields(self.run_id, KEY.fragment, KEY.version, KEY.digest,
-                                                 head["round"], head["members"], reducer, head["tokens"],
+                                                 head["round"], self.members, reducer, head["tokens"],
                                                  head["steps"], head["span"], head["pos"], signing.sha256(payload))
             head["sig"], head["k"] = signing.sign(self.other, "ar.contrib", fields), self.other.public_key
         elif self.mode == "two_spans":  # validly signed, but a different span for each reducer
             head["span"] = 1 + reducer
             fields = signing.contribution_fields(self.run_id, KEY.fragment, KEY.version, KEY.digest,
-                                                 head["round"], head["members"], reducer, head["tokens"],
+                                                 head["round"], self.members, reducer, head["tokens"],
                                                  head["steps"], head["span"], head["pos"], signing.sha256(payload))
             head["sig"] = signing.sign(self.swarm.identity, "ar.contrib", fields)
         return head, payload

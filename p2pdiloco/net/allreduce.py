@@ -2,11 +2,15 @@
 
 The fragment's tensors are split among the members with the same greedy balanced packing
 as fragments (``assign_parts``), weighted by the group's shares (the leader's
-bandwidth-aware split, ``matchmaking.bandwidth_shares``; equal when the group has none);
+bandwidth-aware split, ``shares.bandwidth_shares``; equal when the group has none);
 member r reduces the tensors it owns, a member of share 0 none. Every member sends
 each reducer its slice of the pseudo-gradient with its token and step counts, in one
 ``ar.reduce`` request. Whole tensors per reducer mean every norm of the radial-directional
-merge is computed by exactly one peer, and everyone receives the same bytes.
+merge is computed by exactly one peer, and everyone receives the same bytes. A request names
+its group by round ID and :func:`group_fingerprint` only, not by its member list (which grew
+every header with the group): every reducer is a member, and takes the group from its own
+matchmaking (:meth:`AllReducer.expect`), waiting up to ``GROUP_WAIT_S`` for it when a
+request overtakes the leader's answer; a request whose fingerprint differs is refused.
 
 Signed updates (docs/trust.md). Each ``ar.reduce`` request carries the author's Ed25519
 signature (``signing.message("ar.contrib", ...)``: run, fragment, version, state digest,
@@ -77,7 +81,15 @@ from p2pdiloco.core.merge import (
 from p2pdiloco.errors import NetworkError, ProtocolError, RoundFailed
 from p2pdiloco.net import clock as swarm_clock, records as rec, wire
 from p2pdiloco.net.matchmaking import Group
-from p2pdiloco.net.rounds import AllReduceStats, Contribution, ContributionExcluded, RoundResult
+from p2pdiloco.net.rounds import (
+    GROUP_WAIT_S,
+    AllReduceStats,
+    Contribution,
+    ContributionExcluded,
+    RoundResult,
+    group_fingerprint,
+    round_wait,
+)
 from p2pdiloco.net.transport import Header, Swarm
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.identity import public_key_of
@@ -90,31 +102,6 @@ KEEP_DECIDED_SECONDS = 30.0  # a decided round is kept this long after its deadl
 MAX_PENDING = 256  # undecided rounds one reducer holds at most
 MAX_PENDING_PER_PEER = 2  # ... of which one member may have opened at most this many per fragment
 MAX_KEPT = 1024  # rounds (decided or not) held at most; the oldest decided are forgotten first
-TRANSFER_SLACK = 3.0  # a round may take this many times the transfer time its link rates predict ...
-MAX_WAIT_FACTOR = 4.0  # ... but at most this many times the liveness timeout
-MAX_ROUND_WAIT_S = 600.0  # ... and never longer than this (seconds)
-
-
-def round_wait(timeout: float, fragment_bytes: int, shares: Sequence[int], rates: Sequence[int]) -> float:
-    """Seconds a reducer waits for missing slices after a round's first (deadlines scale with
-    payload size over bandwidth): ``timeout`` (the node's liveness timeout), or longer when
-    the members' link ``rates`` (KiB/s as the leader had them, 0: unknown; ``Group.rates``)
-    predict a slower transfer: ``TRANSFER_SLACK`` x max_m S·(1 + (n − 2)·x_m) / rate_m, the
-    bytes member m moves in one direction when it reduces the fraction x_m (``shares``; 1/n
-    when empty) of a fragment of S bytes on the wire (hivemind's load-balancing model), at
-    most ``MAX_WAIT_FACTOR`` x ``timeout`` and ``MAX_ROUND_WAIT_S`` (rates are reports: a member
-    claiming a slow link, then silent, holds a round that long; raise ``liveness_timeout`` for
-    large models on slow links). Plain IEEE double arithmetic: every member gets the same value.
-    """
-    n = len(rates)
-    if n < 2 or not any(rates):
-        return timeout
-    total = sum(shares) if shares else n
-    x = [s / total for s in shares] if shares else [1 / n] * n
-    slowest = max(fragment_bytes * (1 + (n - 2) * xm) / (1024 * r) for xm, r in zip(x, rates) if r > 0)
-    return min(MAX_ROUND_WAIT_S, MAX_WAIT_FACTOR * timeout, max(timeout, TRANSFER_SLACK * slowest))
-
-
 @dataclass
 class _Round:
     """A reducer's view of one round."""
@@ -164,12 +151,25 @@ class AllReducer:
         self.sync_every = sync_every
         self.run_id, self.outliers, self.outlier_factor = run_id, outliers, outlier_factor
         self._rounds: dict[str, _Round] = {}
+        self._groups: dict[tuple[str, bytes], Group] = {}  # (round ID, fingerprint) -> our groups, newest last
+        self._group_added = asyncio.Event()  # set, and replaced, when a group is added
         self._fragment_bytes = [wire.wire_nbytes([s.shape for s in f.slots], precision) for f in self.fragments]
         self.stats = AllReduceStats()
 
     async def start(self) -> None:
         await self.swarm.add_handler("ar.reduce", self._on_reduce, max_payload=max(self._fragment_bytes))
         await self.swarm.add_handler("ar.final", self._on_final, max_payload=0)
+
+    def expect(self, group: Group) -> None:
+        """Serve the members of ``group`` (one this node is a member of, as its matchmaking
+        formed it) as a reducer. :meth:`run` calls it too; the node calls it as soon as the
+        group is formed, as other members may send their slices before its own run starts.
+        The last ``MAX_KEPT`` groups are kept."""
+        self._groups[(group.round_id, group_fingerprint(group))] = group
+        while len(self._groups) > MAX_KEPT:
+            del self._groups[next(iter(self._groups))]
+        self._group_added.set()
+        self._group_added = asyncio.Event()
 
     def _shapes(self, fragment: int, slots: Sequence[int]) -> list[tuple[int, ...]]:
         frag = self.fragments[fragment]
@@ -253,10 +253,10 @@ class AllReducer:
             tokens, position, first = self._counters([(contrib.tokens, contrib.steps, contrib.span, contrib.position)])
             return RoundResult([t.detach().to("cpu", torch.float32).clone() for t in contrib.delta], tokens, position,
                                first / FRACTION_GRID, (me,))
+        self.expect(group)
         parts = self._parts(frag, len(members), group.shares)
         reducers = [r for r in range(len(members)) if parts[r]]
-        base = {"round": group.round_id, "f": frag, "v": group.key.version, "d": group.key.digest,
-                "members": list(members), "s": list(group.shares), "bw": list(group.rates), "tokens": contrib.tokens,
+        base = {"round": group.round_id, "g": group_fingerprint(group), "tokens": contrib.tokens,
                 "steps": contrib.steps, "span": contrib.span, "pos": contrib.position,
                 "k": self.swarm.identity.public_key}
 
@@ -396,12 +396,19 @@ class AllReducer:
     async def _on_reduce(self, peer: str, head: Header, payload: bytes) -> tuple[Header, bytes]:
         return await self._receive(peer, head, payload)
 
-    def _round_for(self, peer: str, req: rec.ReduceRequest) -> _Round:
-        """The round a request belongs to, created on its first slice. ProtocolError when the
-        request names no round this reducer and the sender are both members of, or when the
-        sender already has ``MAX_PENDING_PER_PEER`` undecided rounds here (or this reducer
-        ``MAX_PENDING`` in all)."""
-        me, members = self.swarm.peer_id, req.members
+    async def _round_for(self, peer: str, req: rec.ReduceRequest) -> _Round:
+        """The round a request belongs to, created on its first slice from the group it names
+        (waiting up to ``GROUP_WAIT_S`` for our matchmaking to give it). ProtocolError when
+        we hold no such group, or this reducer and the sender are not both members of it, or
+        when the sender already has ``MAX_PENDING_PER_PEER`` undecided rounds here (or this
+        reducer ``MAX_PENDING`` in all)."""
+        try:
+            async with asyncio.timeout(GROUP_WAIT_S):
+                while (group := self._groups.get((req.round, req.group))) is None:
+                    await self._group_added.wait()
+        except TimeoutError:
+            raise ProtocolError("no group of ours has that round ID and fingerprint") from None
+        me, members, frag = self.swarm.peer_id, group.members, group.key.fragment
         if me not in members or peer not in members or members.index(me) != req.reducer:
             raise ProtocolError("not a member of that round")
         rnd = self._rounds.get(req.round)
@@ -410,21 +417,21 @@ class AllReducer:
             if len(pending) >= MAX_PENDING or \
                     sum(r.creator == peer for r in pending) >= MAX_PENDING_PER_PEER * len(self.fragments):
                 raise ProtocolError("too many open rounds")
-            slots = self._parts(req.fragment, len(members), req.shares)[req.reducer]
+            slots = self._parts(frag, len(members), group.shares)[req.reducer]
             if not slots:
                 raise ProtocolError("this member reduces no tensor in that round")
             if len(self._rounds) >= MAX_KEPT:  # bounded: forget the oldest decided rounds
                 for old in sorted((r for r in self._rounds.values() if r.decided.is_set()),
                                   key=lambda r: r.created)[:len(self._rounds) - MAX_KEPT + 1]:
                     self._forget(old)
-            rnd = self._rounds[req.round] = _Round(req.round, req.fragment, req.version, req.digest, members,
-                                                   req.reducer, req.shares, req.rates, slots, creator=peer)
-            wait = self._wait(req.fragment, req.shares, req.rates)
+            rnd = self._rounds[req.round] = _Round(req.round, frag, group.key.version, group.key.digest, members,
+                                                   req.reducer, group.shares, group.rates, slots, creator=peer)
+            wait = self._wait(frag, group.shares, group.rates)
             loop = asyncio.get_running_loop()
             loop.call_later(wait, self._deadline, rnd)
             loop.call_later(2 * wait - self.timeout + 5 + KEEP_DECIDED_SECONDS, self._forget, rnd)  # members' wait
         elif (rnd.members, rnd.shares, rnd.rates, rnd.fragment, rnd.version, rnd.digest) != \
-                (members, req.shares, req.rates, req.fragment, req.version, req.digest):
+                (members, group.shares, group.rates, frag, group.key.version, group.key.digest):
             raise ProtocolError("request differs from the round's members, shares, fragment, version or digest")
         return rnd
 
@@ -437,12 +444,12 @@ class AllReducer:
                 dropped and counted), names no round of ours, or is a duplicate.
         """
         try:
-            req = rec.parse_reduce_request(head, len(self.fragments))
+            req = rec.parse_reduce_request(head)
         except ProtocolError:
             self.swarm.drop(peer, "reduce_request")
             raise
         try:
-            rnd = self._round_for(peer, req)
+            rnd = await self._round_for(peer, req)
         except ProtocolError as e:
             self.swarm.drop(peer, "reduce_round")
             raise ProtocolError(str(e)) from None

@@ -41,7 +41,7 @@ class LinkMeter:
     this node's deadlines. A reply arrives at the slower of the sender's uplink and this
     node's downlink, so with most peers faster than this node the median is this node's link;
     the median ignores the few replies that sat in buffers while the node was busy. Feeds the
-    bandwidth-aware shares of all-reduce groups (``matchmaking.bandwidth_shares``) and the
+    bandwidth-aware shares of all-reduce groups (``shares.bandwidth_shares``) and the
     deadlines of rounds and downloads."""
 
     def __init__(self) -> None:

@@ -57,17 +57,15 @@ import hashlib
 import logging
 import math
 import secrets
-import statistics
 from collections import Counter
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Literal
-
-from hivemind.averaging.load_balancing import load_balance_peers
 
 from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
 from p2pdiloco.net import records as rec
+from p2pdiloco.net.shares import bandwidth_shares, max_share
 from p2pdiloco.net.transport import Header, Swarm
 
 log = logging.getLogger(__name__)
@@ -120,41 +118,6 @@ def leader_rank(dht_key: str, peer: str) -> bytes:
     return hashlib.sha256(f"{dht_key}\x00{peer}".encode()).digest()
 
 
-def bandwidth_shares(rates: Sequence[float | None]) -> tuple[int, ...]:
-    """All-reduce shares of a group's members (integers summing to ``records.SHARE_GRID``)
-    from their link rates (bytes/s, same order; None: not measured).
-
-    Rates above the lower median of the measured ones count at it; unmeasured
-    members count at the mean (hivemind's rule). The split is hivemind's
-    ``load_balance_peers``: a linear program minimising max_i (1 + (n - 2) x_i) / rate_i, the
-    traffic of member i in a butterfly all-reduce where it reduces the fraction x_i, over its
-    rate (``hivemind.averaging.load_balancing.optimize_parts_lp``). Returns ``()`` (equal
-    shares) for groups of 1 or 2 (every split moves the same bytes) or with fewer than two
-    measured rates, or when hivemind's solver fails. Only the leader calls it; members check
-    the integers it sends against :func:`max_share`.
-    """
-    known = [r for r in rates if r is not None and r > 0]
-    if len(rates) < 3 or len(known) < 2:
-        return ()
-    cap = statistics.median_low(known)
-    capped = [None if r is None or r <= 0 else min(float(r), cap) for r in rates]
-    try:
-        shares = tuple(int(x) for x in load_balance_peers(rec.SHARE_GRID, capped))
-    except Exception as e:  # scipy's solver, inside hivemind: equal shares rather than no group
-        log.warning("load balancing failed (%s): equal all-reduce shares", e)
-        return ()
-    return shares if sum(shares) == rec.SHARE_GRID and min(shares) >= 0 and max(shares) <= max_share(len(rates)) \
-        else ()
-
-
-def max_share(n: int) -> int:
-    """The largest share (of ``records.SHARE_GRID``) a group of ``n`` may give one member:
-    2/n of the fragment, rounded up, plus 1 for the LP's rounding. With rates capped at the
-    lower median at least half the members count at the top rate and split at least as
-    much as any other, so an honest split never exceeds it; all of it for n <= 2."""
-    return rec.SHARE_GRID if n <= 2 else -(-2 * rec.SHARE_GRID // n) + 1
-
-
 @dataclass
 class _Gathering:
     key: GroupKey
@@ -195,6 +158,9 @@ class Matchmaker:
         # peers whose states this node cannot fetch now (the node sets it: StateSync.ignoring while
         # it is behind NAT without a relay slot): a group of theirs at our version does not make us "late"
         self.undeliverable: Callable[[], Container[str]] = frozenset
+        # called with every group a leader (or we) listed us in, also one we decline: the node
+        # passes AllReducer.expect, so that our reducer part serves the other members
+        self.listed_in: Callable[[Group], object] = lambda group: None
 
     async def start(self) -> None:
         await self.swarm.add_handler("mm.join", self._on_join, max_payload=0)
@@ -475,6 +441,7 @@ class Matchmaker:
 
     def _formed(self, key: GroupKey, group: Group) -> Group:
         """We are in ``group`` at ``key``: whoever we deferred to there delivered nothing."""
+        self.listed_in(group)
         if key in self._deferred:
             self._struck(key)
         return group
@@ -541,8 +508,10 @@ class Matchmaker:
             if answer.shares and max(answer.shares) > max_share(len(members)):
                 self.swarm.ban(leader, f"gave one member {max(answer.shares)} of {rec.SHARE_GRID} of the all-reduce")
                 return "gone"
-            if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that
-                return "gone"  # reached us first): we cannot merge with it; the leader is not at fault
+            group = Group(answer.round, key, members, answer.formed_in, leader, answer.shares, answer.rates)
+            if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that reached
+                self.listed_in(group)  # us first): we do not merge with it, nor fault the leader; our
+                return "gone"  # reducer part still serves the others (it rejects the excluded one's slice)
             ghosts = [m for m in members if m not in (me, leader)]
             for attempt in range(2 if ghosts else 0):  # a declaration stored just now may still be on its way
                 declared = await self._declarations(dht_key)
@@ -553,7 +522,7 @@ class Matchmaker:
             if ghosts:
                 self.swarm.ban(leader, f"led a group with {len(ghosts)} member(s) that never declared at its key")
                 return "gone"
-            return Group(answer.round, key, members, answer.formed_in, leader, answer.shares, answer.rates)
+            return group
         if answer.status == "redirect":
             await asyncio.sleep(POLL_SECONDS)  # let the DHT show the other leader
             return "redirect"

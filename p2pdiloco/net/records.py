@@ -45,7 +45,7 @@ MAX_TEXT = 64
 MAX_COUNT = 2**53
 MAX_RECORD_KEYS = 32
 MAX_RATE_KIB = 2**32  # KiB/s: 4 TiB/s
-SHARE_GRID = 1000  # all-reduce shares are integers in [0, SHARE_GRID] (matchmaking.bandwidth_shares)
+SHARE_GRID = 1000  # all-reduce shares are integers in [0, SHARE_GRID] (shares.bandwidth_shares)
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -372,23 +372,19 @@ class ReduceRequest:
     """``ar.reduce``: one member's signed slice of its pseudo-gradient for one reducer.
 
     Attributes:
-        round: round ID; fragment, version, digest: the group's key; members: the group;
-        reducer: index of the addressed reducer in ``members``; tokens, steps: the
+        round: round ID; group: the group's fingerprint (16 bytes,
+        ``allreduce.group_fingerprint``: the reducer, a member, holds the group itself);
+        reducer: index of the addressed reducer in the group's members; tokens, steps: the
         member's counters (signed; negative values parse, so that the reducer can reject
         the signed slice as ``bad_counters`` and ban its author); span: rounds its progress
         spans (``Learner.span``; signed; values < 1 parse, rejected as ``bad_counters``
         too); position: its schedule position (``Learner.step``; signed; negative values
         parse, rejected as ``bad_counters``); key: its raw Ed25519 public key (32 bytes);
-        signature: 64 bytes over ``signing.contribution_fields``; shares: the group's
-        all-reduce shares (:func:`shares`; ``()``: equal); rates: the members' link rates in
-        the group (:func:`rates`), which set the round's deadline.
+        signature: 64 bytes over ``signing.contribution_fields``.
     """
 
     round: str
-    fragment: int
-    version: int
-    digest: str
-    members: tuple[str, ...]
+    group: bytes
     reducer: int
     tokens: int
     steps: int
@@ -396,19 +392,16 @@ class ReduceRequest:
     position: int
     key: bytes
     signature: bytes
-    shares: tuple[int, ...] = ()
-    rates: tuple[int, ...] = ()
 
 
-def parse_reduce_request(header: Any, num_fragments: int) -> ReduceRequest:
+def parse_reduce_request(header: Any) -> ReduceRequest:
     h = _map(header, "reduce request")
-    group = members(h.get("members"))
     return ReduceRequest(
-        round_id(h.get("round")), fragment(h.get("f"), num_fragments), version(h.get("v")), digest(h.get("d")),
-        group, _int(h.get("r"), "reducer", 0, len(group) - 1), _int(h.get("tokens"), "tokens", -MAX_COUNT),
+        round_id(h.get("round")), _bytes(h.get("g"), "group fingerprint", 16),
+        _int(h.get("r"), "reducer", 0, MAX_GROUP - 1), _int(h.get("tokens"), "tokens", -MAX_COUNT),
         _int(h.get("steps"), "steps", -MAX_COUNT), _int(h.get("span"), "span", -MAX_COUNT),
         _int(h.get("pos"), "position", -MAX_COUNT), _bytes(h.get("k"), "key", 32),
-        _bytes(h.get("sig"), "signature", 64), shares(h.get("s"), len(group)), rates(h.get("bw"), len(group)))
+        _bytes(h.get("sig"), "signature", 64))
 
 
 @dataclass(frozen=True)

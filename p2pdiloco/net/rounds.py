@@ -1,16 +1,60 @@
 """What a fragment round takes and gives: a learner's contribution, the round's result, the
-all-reducer's counters (``p2pdiloco.net.allreduce`` runs the rounds)."""
+all-reducer's counters, a group's fingerprint and a reducer's wait (``p2pdiloco.net.allreduce``
+runs the rounds)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from p2pdiloco.errors import RoundFailed
 
-__all__ = ["AllReduceStats", "Contribution", "ContributionExcluded", "RoundResult"]
+if TYPE_CHECKING:
+    from p2pdiloco.net.matchmaking import Group
+
+__all__ = ["AllReduceStats", "Contribution", "ContributionExcluded", "RoundResult", "group_fingerprint",
+           "round_wait"]
+
+TRANSFER_SLACK = 3.0  # a round may take this many times the transfer time its link rates predict ...
+MAX_WAIT_FACTOR = 4.0  # ... but at most this many times the liveness timeout
+MAX_ROUND_WAIT_S = 600.0  # ... and never longer than this (seconds)
+GROUP_WAIT_S = 10.0  # a reducer waits this long for its own matchmaking to give it a request's group
+
+
+def group_fingerprint(group: Group) -> bytes:
+    """16 bytes naming ``group`` in ``ar.reduce`` requests: the sha256 prefix of its round ID,
+    key, members, shares and rates (everything a reducer takes from the group)."""
+    k = group.key
+    fields = [group.round_id, k.fragment, k.version, k.digest, list(group.members), list(group.shares),
+              list(group.rates)]
+    return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).digest()[:16]
+
+
+def round_wait(timeout: float, fragment_bytes: int, shares: Sequence[int], rates: Sequence[int]) -> float:
+    """Seconds a reducer waits for missing slices after a round's first (deadlines scale with
+    payload size over bandwidth): ``timeout`` (the node's liveness timeout), or longer when
+    the members' link ``rates`` (KiB/s as the leader had them, 0: unknown; ``Group.rates``)
+    predict a slower transfer: ``TRANSFER_SLACK`` x max_m S·(1 + (n − 2)·x_m) / rate_m, the
+    bytes member m moves in one direction when it reduces the fraction x_m (``shares``; 1/n
+    when empty) of a fragment of S bytes on the wire (hivemind's load-balancing model), at
+    most ``MAX_WAIT_FACTOR`` x ``timeout`` and ``MAX_ROUND_WAIT_S`` (rates are reports: a member
+    claiming a slow link, then silent, holds a round that long; raise ``liveness_timeout`` for
+    large models on slow links). Plain IEEE double arithmetic: every member gets the same value.
+    """
+    n = len(rates)
+    if n < 2 or not any(rates):
+        return timeout
+    total = sum(shares) if shares else n
+    x = [s / total for s in shares] if shares else [1 / n] * n
+    slowest = max(fragment_bytes * (1 + (n - 2) * xm) / (1024 * r) for xm, r in zip(x, rates) if r > 0)
+    return min(MAX_ROUND_WAIT_S, MAX_WAIT_FACTOR * timeout, max(timeout, TRANSFER_SLACK * slowest))
+
 
 
 class ContributionExcluded(RoundFailed):

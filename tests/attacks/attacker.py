@@ -40,7 +40,8 @@ from p2pdiloco.core.outer import fragment_digest
 from p2pdiloco.errors import NetworkError, P2PDilocoError
 from p2pdiloco.model import build_model
 from p2pdiloco.net import transport, wire
-from p2pdiloco.net.matchmaking import GroupKey
+from p2pdiloco.net.matchmaking import Group, GroupKey
+from p2pdiloco.net.rounds import group_fingerprint
 from p2pdiloco.net.transport import Swarm
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.identity import Identity, is_peer_id
@@ -242,16 +243,22 @@ class Attacker:
     # ---- contributions --------------------------------------------------------------------
     def reduce_request(self, round_id: str, p: int, version: int, digest: str, members: Sequence[str],
                        reducer: int, *, tokens: int = 1000, steps: int = 10, span: int = 1,
-                       position: int = 0) -> tuple[dict, bytes]:
-        """A properly signed ``ar.reduce`` request (header, payload) from this attacker."""
+                       position: int = 0, name_members: bool = False) -> tuple[dict, bytes]:
+        """A properly signed ``ar.reduce`` request (header, payload) from this attacker, for
+        the group of ``members`` it makes up (no honest reducer holds that group). With
+        ``name_members``, the header also lists the members (as requests did before they
+        named their group by fingerprint), which the reducer must not even read."""
         slots = self.world.slots(p, len(members))[reducer]
         shapes = [self.world.shapes[p][i] for i in slots]
         payload = wire.encode([torch.zeros(s) for s in shapes], self.world.cfg.outer.wire_precision)
         fields = signing.contribution_fields(self.world.run, p, version, digest, round_id, list(members), reducer,
                                              tokens, steps, span, position, signing.sha256(payload))
-        header = {"round": round_id, "f": p, "v": version, "d": digest, "members": list(members),
-                  "tokens": tokens, "steps": steps, "span": span, "pos": position, "k": self.swarm.identity.public_key, "r": reducer,
+        group = Group(round_id, GroupKey(p, version, digest), tuple(members), 0.0)
+        header = {"round": round_id, "g": group_fingerprint(group), "tokens": tokens, "steps": steps, "span": span,
+                  "pos": position, "k": self.swarm.identity.public_key, "r": reducer,
                   "sig": signing.sign(self.swarm.identity, "ar.contrib", fields)}
+        if name_members:
+            header["members"] = list(members)
         return header, payload
 
     # ---- raw streams ----------------------------------------------------------------------
@@ -545,7 +552,7 @@ async def reduce_many_members(atk: Attacker, targets: Sequence[str], until: floa
         names = sorted([target, atk.peer_id, *fakes])
         reducer = names.index(target)
         header, payload = atk.reduce_request(f"many{k:04d}{secrets.token_hex(4)}", p, v, d or "ab" * 32, names,
-                                             reducer)
+                                             reducer, name_members=True)
         _, outcome = await atk.call(target, "ar.reduce", header, payload, timeout=20)
         atk.stats[f"reduce_{outcome}"] += 1
 
