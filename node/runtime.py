@@ -13,6 +13,7 @@ on it (I3): θ_p ← Θ_p(new) − (Θ_p(old) − θ_p), counters kept, contribu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -43,8 +44,8 @@ from node.training import TrainingLoop
 
 log = logging.getLogger(__name__)
 
-CATCHUP_SECONDS, PUBLISH_SECONDS = 2.0, 5.0  # how often a node catches up with the swarm, and republishes
-GATHER_POLL_SECONDS, ALONE_POLL_SECONDS = 0.5, 2.0  # how often the gathering watch, and the alone watch, look
+# how often a node catches up with the swarm, republishes, and its alone watch looks (seconds)
+CATCHUP_SECONDS, PUBLISH_SECONDS, ALONE_POLL_SECONDS = 2.0, 5.0, 2.0
 LEAVE_S = 2.5  # seconds from a stop request (SIGINT/SIGTERM) for rounds in flight to finish; then abandoned
 SETTLE_CONFIRM_S = 2.0  # seconds the swarm must stay done and agreed before a settling node leaves
 NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
@@ -71,6 +72,7 @@ class Node:
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, self.committed.states,
                               on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum))
         self.matchmaker.listed_in = self.allreducer.expect  # our reducer part serves each group we are listed in
+        self.matchmaker.gatherings.audience = lambda: self._others_seen  # pushed our gathering announcements
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
@@ -124,7 +126,8 @@ class Node:
             self._rounds = tg
             background = [tg.create_task(self._publisher()),
                           tg.create_task(self._forever("catch-up", self._catch_up, CATCHUP_SECONDS)),
-                          tg.create_task(self._forever("gathering watch", self._gathering_step, GATHER_POLL_SECONDS)),
+                          tg.create_task(self._forever("gathering watch", self._gathering_step, 0.0)),
+                          tg.create_task(self.matchmaker.gatherings.push_forever()),
                           tg.create_task(self._revocation_watch()),
                           tg.create_task(self._forever("alone watch", self._alone_step, ALONE_POLL_SECONDS))]
             try:
@@ -154,8 +157,7 @@ class Node:
         save_checkpoint(data_dir, self.setup.learner, {"name": self.setup.name, "peer_id": self.swarm.peer_id})
 
     def stop(self) -> None:
-        """Ask the node to leave gracefully (thread-safe). A second call exits at once: the
-        process ends, and its p2pd with it."""
+        """Ask the node to leave gracefully (thread-safe); a second call ends the process (p2pd with it)."""
         if self._interrupted:
             log.warning("second stop request: exiting now")
             os._exit(130)
@@ -545,8 +547,9 @@ class Node:
                 log.exception("%s failed; going on", name)
 
     async def _gathering_step(self) -> None:
-        """Join groups others are gathering at our version before our own schedule says so."""
-        open_now = await self.matchmaker.open_gatherings()
+        """Join groups others are gathering at our version before our own schedule says so:
+        when a peer pushes its announcement, and every ``gatherings.DHT_EVERY_S`` from the DHT."""
+        open_now = await self.matchmaker.open_gatherings(await self.matchmaker.gatherings.watch())
         for p, key in open_now.items():
             if not 0 <= p < len(self.committed) or self.committed.is_in_flight(p):
                 continue
@@ -592,8 +595,6 @@ class Node:
         while True:
             await self._publish()
             self._publish_now.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(PUBLISH_SECONDS):
                     await self._publish_now.wait()
-            except TimeoutError:
-                pass

@@ -114,7 +114,7 @@ def test_gathering_announcements_older_than_the_runs_gathering_window_are_left_o
                crashed: {"g": [[1, 7, "b" * 64]], "t": now - window - 1.0}}
     mm = Matchmaker(_Swarm(records, now), "run", 1, num_fragments=2)
     assert set(asyncio.run(mm.open_gatherings())) == {0, 1}  # never gathered: no window known yet
-    mm._gathering_max_age = window  # what form_group(quorum_timeout=10, grace<=3, max_grace=3) sets
+    mm.gatherings.max_age = window  # what form_group(quorum_timeout=10, grace<=3, max_grace=3) sets
     assert set(asyncio.run(mm.open_gatherings())) == {0}
 
 

@@ -65,6 +65,7 @@ from typing import Literal
 from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
 from p2pdiloco.net import records as rec
+from p2pdiloco.net.gatherings import Gatherings
 from p2pdiloco.net.shares import bandwidth_shares, max_share
 from p2pdiloco.net.transport import Header, Swarm
 
@@ -152,7 +153,7 @@ class Matchmaker:
         self._exhausted: dict[GroupKey, None] = {}  # keys where we were late for round_time already
         self.empty_groups: Counter[str] = Counter()  # peer -> groups we deferred to that delivered nothing, in a row
         self.ignored_groups: dict[str, float] = {}  # peer -> its "left in a group" ignored until (monotonic s)
-        self._gathering_max_age: float | None = None  # seconds an announcement of the run stays current
+        self.gatherings = Gatherings(swarm, run_id, num_fragments)  # the run's gathering announcements
         self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
         self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
         # peers whose states this node cannot fetch now (the node sets it: StateSync.ignoring while
@@ -164,53 +165,26 @@ class Matchmaker:
 
     async def start(self) -> None:
         await self.swarm.add_handler("mm.join", self._on_join, max_payload=0)
+        await self.gatherings.start()
 
     @property
     def gathering_key(self) -> str:
-        """DHT key where every learner announces, under its own peer ID, the fragments it is
-        gathering a group for: ``{"g": [[fragment, version, digest], ...], "t": time}``."""
-        return f"{self.run_id}/gathering"
+        """DHT key of the run's gathering announcements (``net.gatherings``)."""
+        return self.gatherings.key
 
-    async def open_gatherings(self) -> dict[int, GroupKey]:
-        """Fragments other learners are gathering a group for right now (fragment -> key).
-
-        Each learner's announcement is its own owner-only record, so nobody can hide or replace
-        another's; banned peers' announcements are ignored, malformed ones dropped and counted.
-        Where learners gather at different keys for one fragment, the key announced by the
-        most learners is returned (ties: the higher version, then the smaller digest).
-        Announcements whose ``t`` (swarm time) is older than any of the run's may live (quorum
-        timeout plus the longest grace window, as this node last gathered) are left out: the
-        DHT keeps records longer, for nodes whose clocks are ahead (``Swarm.store``).
+    async def open_gatherings(self, read_dht: bool = True) -> dict[int, GroupKey]:
+        """Fragments other learners are gathering a group for right now (fragment -> key), from
+        their pushed announcements and, when ``read_dht``, the DHT's (``Gatherings.open``).
 
         Raises:
             NetworkError: the DHT could not be read.
         """
-        values = {p: v for p, v in (await self.swarm.get(self.gathering_key)).items() if p not in self.swarm.bans}
-        good, bad = rec.parse_many(values, rec.parse_gathering, self.num_fragments)
-        for peer in bad:  # under the run's protocol tag: an honest peer never signs one of these
-            self.swarm.drop(peer, "gathering_record")
-            self.swarm.ban(peer, "signed a malformed gathering announcement")
-        votes: dict[int, Counter[tuple[int, str]]] = {}
-        now = self.swarm.clock.now()
-        for peer, gathering in good.items():
-            if peer in self.swarm.bans or peer == self.swarm.peer_id:
-                continue
-            if self._gathering_max_age is not None and now - gathering.t > self._gathering_max_age:
-                continue  # its author stopped announcing (crashed): the DHT's slack keeps it a while
-            for p, v, d in gathering.keys:
-                votes.setdefault(p, Counter())[(v, d)] += 1
-        out = {}
-        for p, counter in votes.items():
-            (v, d), _ = max(counter.items(), key=lambda kv: (kv[1], kv[0][0], tuple(-ord(c) for c in kv[0][1])))
-            out[p] = GroupKey(p, v, d)
-        return out
+        return {p: GroupKey(p, v, d) for p, (v, d) in (await self.gatherings.open(read_dht)).items()}
 
     async def _announce(self, ttl: float) -> None:
-        """Store the fragments this learner is gathering for (owner-only record), for ``ttl``
-        seconds; ``t``: the swarm's time (``Swarm.clock``)."""
-        keys = [[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values() if not g.closed]
-        await self.swarm.store(self.gathering_key, self.swarm.peer_id, {"g": keys, "t": self.swarm.clock.now()},
-                               ttl)
+        """Announce the fragments this learner is gathering for (``Gatherings.announce``)."""
+        await self.gatherings.announce(
+            [[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values() if not g.closed], ttl)
 
     async def _declarations(self, dht_key: str) -> dict[str, rec.Declaration]:
         """The parsed, non-banned declarations under ``dht_key``, by author."""
@@ -358,7 +332,7 @@ class Matchmaker:
         # one lifetime whatever this round's grace: a DHT keeps the value that expires last, so a
         # retry at this key with a shorter lifetime would not replace our closed declaration
         dht_key, ttl = key.dht_key(self.run_id), quorum_timeout + max(grace, max_grace or 0.0) + 30
-        self._gathering_max_age = quorum_timeout + max(grace, max_grace or 0.0) + JOIN_SLACK_S
+        self.gatherings.max_age = quorum_timeout + max(grace, max_grace or 0.0) + JOIN_SLACK_S
         await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
         gathering = _Gathering(key)
         self._gatherings[key.fragment] = gathering
