@@ -44,7 +44,8 @@ async def test_a_gathering_is_pushed_to_the_audience_and_withdrawn_without_dht_r
             assert (await gathering)[0] == "group"
             await until(lambda: mm_b.gatherings.stats["received"] >= 2, 5, "A's withdrawal pushed to B", every=0.1)
             assert await mm_b.open_gatherings(read_dht=False) == {}
-            assert net.dht_gets[b.peer_id] == reads
+            assert net.dht_gets[b.peer_id] == reads and b.stats.dht["get:gathering"] == 0
+            assert a.stats.dht["store:gathering"] == 2 and a.stats.dht["store:mm"] == 2  # opened, closed
             assert mm_a.gatherings.stats["sent"] >= 2 and mm_a.gatherings.stats["failed"] == 0
         finally:
             pusher.cancel()

@@ -66,11 +66,17 @@ class LinkMeter:
         return statistics.median(rates) if len(rates) >= RATE_MIN_SAMPLES else None
 
 
+def record_kind(key: str) -> str:
+    """A DHT key's kind, for counting: ``mm`` (a matchmaking declaration key) or the key's last
+    part (``heads``, ``gathering``, ...; at most 32 characters)."""
+    return "mm" if "/mm/" in key else key.rsplit("/", 1)[-1][:32]
+
+
 @dataclass
 class TrafficStats:
     """RPC payload bytes this peer sent and received (headers not counted), calls made, the
     bytes of both directions with ``relayed`` peers (reached only through a relay), and the
-    link rate measured on inbound payloads (``link``)."""
+    link rate measured on inbound payloads (``link``), and DHT operations by kind (``dht``)."""
 
     bytes_out: int = 0
     bytes_in: int = 0
@@ -78,6 +84,7 @@ class TrafficStats:
     calls_failed: int = 0
     bytes_relayed: int = 0
     relayed: frozenset[str] = frozenset()
+    dht: Counter[str] = field(default_factory=Counter)  # DHT operations by "get:" / "store:" and record kind
     link: LinkMeter = field(default_factory=LinkMeter)
 
     def add(self, peer: str, n_in: int = 0, n_out: int = 0, seconds: float = 0.0) -> None:

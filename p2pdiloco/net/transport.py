@@ -73,7 +73,7 @@ from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_pay
 )
 from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.net.daemon import identity_in_use, rejoin_dht, start_daemon, start_dht
-from p2pdiloco.net.drops import MAX_DROP_PEERS, DropLedger, TrafficStats
+from p2pdiloco.net.drops import MAX_DROP_PEERS, DropLedger, TrafficStats, record_kind
 from p2pdiloco.net.framing import short_error as _short
 from p2pdiloco.net.reachability import RPC as DIALBACK
 from p2pdiloco.net.reachability import DialbackServer, Reachability, ReachabilityMode, daemon_options
@@ -297,6 +297,7 @@ class Swarm:
         see it. Readers that need a record's age read its ``t`` field (swarm time), not the
         DHT's expiry."""
         expiration = self.clock.now() + ttl + swarm_clock.TOLERANCE_S
+        self.stats.dht[f"store:{record_kind(key)}"] += 1
         try:
             return bool(await self._dht.store(key, value, expiration, subkey=subkey))
         except Exception as e:
@@ -304,6 +305,7 @@ class Swarm:
 
     async def get(self, key: str) -> dict[str, Any]:
         """Latest non-expired values under ``key`` as {subkey: value}; {} when none."""
+        self.stats.dht[f"get:{record_kind(key)}"] += 1
         try:
             found = await self._dht.get(key, latest=True)
         except Exception as e:
