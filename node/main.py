@@ -170,6 +170,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "recent_rounds": [{**vars(r), "seconds": round(r.seconds, 2)} for r in st.recent[-10:]],
         "bytes_out": swarm.stats.bytes_out, "bytes_in": swarm.stats.bytes_in,
         "rpc_calls": swarm.stats.calls_out, "rpc_failed": swarm.stats.calls_failed, "dht_ops": dict(swarm.stats.dht),
+        "gathering_pushes": dict(node.matchmaker.gatherings.stats),
         "link_bytes_per_s": round(link) if (link := swarm.stats.link.estimate()) else None,
         "rejected": rejected, "rejected_total": sum(rejected.values()),
         "bans": dict(swarm.bans), "ignored": node.sync.ignoring(), "other_settings": node.sync.other_settings(),

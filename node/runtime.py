@@ -40,6 +40,7 @@ from node.committed import CommittedStates
 from node.journal import FILE as JOURNAL_FILE, Journal, save_round_trace
 from node.setup import Setup, protocol_tag
 from node.stats import NodeStats, RoundRecord
+from node.swarm_view import SwarmView
 from node.training import TrainingLoop
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class Node:
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, self.committed.states,
                               on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum))
         self.matchmaker.listed_in = self.allreducer.expect  # our reducer part serves each group we are listed in
-        self.matchmaker.gatherings.audience = lambda: self._others_seen  # pushed our gathering announcements
+        self.view = SwarmView(self.sync, swarm.peer_id)  # the swarm's records, as last read
+        self.matchmaker.gatherings.audience = lambda: self.view.others  # pushed our gathering announcements
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
@@ -81,16 +83,12 @@ class Node:
         self._rounds: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._publish_now = asyncio.Event()
-        self._live_learners = 0  # learners still training, from the swarm's records
         self._no_shows: dict[str, int] = {}  # peer -> our groups in a row it was expected in but missed
         self._interrupted = False
         self._stopped_at = 0.0  # time.monotonic() of the stop request
         self._resumed = False
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
-        self._records_read = False  # whether the last read of the swarm's records succeeded
-        self._others_seen: set[str] = set()  # other nodes of the run with our settings, in the last read of the records
         self._stepped: set[int] = set()  # fragments with an own outer step from a round of ours (StateSync.own_step)
-        self._swarm_step = 0  # inner step two other peers' records reach (one if it is the only other): _keep_schedule
         self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag)  # no silent solo
         self.done = False
 
@@ -125,7 +123,7 @@ class Node:
         async with asyncio.TaskGroup() as tg:
             self._rounds = tg
             background = [tg.create_task(self._publisher()),
-                          tg.create_task(self._forever("catch-up", self._catch_up, CATCHUP_SECONDS)),
+                          tg.create_task(self._forever("catch-up", self._catch_up_often, CATCHUP_SECONDS)),
                           tg.create_task(self._forever("gathering watch", self._gathering_step, 0.0)),
                           tg.create_task(self.matchmaker.gatherings.push_forever()),
                           tg.create_task(self._revocation_watch()),
@@ -172,8 +170,8 @@ class Node:
         end, agreed_at = time.monotonic() + timeout, math.inf
         while time.monotonic() < end:
             await self._publish()
-            records = await self._records()
-            await self._catch_up()
+            records = await self.view.read()
+            await self._catch_up(max_age=1.0)
             mine = tuple((st.version, st.digest) for st in self.committed)
             if all(r.done and r.fragments == mine for r in records.values()) and not self.committed.in_flight():
                 agreed_at = min(agreed_at, time.monotonic())  # a last round elsewhere shows within the wait
@@ -326,7 +324,7 @@ class Node:
     async def _alone_step(self) -> None:
         if self.training is not None and not self.done:
             # peers ignored for not delivering their state are nodes of the run too (behind NAT, say)
-            seen = len(self._others_seen | self.sync.ignoring().keys())
+            seen = len(self.view.others | self.sync.ignoring().keys())
             self.solo.check(seen, self.sync.other_settings(), self.swarm.reach.advice())
 
     def state_name(self) -> str:
@@ -366,7 +364,7 @@ class Node:
         skipped because another one moved the fragment meanwhile chooses once more. Also returns
         whether the state followed holds our contribution already (``_follow``): then the round
         must not send Δ, which holds that progress too (invariant I2)."""
-        records = await self._records()
+        records = await self.view.read()
         for _ in range(2):
             chosen_on = self.committed[p]
             head = self._targets(records)[p]
@@ -385,20 +383,6 @@ class Node:
         self.journal.record("round", **{**vars(rec), "seconds": round(rec.seconds, 3)})
 
     # ---- catch-up and records ------------------------------------------------------------
-    async def _records(self) -> dict[str, HeadsRecord]:
-        try:
-            records = await self.sync.records()
-        except NetworkError as e:
-            log.debug("records unavailable: %s", e)
-            self._records_read = False
-            return {}
-        self._records_read = True
-        self._live_learners = sum(1 for r in records.values() if not r.done)
-        self._others_seen = {p for p in records if p != self.swarm.peer_id}
-        steps = sorted((r.step for p, r in records.items() if p != self.swarm.peer_id), reverse=True)
-        self._swarm_step = steps[1] if len(steps) > 1 else steps[0] if steps else self._swarm_step
-        return records
-
     def _targets(self, records: dict[str, HeadsRecord], states: list[FragmentState] | None = None) -> list:
         """Per fragment, the head this node should move to, or None where it holds what it
         should. The heads rule (``heads.newest_heads``: corroborated claims, ours counted)
@@ -421,12 +405,13 @@ class Node:
                 else head if is_behind(st, head) else None
                 for st, head, fall in zip(states, heads, fallback)]
 
-    async def _catch_up(self, *, initial: bool = False, only: int | None = None) -> None:
+    async def _catch_up(self, *, initial: bool = False, only: int | None = None, max_age: float = 0.0) -> None:
         """Follow every fragment the swarm holds newer (or, at equal version, the winning
-        digest of a split brain, invariant I7). On joining, also take the swarm's inner step,
-        so that the learning-rate schedule continues where the swarm is."""
+        digest of a split brain, invariant I7), by the swarm's records as read at most ``max_age``
+        seconds ago (``SwarmView``). On joining, also take the swarm's inner step, so that the
+        learning-rate schedule continues where the swarm is."""
         await self._estimate_own_steps()
-        records = await self._records()
+        records = await self.view.read(max_age)
         chosen_on = self.committed.states()
         targets = self._targets(records, chosen_on)
         followed = []
@@ -452,7 +437,7 @@ class Node:
                 lr = lr_at(step, self.setup.learner.inner)
                 log.info("joined at the swarm's inner step %d (inner lr %.6g, warming up to it again)", step, lr)
                 self.journal.record("joined", step=step, lr=lr)
-        if initial and not followed and not self._joined and self._records_read and not any(
+        if initial and not followed and not self._joined and self.view.read_ok and not any(
                 r.fragments[p] is not None and r.fragments[p][0] > st.version
                 for peer, r in records.items() if peer != self.swarm.peer_id for p, st in enumerate(self.committed)):
             # nobody holds a newer state: this node starts the run (alone, or with others that
@@ -460,6 +445,9 @@ class Node:
             self._joined = True
         if self.stats.state in ("catching up", "joining") and self.training is not None and not self.done:
             self.stats.state = "training"
+
+    async def _catch_up_often(self) -> None:  # the catch-up loop: a read a round made within a second will do
+        await self._catch_up(max_age=CATCHUP_SECONDS / 2)
 
     async def _estimate_own_steps(self) -> None:
         """Before its first round of a fragment, its progress so far gives the node's own outer step
@@ -528,7 +516,7 @@ class Node:
         peers' records reach (one if it is the only other): a ledger is checked only for its
         range, and a peer that republished our own Θ under a ledger claiming step 2^53 would
         otherwise end our schedule."""
-        swarm = min(max(st.ledger.period_start for st in self.committed), self._swarm_step + self.cfg.outer.sync_every)
+        swarm = min(max(st.ledger.period_start for st in self.committed), self.view.swarm_step + self.cfg.outer.sync_every)
         if self.training is not None and swarm > self.training.stats.step:
             self.training.advance_to(swarm)
 
@@ -547,9 +535,10 @@ class Node:
                 log.exception("%s failed; going on", name)
 
     async def _gathering_step(self) -> None:
-        """Join groups others are gathering at our version before our own schedule says so:
-        when a peer pushes its announcement, and every ``gatherings.DHT_EVERY_S`` from the DHT."""
-        open_now = await self.matchmaker.open_gatherings(await self.matchmaker.gatherings.watch())
+        """Join groups others are gathering at our version before our own schedule says so,
+        each time a peer pushes its announcement (``net.gatherings``)."""
+        await self.matchmaker.gatherings.watch()
+        open_now = self.matchmaker.open_gatherings()
         for p, key in open_now.items():
             if not 0 <= p < len(self.committed) or self.committed.is_in_flight(p):
                 continue

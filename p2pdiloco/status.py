@@ -76,7 +76,9 @@ class Status(Starting):
     rpc_calls: Annotated[int, "RPCs it made"]
     rpc_failed: Annotated[int, "of those, failed"]
     dht_ops: Annotated[dict[str, int], "DHT reads and stores it made, by \"get:\" or \"store:\" and record kind "
-                                       "(mm: matchmaking declarations, heads, gathering, ...)"]
+                                       "(mm: matchmaking declarations, heads, ...)"]
+    gathering_pushes: Annotated[dict[str, int], "gathering announcements pushed (net.gatherings): sent, failed, "
+                                                "received, other_run (refused: another run's or other settings')"]
     link_bytes_per_s: Annotated[int | None, "measured link rate (median of large replies), bytes/s"]
     rejected: Annotated[dict[str, int], "contributions refused, by reason"]
     rejected_total: Annotated[int, "sum of rejected"]

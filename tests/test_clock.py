@@ -87,7 +87,7 @@ def test_readings_older_than_their_age_limit_are_forgotten() -> None:
 
 # ---- readers judge age by the records' swarm time, not by the DHT's (slackened) expiry ------
 class _Swarm:
-    """What Matchmaker.open_gatherings touches: a DHT read, the ban list, the clock."""
+    """What a Matchmaker touches here: the ban list and the clock."""
 
     def __init__(self, records: dict, now: float):
         self.peer_id, self.bans, self.records = "me", {}, records
@@ -112,10 +112,12 @@ def test_gathering_announcements_older_than_the_runs_gathering_window_are_left_o
     now, window = 5000.0, 10.0 + 3.0 + JOIN_SLACK_S  # quorum timeout 10 s, longest grace 3 s
     records = {fresh: {"g": [[0, 7, "a" * 64]], "t": now - 12.0},
                crashed: {"g": [[1, 7, "b" * 64]], "t": now - window - 1.0}}
-    mm = Matchmaker(_Swarm(records, now), "run", 1, num_fragments=2)
-    assert set(asyncio.run(mm.open_gatherings())) == {0, 1}  # never gathered: no window known yet
+    mm = Matchmaker(_Swarm({}, now), "run", 1, num_fragments=2)
+    for peer, pushed in records.items():  # as pushed by their authors (mm.gather)
+        asyncio.run(mm.gatherings._on_push(peer, {**pushed, "run": "run"}, b""))
+    assert set(mm.open_gatherings()) == {0, 1}  # never gathered: no window known yet
     mm.gatherings.max_age = window  # what form_group(quorum_timeout=10, grace<=3, max_grace=3) sets
-    assert set(asyncio.run(mm.open_gatherings())) == {0}
+    assert set(mm.open_gatherings()) == {0}
 
 
 def test_swarm_status_leaves_out_records_older_than_a_heartbeat() -> None:

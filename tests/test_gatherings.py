@@ -1,6 +1,6 @@
 """Gathering announcements pushed to the audience (``p2pdiloco.net.gatherings``), on the
-in-memory network and virtual time: a learner hears of another's gathering without reading the
-DHT, and of its end; a malformed push is dropped and its author banned."""
+in-memory network and virtual time: a learner hears of another's gathering, and of its end,
+without the DHT; a malformed push is dropped and its author banned."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from test_memory_net import memory_swarms
 from test_trust_net import KEY
 
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net.gatherings import DHT_EVERY_S
 from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
 from p2pdiloco.net.memory import Link, MemoryNet
 
@@ -22,9 +21,10 @@ pytestmark = pytest.mark.looptime(end=3600)
 @pytest.mark.asyncio
 async def test_a_gathering_is_pushed_to_the_audience_and_withdrawn_without_dht_reads():
     """A gathers at KEY (expecting a second learner that never comes); B, in A's audience,
-    learns of it from A's push, with the DHT unread: its watch wakes within a second, not after
-    ``DHT_EVERY_S``, and ``open_gatherings(read_dht=False)`` names KEY. When A's gathering ends,
-    A's withdrawal reaches B the same way. The DHT copy still serves a reader A did not push to."""
+    learns of it from A's push within a second, with no DHT read, and of its withdrawal when
+    A's gathering ends; C, not in the audience, hears nothing; nobody stores an announcement
+    in the DHT (A's stores are its two matchmaking declarations); a push of another run is
+    refused, not read."""
     async with memory_swarms(3, MemoryNet(default=Link(latency=0.01))) as (net, (a, b, c)):
         mm_a, mm_b, mm_c = (Matchmaker(s, "run", 1) for s in (a, b, c))
         for m in (mm_a, mm_b, mm_c):
@@ -33,22 +33,23 @@ async def test_a_gathering_is_pushed_to_the_audience_and_withdrawn_without_dht_r
         pusher = asyncio.create_task(mm_a.gatherings.push_forever())
         try:
             loop = asyncio.get_running_loop()
-            assert await mm_b.gatherings.watch()  # the first look reads the DHT
             gathering = asyncio.create_task(mm_a.form_group(KEY, grace=5.0, quorum_timeout=10.0, expected=2))
             t0, reads = loop.time(), net.dht_gets[b.peer_id]
-            assert not await mm_b.gatherings.watch()  # woken by the push: no DHT read due yet
-            assert loop.time() - t0 < 1.0 < DHT_EVERY_S
-            assert await mm_b.open_gatherings(read_dht=False) == {0: KEY}
-            assert net.dht_gets[b.peer_id] == reads
-            assert await mm_c.open_gatherings() == {0: KEY}  # not pushed to: the DHT's copy
+            await mm_b.gatherings.watch()
+            assert loop.time() - t0 < 1.0
+            assert mm_b.open_gatherings() == {0: KEY} and mm_c.open_gatherings() == {}
             assert (await gathering)[0] == "group"
             await until(lambda: mm_b.gatherings.stats["received"] >= 2, 5, "A's withdrawal pushed to B", every=0.1)
-            assert await mm_b.open_gatherings(read_dht=False) == {}
-            assert net.dht_gets[b.peer_id] == reads and b.stats.dht["get:gathering"] == 0
-            assert a.stats.dht["store:gathering"] == 2 and a.stats.dht["store:mm"] == 2  # opened, closed
+            assert mm_b.open_gatherings() == {}
+            assert net.dht_gets[b.peer_id] == reads and dict(b.stats.dht) == {}
+            assert dict(a.stats.dht) == {"store:mm": 2, "get:mm": a.stats.dht["get:mm"]}  # opened, closed
             assert mm_a.gatherings.stats["sent"] >= 2 and mm_a.gatherings.stats["failed"] == 0
         finally:
             pusher.cancel()
+        with pytest.raises(ProtocolError, match="another run"):
+            await c.call(b.peer_id, "mm.gather", {"g": [[0, 9, KEY.digest]], "t": c.clock.now(), "run": "other"},
+                         timeout=5)
+        assert mm_b.gatherings.stats["other_run"] == 1 and mm_b.open_gatherings() == {} and b.bans == {}
 
 
 @pytest.mark.asyncio
@@ -56,13 +57,13 @@ async def test_a_malformed_push_is_dropped_and_its_author_banned_and_a_late_push
     async with memory_swarms(2, MemoryNet(default=Link(latency=0.01))) as (net, (a, b)):
         mm_b = Matchmaker(b, "run", 1, num_fragments=2)
         await mm_b.start()
-        newer = {"g": [[1, 4, "cd" * 32]], "t": b.clock.now()}
+        newer = {"g": [[1, 4, "cd" * 32]], "t": b.clock.now(), "run": "run"}
         await a.call(b.peer_id, "mm.gather", newer, timeout=5)
-        await a.call(b.peer_id, "mm.gather", {"g": [[1, 3, "ab" * 32]], "t": newer["t"] - 1}, timeout=5)
-        assert await mm_b.open_gatherings(read_dht=False) == {1: GroupKey(1, 4, "cd" * 32)}
-        with pytest.raises(ProtocolError):
-            await a.call(b.peer_id, "mm.gather", {"g": [[7, 1, "ab" * 32]], "t": 1.0}, timeout=5)  # fragment 7 of 2
+        await a.call(b.peer_id, "mm.gather", {**newer, "g": [[1, 3, "ab" * 32]], "t": newer["t"] - 1}, timeout=5)
+        assert mm_b.open_gatherings() == {1: GroupKey(1, 4, "cd" * 32)}
+        with pytest.raises(ProtocolError):  # fragment 7 of 2
+            await a.call(b.peer_id, "mm.gather", {"g": [[7, 1, "ab" * 32]], "t": 1.0, "run": "run"}, timeout=5)
         assert b.drop_reasons["gathering_push"] == 1 and a.peer_id in b.bans
-        assert await mm_b.open_gatherings(read_dht=False) == {}  # a banned author's pushes are ignored
+        assert mm_b.open_gatherings() == {}  # a banned author's pushes are ignored
         with pytest.raises(ProtocolError):
             await a.call(b.peer_id, "mm.gather", newer, timeout=5)

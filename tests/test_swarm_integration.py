@@ -32,6 +32,11 @@ def test_three_nodes_merge_like_one_process(harness):
     assert len({r["global_digest"] for r in reports}) == 1, [r["fragments"] for r in reports]
     assert all(v > 0 for v, _ in reports[0]["fragments"])
     assert all(r["end_loss"] < r["start_loss"] for r in reports)
+    # gathering announcements travel as pushes between the nodes, never through the DHT
+    assert all(r["gathering_pushes"].get("sent", 0) > 0 and r["gathering_pushes"].get("received", 0) > 0
+               for r in reports), [r["gathering_pushes"] for r in reports]
+    assert all(r["dht_ops"].get("store:mm", 0) > 0 and not any(k.endswith(":gathering") for k in r["dht_ops"])
+               for r in reports), [r["dht_ops"] for r in reports]
 
     traces = [_traces(d) for _, d in nodes]
     full = [rid for rid in traces[0] if all(rid in t for t in traces) and len(traces[0][rid]["members"]) == 3]

@@ -326,20 +326,24 @@ async def test_matchmaking_ignores_banned_peers():
         assert oa == ob == "group" and ga.members == (a.peer_id,) and gb.members == (b.peer_id,)
         with pytest.raises(ProtocolError, match="excluded from this run"):
             await mm_a._on_join(b.peer_id, {"f": 0, "v": 3, "d": KEY.digest}, b"")
-        # gathering announcements are owner-only records; a banned peer's are ignored
+        # gathering announcements are pushed by their authors; a banned peer's are ignored
         a.bans.clear()
         b.bans.clear()
-        key = GroupKey(0, KEY.version + 1, KEY.digest)  # at KEY, b's group of one makes a late at once
-        task = asyncio.create_task(mm_a.form_group(key, grace=3.0, quorum_timeout=3.0, expected=2))
-        await until(mm_b.open_gatherings, 3, "a's gathering announcement", every=0.1)
-        assert await mm_b.open_gatherings() == {0: key}
-        assert not await b.store(mm_b.gathering_key, a.peer_id, {"g": [[0, 9, "f" * 64]]}, 30)
-        assert await mm_b.open_gatherings() == {0: key}
-        b.ban(a.peer_id, "test")
-        assert await mm_b.open_gatherings() == {}
-        await task
-        b.bans.clear()
-        assert await mm_b.open_gatherings() == {}  # withdrawn when its group closed
+        mm_a.gatherings.audience = lambda: [b.peer_id]
+        pusher = asyncio.create_task(mm_a.gatherings.push_forever())
+        try:
+            key = GroupKey(0, KEY.version + 1, KEY.digest)  # at KEY, b's group of one makes a late at once
+            task = asyncio.create_task(mm_a.form_group(key, grace=3.0, quorum_timeout=3.0, expected=2))
+            await until(mm_b.open_gatherings, 3, "a's gathering announcement", every=0.1)
+            assert mm_b.open_gatherings() == {0: key}
+            b.ban(a.peer_id, "test")
+            assert mm_b.open_gatherings() == {}
+            b.bans.clear()
+            assert mm_b.open_gatherings() == {0: key}
+            await task
+            await until(lambda: mm_b.open_gatherings() == {}, 5, "a's withdrawal", every=0.1)  # when its group closed
+        finally:
+            pusher.cancel()
 
 
 @pytest.mark.asyncio

@@ -4,40 +4,38 @@ A learner that starts gathering (``Matchmaker.form_group``) announces the (fragm
 digest) keys it gathers at, and withdraws them when its gathering ends, so that learners at
 the same version pull that fragment's round in and join (``node.runtime``'s gathering watch)
 instead of arriving late. The announcement, ``{"g": [[fragment, version, digest], ...],
-"t": swarm time}``, travels two ways:
+"t": swarm time}`` with the run's name (``run``, with its protocol tag: a push of another run
+is refused), is pushed (``mm.gather``) to the audience, the live learners of this
+node's last records read (``audience``, at most ``MAX_AUDIENCE``), by
+:meth:`Gatherings.push_forever` whenever it changes (the newest only; a learner that does not
+answer within ``PUSH_TIMEOUT_S`` is skipped). A receiver keeps each author's newest push
+(``MAX_PUSHED`` authors) and wakes its watch (:meth:`Gatherings.watch`).
 
-* **pushed** (``mm.gather``) to the audience, the live learners of this node's last records
-  read (``audience``, at most ``MAX_AUDIENCE``), by :meth:`Gatherings.push_forever` whenever it
-  changes (the newest only; a learner that does not answer within ``PUSH_TIMEOUT_S`` is
-  skipped). A receiver keeps each author's newest push (``MAX_PUSHED`` authors) and wakes its
-  watch (:meth:`Gatherings.watch`), which therefore needs no fast polling;
-* **stored in the DHT** under ``{run}/gathering`` and the author's peer ID (an owner-only
-  record, ``transport.SignedRecords``), for learners that did not get the push (new, or not
-  yet in the author's records); the watch reads it every ``DHT_EVERY_S`` only. Before the
-  pushes it read it twice a second, and every DHT get visits up to 20 peers whose answers
-  each carry every learner's announcement (issue 13 of this project: the control plane).
+It used to be a DHT record under ``{run}/gathering`` that every learner polled twice a
+second, and every DHT read is a Kademlia traversal whose answers each carry every learner's
+announcement (issue 13 of this project: the control plane). A learner not yet in a peer's
+records (it joined in the last few seconds) misses that peer's pushes and sends on its own
+schedule meanwhile.
 
-Either way an announcement is its author's own (the DHT checks the record's signature, the
-transport authenticates the pusher), parsed at one boundary (``records.parse_gathering``): a
-malformed one is dropped and counted, and its author banned, as an honest node never signs
-one; a banned author's are ignored.
+An announcement is its author's own (the transport authenticates the pusher), parsed at one
+boundary (``records.parse_gathering``): a malformed one is dropped and counted, and its author
+banned, as an honest node never sends one; a banned author's are ignored; an older push never
+replaces a newer one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from p2pdiloco.errors import NetworkError, ProtocolError
-from p2pdiloco.net import clock as swarm_clock, records as rec
+from p2pdiloco.net import records as rec
 from p2pdiloco.net.transport import Header, Swarm
 
-__all__ = ["Gatherings", "DHT_EVERY_S", "MAX_AUDIENCE", "MAX_PUSHED", "PUSH_TIMEOUT_S"]
+__all__ = ["Gatherings", "MAX_AUDIENCE", "MAX_PUSHED", "PUSH_TIMEOUT_S"]
 
-DHT_EVERY_S = 5.0  # seconds between two DHT reads of the watch (pushes wake it in between)
 COALESCE_S = 0.1  # seconds the watch waits after a push for others arriving with it
 MAX_AUDIENCE = 64  # learners an announcement is pushed to at most
 MAX_PUSHED = 1024  # authors whose newest push is kept (the oldest go first)
@@ -50,60 +48,38 @@ class Gatherings:
 
     Args:
         swarm: the transport.
-        run_id: the run's name (with its protocol tag), part of the DHT key.
+        run_id: the run's name (with its protocol tag).
         num_fragments: P, the run's fragment count (bounds what an announcement may name).
     """
 
     def __init__(self, swarm: Swarm, run_id: str, num_fragments: int):
-        self.swarm, self.num_fragments, self.key = swarm, num_fragments, f"{run_id}/gathering"
+        self.swarm, self.run_id, self.num_fragments = swarm, run_id, num_fragments
         self.max_age: float | None = None  # seconds an announcement stays current (Matchmaker sets it)
         self.audience: Callable[[], Iterable[str]] = tuple  # the node sets it: the live learners it knows
         self.pushed = asyncio.Event()  # set when a push arrives
-        self.stats: Counter[str] = Counter()  # pushes "sent", "failed" and "received"
+        self.stats: Counter[str] = Counter()  # pushes "sent", "failed", "received" and "other_run" (refused)
         self._pushes: dict[str, rec.Gathering] = {}  # author -> its newest push, oldest author first
         self._mine: dict[str, Any] | None = None  # our newest announcement
         self._changed = asyncio.Event()
-        self._next_dht = 0.0  # monotonic seconds: when the watch reads the DHT next
 
     async def start(self) -> None:
         await self.swarm.add_handler("mm.gather", self._on_push, max_payload=0)
 
-    async def announce(self, keys: list[list], ttl: float) -> None:
+    def announce(self, keys: list[list]) -> None:
         """Announce that we gather at ``keys`` ([[fragment, version, digest], ...]; [] withdraws):
-        stored in the DHT for ``ttl`` seconds now, pushed by :meth:`push_forever`.
-
-        Raises:
-            NetworkError: the DHT store failed.
-        """
+        :meth:`push_forever` pushes it."""
         self._mine = {"g": keys, "t": self.swarm.clock.now()}
         self._changed.set()
-        await self.swarm.store(self.key, self.swarm.peer_id, self._mine, ttl)
 
-    async def open(self, read_dht: bool = True) -> dict[int, tuple[int, str]]:
-        """Fragments other learners gather a group for now: {fragment: (version, digest)}.
-
-        Each author counts once, with its newest announcement (pushed, or read from the DHT
-        when ``read_dht``). Where learners gather at different keys for one fragment, the key
+    def open(self) -> dict[int, tuple[int, str]]:
+        """Fragments other learners gather a group for now, by their pushes: {fragment:
+        (version, digest)}. Where learners gather at different keys for one fragment, the key
         announced by the most learners is returned (ties: the higher version, then the smaller
         digest). Announcements whose ``t`` (swarm time) is older than ``max_age`` are left out:
-        their authors stopped announcing (crashed), and the DHT keeps records longer, for nodes
-        whose clocks are ahead (``Swarm.store``).
-
-        Raises:
-            NetworkError: the DHT could not be read.
-        """
-        values = {p: v for p, v in (await self.swarm.get(self.key)).items()} if read_dht else {}
-        good, bad = rec.parse_many({p: v for p, v in values.items() if p not in self.swarm.bans},
-                                   rec.parse_gathering, self.num_fragments)
-        for peer in bad:  # under the run's protocol tag: an honest peer never signs one of these
-            self.swarm.drop(peer, "gathering_record")
-            self.swarm.ban(peer, "signed a malformed gathering announcement")
-        for peer, pushed in self._pushes.items():
-            if peer not in good or pushed.t > good[peer].t:
-                good[peer] = pushed
+        their authors stopped announcing (crashed, or left)."""
         votes: dict[int, Counter[tuple[int, str]]] = {}
         now = self.swarm.clock.now()
-        for peer, gathering in good.items():
+        for peer, gathering in self._pushes.items():
             if peer in self.swarm.bans or peer == self.swarm.peer_id:
                 continue
             if self.max_age is not None and now - gathering.t > self.max_age:
@@ -113,19 +89,11 @@ class Gatherings:
         return {p: max(counter.items(), key=lambda kv: (kv[1], kv[0][0], tuple(-ord(c) for c in kv[0][1])))[0]
                 for p, counter in votes.items()}
 
-    async def watch(self) -> bool:
-        """Wait until a push arrives or the watch's DHT read is due (every ``DHT_EVERY_S``
-        seconds); True when it is due (the caller reads the DHT too)."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(0.0, self._next_dht - swarm_clock.monotonic())):
-                await self.pushed.wait()
+    async def watch(self) -> None:
+        """Wait until a push arrives (and ``COALESCE_S`` more, for pushes arriving with it)."""
+        await self.pushed.wait()
         await asyncio.sleep(COALESCE_S)
         self.pushed.clear()
-        now = swarm_clock.monotonic()
-        if now < self._next_dht:
-            return False
-        self._next_dht = now + DHT_EVERY_S
-        return True
 
     async def push_forever(self) -> None:
         """Push our newest announcement to the audience each time it changes, for the node's
@@ -139,7 +107,7 @@ class Gatherings:
 
     async def _push(self, peer: str, value: dict[str, Any] | None) -> None:
         try:
-            await self.swarm.call(peer, "mm.gather", value or {}, timeout=PUSH_TIMEOUT_S)
+            await self.swarm.call(peer, "mm.gather", {**(value or {}), "run": self.run_id}, timeout=PUSH_TIMEOUT_S)
             self.stats["sent"] += 1
         except (NetworkError, ProtocolError):
             self.stats["failed"] += 1
@@ -147,6 +115,9 @@ class Gatherings:
     async def _on_push(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
         if peer in self.swarm.bans:
             raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
+        if header.get("run") != self.run_id:  # another run, or our run with other settings: not ours to read
+            self.stats["other_run"] += 1
+            raise ProtocolError("a gathering of another run (or of other settings)")
         try:
             gathering = rec.parse_gathering(header, self.num_fragments)
         except ProtocolError:

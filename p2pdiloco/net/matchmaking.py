@@ -24,8 +24,9 @@ competing group (that would split the swarm's history); it reports ``late`` and 
 catches up with the group's result instead (unless it cannot fetch their state at all: a node
 behind NAT without a relay slot, ``Matchmaker.undeliverable``; it then goes on with its own).
 
-Trust (docs/trust.md): declarations and gathering announcements are DHT records under the
-declaring peer's own ID, so only that peer can write or overwrite them
+Trust (docs/trust.md): declarations are DHT records under the declaring peer's own ID (and
+gathering announcements are pushed by their authors: ``net.gatherings``), so only that peer
+can write or overwrite them
 (``transport.SignedRecords``); entries under any other subkey, and values that do not parse
 (:mod:`p2pdiloco.net.records`), are ignored and counted. No single peer can capture groups:
 
@@ -167,24 +168,15 @@ class Matchmaker:
         await self.swarm.add_handler("mm.join", self._on_join, max_payload=0)
         await self.gatherings.start()
 
-    @property
-    def gathering_key(self) -> str:
-        """DHT key of the run's gathering announcements (``net.gatherings``)."""
-        return self.gatherings.key
-
-    async def open_gatherings(self, read_dht: bool = True) -> dict[int, GroupKey]:
+    def open_gatherings(self) -> dict[int, GroupKey]:
         """Fragments other learners are gathering a group for right now (fragment -> key), from
-        their pushed announcements and, when ``read_dht``, the DHT's (``Gatherings.open``).
+        their pushed announcements (``Gatherings.open``)."""
+        return {p: GroupKey(p, v, d) for p, (v, d) in self.gatherings.open().items()}
 
-        Raises:
-            NetworkError: the DHT could not be read.
-        """
-        return {p: GroupKey(p, v, d) for p, (v, d) in (await self.gatherings.open(read_dht)).items()}
-
-    async def _announce(self, ttl: float) -> None:
+    def _announce(self) -> None:
         """Announce the fragments this learner is gathering for (``Gatherings.announce``)."""
-        await self.gatherings.announce(
-            [[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values() if not g.closed], ttl)
+        self.gatherings.announce(
+            [[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values() if not g.closed])
 
     async def _declarations(self, dht_key: str) -> dict[str, rec.Declaration]:
         """The parsed, non-banned declarations under ``dht_key``, by author."""
@@ -336,7 +328,7 @@ class Matchmaker:
         await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
         gathering = _Gathering(key)
         self._gatherings[key.fragment] = gathering
-        await self._announce(quorum_timeout + grace)
+        self._announce()
         excluded: set[str] = set()
         quorum_at: float | None = None
         first_joiner_at: float | None = None
@@ -394,9 +386,9 @@ class Matchmaker:
             self._abdicate(gathering)
             if self._gatherings.get(key.fragment) is gathering:
                 del self._gatherings[key.fragment]
+            self._announce()
             try:
                 await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now(), "g": grouped}, ttl)
-                await self._announce(quorum_timeout + grace)
             except NetworkError as e:
                 log.debug("could not mark %s closed: %s", dht_key, e)
 

@@ -93,8 +93,9 @@ class World:
         return f"{self.run_id}/heads"
 
     @property
-    def gathering_key(self) -> str:
-        return f"{self.run}/gathering"
+    def gathering_run(self) -> str:
+        """The run's name as gathering pushes carry it (``net.gatherings``)."""
+        return self.run
 
     def mm_key(self, p: int, version: int, digest: str) -> str:
         return GroupKey(p, version, digest).dht_key(self.run)
@@ -185,24 +186,13 @@ class Attacker:
         return best
 
     async def honest_keys(self) -> set[tuple[int, int, str]]:
-        """(fragment, version, digest) keys honest learners hold or gather at now."""
+        """(fragment, version, digest) keys honest learners hold now (where they gather next)."""
         keys = set()
         for rec in (await self.honest_records()).values():
             frags = rec.get("f")
             for p, item in enumerate(frags if isinstance(frags, list) else ()):
                 if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str):
                     keys.add((p, item[0], item[1]))
-        try:
-            gathering = await self.swarm.get(self.world.gathering_key)
-        except NetworkError:
-            gathering = {}
-        for peer, val in gathering.items():
-            if peer == self.peer_id or not isinstance(val, dict) or not isinstance(val.get("g"), list):
-                continue
-            for item in val["g"]:
-                if isinstance(item, list) and len(item) == 3 and all(type(x) is int for x in item[:2]) \
-                        and isinstance(item[2], str):
-                    keys.add((item[0], item[1], item[2]))
         return {k for k in keys if 0 <= k[0] < self.world.fragments}
 
     # ---- writing --------------------------------------------------------------------------
@@ -320,14 +310,17 @@ async def idle(atk: Attacker, targets: Sequence[str], until: float) -> None:
 
 
 async def gathering_crash(atk: Attacker, targets: Sequence[str], until: float) -> None:
-    """Attack 1: gathering records whose entries hold a float infinity, then an empty map."""
-    records = [{"g": [[0, float("inf"), "ab" * 32]], "t": time.time()},
-               {"g": [{}], "t": time.time()},
-               {"g": [[float("inf"), 0, "ab" * 32], {}, [], "x"], "t": time.time()}]
+    """Attack 1: gathering announcements whose entries hold a float infinity, then an empty map,
+    pushed (``mm.gather``) to every target under the run's name, as honest learners push theirs."""
+    run = atk.world.gathering_run
+    records = [{"g": [[0, float("inf"), "ab" * 32]], "t": time.time(), "run": run},
+               {"g": [{}], "t": time.time(), "run": run},
+               {"g": [[float("inf"), 0, "ab" * 32], {}, [], "x"], "t": time.time(), "run": run}]
     i = 0
     async for _ in _every(1.0, until):
-        await atk.publish(atk.world.gathering_key, records[i % len(records)])
-        atk.stats["gathering_records"] += 1
+        for target in targets:
+            _, outcome = await atk.call(target, "mm.gather", records[i % len(records)], timeout=5)
+            atk.stats[f"gathering_push_{outcome}"] += 1
         i += 1
 
 
