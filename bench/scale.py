@@ -19,10 +19,13 @@ control bytes (every byte written, framing included, minus the all-reduce's payl
 reads and stores. Growth per node: the log-log slope of each per-node figure between the
 smallest and the largest N (0: flat, 1: linear in N).
 
-Not in it: the node's background loops (its record published every 5 s, the catch-up's records
-read every 2 s, the gathering watch every 0.5 s, status), state downloads and training; they
-come when the node runs on this transport. A get costs nothing here, whereas a Kademlia get
-visits ``beam_size`` peers, so DHT traffic is counted, not timed. Virtual time (``looptime``:
+In it too: the leaders' gathering announcements, pushed to every other peer (``mm.gather``, as
+a node pushes them to the learners of its records). Not in it: the node's background loops
+(its record published every 5 s, the catch-up's records read every 2 s, status), state
+downloads and training; they come when the node runs on this transport. A get costs nothing
+here, whereas a Kademlia get visits up to 20 peers whose answers carry every record under the
+key, so DHT traffic is counted, not timed, and its bytes are not in the control bytes: the
+real-socket figures are in docs/benchmarks/control_plane.md. Virtual time (``looptime``:
 the loop's clock jumps to the next timer whenever every peer waits), so a round's latency is
 the links' latency and rate and the protocol's waits, not this machine's CPU: signing,
 compressing and merging take no virtual time, and 128 peers in one process no longer make
@@ -74,9 +77,11 @@ async def one_size(n: int, rounds: int, spread: float, seed: int) -> dict:
     mms = [Matchmaker(s, "scale", 1, num_fragments=1) for s in sw]
     reducers = [AllReducer(s, [FRAGMENT], "int4", QUORUM_TIMEOUT, sync_every=100, run_id="scale") for s in sw]
     for m, r in zip(mms, reducers):
-        m.listed_in = r.expect  # as the node wires them
+        m.listed_in = r.expect  # as the node wires them, and every peer in the audience of the others' pushes
+        m.gatherings.audience = lambda me=m.swarm.peer_id: [s.peer_id for s in sw if s.peer_id != me]
         await m.start()
         await r.start()
+    pushers = [asyncio.create_task(m.gatherings.push_forever()) for m in mms]
     gen = torch.Generator().manual_seed(seed)
     deltas = [tuple(torch.randn(s, generator=gen) * 1e-2 for s in SHAPES) for _ in range(n)]
     loop = asyncio.get_running_loop()
@@ -110,6 +115,8 @@ async def one_size(n: int, rounds: int, spread: float, seed: int) -> dict:
             sizes.extend(len(g) for g in groups)
             latency.extend(t for _, _, t in results if t is not None)
     finally:
+        for task in pushers:
+            task.cancel()
         await net.close()
     payload = sum(s.stats.bytes_out for s in sw)
     per = n * rounds

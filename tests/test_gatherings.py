@@ -12,7 +12,7 @@ from test_memory_net import memory_swarms
 from test_trust_net import KEY
 
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
+from p2pdiloco.net.matchmaking import GroupKey, Matchmaker, leader_rank
 from p2pdiloco.net.memory import Link, MemoryNet
 
 pytestmark = pytest.mark.looptime(end=3600)
@@ -67,3 +67,32 @@ async def test_a_malformed_push_is_dropped_and_its_author_banned_and_a_late_push
         assert mm_b.open_gatherings() == {}  # a banned author's pushes are ignored
         with pytest.raises(ProtocolError):
             await a.call(b.peer_id, "mm.gather", newer, timeout=5)
+
+
+@pytest.mark.asyncio
+async def test_only_the_leader_announces():
+    """The learner that leads a key pushes its announcement; one that joins it pushes nothing:
+    a round costs each node about two pushes, whatever the swarm's size (before, every member
+    announced to every other: O(N) pushes per node and round)."""
+    async with memory_swarms(3, MemoryNet(default=Link(latency=0.01))) as (net, sw):
+        observer, *learners = sw
+        dht_key = KEY.dht_key("run")
+        leader, joiner = sorted(learners, key=lambda s: leader_rank(dht_key, s.peer_id))
+        mms = {s.peer_id: Matchmaker(s, "run", 1) for s in sw}
+        for m in mms.values():
+            await m.start()
+            m.gatherings.audience = lambda: [s.peer_id for s in sw]
+        pushers = [asyncio.create_task(mms[s.peer_id].gatherings.push_forever()) for s in learners]
+        try:
+            leading = asyncio.create_task(mms[leader.peer_id].form_group(KEY, grace=1.0, quorum_timeout=10.0,
+                                                                        expected=2))
+            watcher = mms[observer.peer_id]
+            await until(lambda: watcher.open_gatherings() == {0: KEY}, 5, "the leader's announcement", every=0.05)
+            joined = await mms[joiner.peer_id].form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=2)
+            assert joined[0] == (await leading)[0] == "group"
+            await until(lambda: watcher.open_gatherings() == {}, 5, "the leader's withdrawal", every=0.05)
+            assert mms[joiner.peer_id].gatherings.stats["sent"] == 0
+            assert set(watcher.gatherings._pushes) == {leader.peer_id} and watcher.gatherings.stats["received"] == 2
+        finally:
+            for task in pushers:
+                task.cancel()

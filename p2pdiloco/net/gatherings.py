@@ -1,7 +1,9 @@
 """Gathering announcements: the fragments each learner is gathering a group for right now.
 
-A learner that starts gathering (``Matchmaker.form_group``) announces the (fragment, version,
-digest) keys it gathers at, and withdraws them when its gathering ends, so that learners at
+A learner that leads a gathering (``Matchmaker.form_group``: joiners do not announce, so a
+round costs each node about two pushes sent and two received, whatever the swarm's size)
+announces the (fragment, version, digest) keys it gathers at, and withdraws them when its
+gathering ends or another learner leads it, so that learners at
 the same version pull that fragment's round in and join (``node.runtime``'s gathering watch)
 instead of arriving late. The announcement, ``{"g": [[fragment, version, digest], ...],
 "t": swarm time}`` with the run's name (``run``, with its protocol tag: a push of another run

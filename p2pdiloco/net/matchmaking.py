@@ -128,6 +128,7 @@ class _Gathering:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
     following: str | None = None  # the leader this peer is joining now: joins sent to us are redirected
+    leading: bool = False  # we lead it now: announced to the audience (net.gatherings)
 
 
 class Matchmaker:
@@ -174,9 +175,9 @@ class Matchmaker:
         return {p: GroupKey(p, v, d) for p, (v, d) in self.gatherings.open().items()}
 
     def _announce(self) -> None:
-        """Announce the fragments this learner is gathering for (``Gatherings.announce``)."""
-        self.gatherings.announce(
-            [[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values() if not g.closed])
+        """Announce the fragments this learner leads an open gathering for (``Gatherings.announce``)."""
+        self.gatherings.announce([[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values()
+                                  if g.leading and not g.closed])
 
     async def _declarations(self, dht_key: str) -> dict[str, rec.Declaration]:
         """The parsed, non-banned declarations under ``dht_key``, by author."""
@@ -328,7 +329,6 @@ class Matchmaker:
         await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
         gathering = _Gathering(key)
         self._gatherings[key.fragment] = gathering
-        self._announce()
         excluded: set[str] = set()
         quorum_at: float | None = None
         first_joiner_at: float | None = None
@@ -345,6 +345,9 @@ class Matchmaker:
                 if grouped_peers:  # a group at this version exists: don't fork it (leaders and joiners alike)
                     return self._late(key, grouped_peers)
                 leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
+                if (leader == me) != gathering.leading:  # leaders announce, joiners do not: about two
+                    gathering.leading = leader == me  # pushes a round for each node, whatever the swarm's size
+                    self._announce()
                 now = swarm_clock.monotonic()
                 if leader != me:
                     gathering.following = leader
@@ -386,7 +389,8 @@ class Matchmaker:
             self._abdicate(gathering)
             if self._gatherings.get(key.fragment) is gathering:
                 del self._gatherings[key.fragment]
-            self._announce()
+            if gathering.leading:
+                self._announce()  # withdrawn
             try:
                 await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now(), "g": grouped}, ttl)
             except NetworkError as e:
