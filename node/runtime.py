@@ -516,7 +516,8 @@ class Node:
         peers' records reach (one if it is the only other): a ledger is checked only for its
         range, and a peer that republished our own Θ under a ledger claiming step 2^53 would
         otherwise end our schedule."""
-        swarm = min(max(st.ledger.period_start for st in self.committed), self.view.swarm_step + self.cfg.outer.sync_every)
+        newest = max(st.ledger.period_start for st in self.committed)
+        swarm = min(newest, self.view.swarm_step + self.cfg.outer.sync_every)
         if self.training is not None and swarm > self.training.stats.step:
             self.training.advance_to(swarm)
 
@@ -543,9 +544,10 @@ class Node:
             if not 0 <= p < len(self.committed) or self.committed.is_in_flight(p):
                 continue
             if key.version > self.committed[p].version:
-                # peers gather at a newer version: follow it now, or this learner would
-                # trail one version behind every round and only ever download
-                await self._catch_up(only=p)
+                # peers gather at a newer version: follow it now, or this learner would trail one
+                # version behind every round and only ever download (pushes come often, a peer may
+                # push any version: the records are read once a second at most)
+                await self._catch_up(only=p, max_age=CATCHUP_SECONDS / 2)
             mine = self.committed[p]
             if not self.committed.is_in_flight(p) and (key.version, key.digest) == (mine.version, mine.digest):
                 self.training.request(p)
