@@ -367,8 +367,8 @@ async def test_a_member_we_excluded_makes_us_decline_the_group_not_ban_its_leade
 @pytest.mark.asyncio
 async def test_a_reduce_request_names_its_group_by_fingerprint_and_may_overtake_the_reducers_group():
     """Requests carry no member list, only the round ID and the group's fingerprint: a member
-    whose own group comes 1 s after the others started (its join answer still on the way)
-    reduces their slices once it has it, and the round merges all three; a member given other
+    whose own group comes after the others' slices reached it (its join answer still on the way)
+    reduces them once it has it, and the round merges all three; a member given other
     shares under the same round ID (a leader lying to one member) has another fingerprint: each
     side refuses the other's requests (after GROUP_WAIT_S), the round fails, nobody is banned."""
     async with memory_swarms(3, MemoryNet(default=Link(latency=0.005))) as (net, sw):
@@ -377,8 +377,10 @@ async def test_a_reduce_request_names_its_group_by_fingerprint_and_may_overtake_
         group = Group("r1", KEY, members, 0.0)
         contribs = {p: Contribution(delta(i), 1000, 10) for i, p in enumerate(members)}
 
-        async def late_member():
-            await asyncio.sleep(1.0)  # within the others' liveness timeout (2 s)
+        late = next(s for s in sw if s.peer_id == members[0])
+
+        async def late_member():  # its group comes once both others' slices wait at its reducer
+            await until(lambda: late.open_streams() >= 2, 2, "the others' slices at the late member", every=0.05)
             return await reducers[members[0]].run(group, contribs[members[0]])
         results = await asyncio.gather(late_member(), *(reducers[p].run(group, contribs[p]) for p in members[1:]))
         expected = expected_merge([contribs[p] for p in members], policy="clip")
