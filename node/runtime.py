@@ -125,7 +125,7 @@ class Node:
             background = [tg.create_task(self._publisher()),
                           tg.create_task(self._forever("catch-up", self._catch_up_often, CATCHUP_SECONDS)),
                           tg.create_task(self._forever("gathering watch", self._gathering_step, 0.0)),
-                          tg.create_task(self.matchmaker.gatherings.push_forever()),
+                          tg.create_task(self._forever("pushes", self.matchmaker.gatherings.push_forever, 0.0)),
                           tg.create_task(self._revocation_watch()),
                           tg.create_task(self._forever("alone watch", self._alone_step, ALONE_POLL_SECONDS))]
             try:
@@ -540,16 +540,16 @@ class Node:
         each time a peer pushes its announcement (``net.gatherings``)."""
         await self.matchmaker.gatherings.watch()
         open_now = self.matchmaker.open_gatherings()
-        for p, key in open_now.items():
+        for p, keys in open_now.items():
             if not 0 <= p < len(self.committed) or self.committed.is_in_flight(p):
                 continue
-            if key.version > self.committed[p].version:
+            if max(k.version for k in keys) > self.committed[p].version:
                 # peers gather at a newer version: follow it now, or this learner would trail one
                 # version behind every round and only ever download (pushes come often, a peer may
                 # push any version: the records are read once a second at most)
                 await self._catch_up(only=p, max_age=CATCHUP_SECONDS / 2)
             mine = self.committed[p]
-            if not self.committed.is_in_flight(p) and (key.version, key.digest) == (mine.version, mine.digest):
+            if not self.committed.is_in_flight(p) and GroupKey(p, mine.version, mine.digest) in keys:
                 self.training.request(p)
 
     async def _revocation_watch(self) -> None:

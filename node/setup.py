@@ -23,7 +23,7 @@ from node.training import Dispatch, TrainingLoop
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 4  # bump on any change of the RPC formats
+WIRE_VERSION = 5  # bump on any change of the RPC formats (5: ar.reduce names its group by fingerprint; mm.gather)
 
 
 def protocol_tag(cfg, fragments) -> str:

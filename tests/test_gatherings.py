@@ -37,7 +37,7 @@ async def test_a_gathering_is_pushed_to_the_audience_and_withdrawn_without_dht_r
             t0, reads = loop.time(), net.dht_gets[b.peer_id]
             await mm_b.gatherings.watch()
             assert loop.time() - t0 < 1.0
-            assert mm_b.open_gatherings() == {0: KEY} and mm_c.open_gatherings() == {}
+            assert mm_b.open_gatherings() == {0: {KEY}} and mm_c.open_gatherings() == {}
             assert (await gathering)[0] == "group"
             await until(lambda: mm_b.gatherings.stats["received"] >= 2, 5, "A's withdrawal pushed to B", every=0.1)
             assert mm_b.open_gatherings() == {}
@@ -60,7 +60,7 @@ async def test_a_malformed_push_is_dropped_and_its_author_banned_and_a_late_push
         newer = {"g": [[1, 4, "cd" * 32]], "t": b.clock.now(), "run": "run"}
         await a.call(b.peer_id, "mm.gather", newer, timeout=5)
         await a.call(b.peer_id, "mm.gather", {**newer, "g": [[1, 3, "ab" * 32]], "t": newer["t"] - 1}, timeout=5)
-        assert mm_b.open_gatherings() == {1: GroupKey(1, 4, "cd" * 32)}
+        assert mm_b.open_gatherings() == {1: {GroupKey(1, 4, "cd" * 32)}}
         with pytest.raises(ProtocolError):  # fragment 7 of 2
             await a.call(b.peer_id, "mm.gather", {"g": [[7, 1, "ab" * 32]], "t": 1.0, "run": "run"}, timeout=5)
         assert b.drop_reasons["gathering_push"] == 1 and a.peer_id in b.bans
@@ -87,7 +87,7 @@ async def test_only_the_leader_announces():
             leading = asyncio.create_task(mms[leader.peer_id].form_group(KEY, grace=1.0, quorum_timeout=10.0,
                                                                         expected=2))
             watcher = mms[observer.peer_id]
-            await until(lambda: watcher.open_gatherings() == {0: KEY}, 5, "the leader's announcement", every=0.05)
+            await until(lambda: watcher.open_gatherings() == {0: {KEY}}, 5, "the leader's announcement", every=0.05)
             joined = await mms[joiner.peer_id].form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=2)
             assert joined[0] == (await leading)[0] == "group"
             await until(lambda: watcher.open_gatherings() == {}, 5, "the leader's withdrawal", every=0.05)
@@ -96,3 +96,51 @@ async def test_only_the_leader_announces():
         finally:
             for task in pushers:
                 task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_no_push_hides_another_a_future_one_is_refused_and_one_fragment_twice_is_banned():
+    """Every fresh announcement counts, so a hostile one at a made-up higher version does not
+    hide an honest one at ours (before, one winner per fragment: the higher version won); an
+    announcement stamped in the future (it would never age out) is dropped, its author not
+    banned (a clock may be off); one naming a fragment twice (a second vote) bans its author."""
+    async with memory_swarms(3, MemoryNet(default=Link(latency=0.01))) as (net, (honest, hostile, b)):
+        mm_b = Matchmaker(b, "run", 1, num_fragments=2)
+        await mm_b.start()
+        now = b.clock.now()
+        await honest.call(b.peer_id, "mm.gather", {"g": [[0, 3, "ab" * 32]], "t": now, "run": "run"}, timeout=5)
+        await hostile.call(b.peer_id, "mm.gather", {"g": [[0, 4, "00" * 32]], "t": now, "run": "run"}, timeout=5)
+        assert mm_b.open_gatherings() == {0: {GroupKey(0, 3, "ab" * 32), GroupKey(0, 4, "00" * 32)}}
+        with pytest.raises(ProtocolError, match="future"):
+            await hostile.call(b.peer_id, "mm.gather", {"g": [[0, 5, "00" * 32]], "t": now + 3600, "run": "run"},
+                               timeout=5)
+        assert b.drop_reasons["gathering_future"] == 1 and b.bans == {}
+        with pytest.raises(ProtocolError):
+            await hostile.call(b.peer_id, "mm.gather", {"g": [[0, 4, "00" * 32], [0, 4, "00" * 32]], "t": now,
+                                                        "run": "run"}, timeout=5)
+        assert set(b.bans) == {hostile.peer_id}
+        assert mm_b.open_gatherings() == {0: {GroupKey(0, 3, "ab" * 32)}}
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_fails_a_push_is_skipped_for_a_while():
+    """A peer in the audience that does not serve ``mm.gather`` fails one push and then gets
+    none for SKIP_S, so a peer that stalls delays the others' pushes once in that time."""
+    from p2pdiloco.net.gatherings import SKIP_S
+
+    async with memory_swarms(3, MemoryNet(default=Link(latency=0.01))) as (net, (a, b, mute)):
+        mm_a, mm_b = Matchmaker(a, "run", 1), Matchmaker(b, "run", 1)
+        for m in (mm_a, mm_b):
+            await m.start()
+        mm_a.gatherings.audience = lambda: [b.peer_id, mute.peer_id]
+        pusher = asyncio.create_task(mm_a.gatherings.push_forever())
+        try:
+            for n in (1, 2):
+                mm_a.gatherings.announce([[0, n, KEY.digest]])
+                await until(lambda: mm_b.gatherings.stats["received"] >= n, 5, "the push to b", every=0.05)
+            assert mm_a.gatherings.stats["failed"] == 1 and mm_a.gatherings.stats["sent"] == 2
+            await asyncio.sleep(SKIP_S)  # virtual time: the skip runs out
+            mm_a.gatherings.announce([])
+            await until(lambda: mm_a.gatherings.stats["failed"] == 2, 5, "the mute peer's second failure", every=0.05)
+        finally:
+            pusher.cancel()

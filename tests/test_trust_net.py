@@ -335,11 +335,11 @@ async def test_matchmaking_ignores_banned_peers():
             key = GroupKey(0, KEY.version + 1, KEY.digest)  # at KEY, b's group of one makes a late at once
             task = asyncio.create_task(mm_a.form_group(key, grace=3.0, quorum_timeout=3.0, expected=2))
             await until(mm_b.open_gatherings, 3, "a's gathering announcement", every=0.1)
-            assert mm_b.open_gatherings() == {0: key}
+            assert mm_b.open_gatherings() == {0: {key}}
             b.ban(a.peer_id, "test")
             assert mm_b.open_gatherings() == {}
             b.bans.clear()
-            assert mm_b.open_gatherings() == {0: key}
+            assert mm_b.open_gatherings() == {0: {key}}
             await task
             await until(lambda: mm_b.open_gatherings() == {}, 5, "a's withdrawal", every=0.1)  # when its group closed
         finally:

@@ -10,7 +10,9 @@ instead of arriving late. The announcement, ``{"g": [[fragment, version, digest]
 is refused), is pushed (``mm.gather``) to the audience, the live learners of this
 node's last records read (``audience``, at most ``MAX_AUDIENCE``), by
 :meth:`Gatherings.push_forever` whenever it changes (the newest only; a learner that does not
-answer within ``PUSH_TIMEOUT_S`` is skipped). A receiver keeps each author's newest push
+answer within ``PUSH_TIMEOUT_S`` gets no push for ``SKIP_S``, so that a peer that stalls
+delays the others' pushes once in that time; above ``MAX_AUDIENCE``, a random sample of the
+audience for each push). A receiver keeps each author's newest push
 (``MAX_PUSHED`` authors) and wakes its watch (:meth:`Gatherings.watch`).
 
 It used to be a DHT record under ``{run}/gathering`` that every learner polled twice a
@@ -28,12 +30,13 @@ replaces a newer one.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from p2pdiloco.errors import NetworkError, ProtocolError
-from p2pdiloco.net import records as rec
+from p2pdiloco.net import clock as swarm_clock, records as rec
 from p2pdiloco.net.transport import Header, Swarm
 
 __all__ = ["Gatherings", "MAX_AUDIENCE", "MAX_PUSHED", "PUSH_TIMEOUT_S"]
@@ -41,7 +44,9 @@ __all__ = ["Gatherings", "MAX_AUDIENCE", "MAX_PUSHED", "PUSH_TIMEOUT_S"]
 COALESCE_S = 0.1  # seconds the watch waits after a push for others arriving with it
 MAX_AUDIENCE = 64  # learners an announcement is pushed to at most
 MAX_PUSHED = 1024  # authors whose newest push is kept (the oldest go first)
-PUSH_TIMEOUT_S = 2.0  # seconds for one push
+PUSH_TIMEOUT_S = 1.0  # seconds for one push ...
+SKIP_S = 30.0  # ... and a peer that failed one gets none for this long (seconds)
+FUTURE_SLACK_S = 5.0  # seconds an announcement's time may be ahead of ours (clocks are corrected: net.clock)
 
 
 class Gatherings:
@@ -63,6 +68,7 @@ class Gatherings:
         self._pushes: dict[str, rec.Gathering] = {}  # author -> its newest push, oldest author first
         self._mine: dict[str, Any] | None = None  # our newest announcement
         self._changed = asyncio.Event()
+        self._skip: dict[str, float] = {}  # peer -> monotonic time until which it gets no push (it failed one)
 
     async def start(self) -> None:
         await self.swarm.add_handler("mm.gather", self._on_push, max_payload=0)
@@ -73,13 +79,12 @@ class Gatherings:
         self._mine = {"g": keys, "t": self.swarm.clock.now()}
         self._changed.set()
 
-    def open(self) -> dict[int, tuple[int, str]]:
-        """Fragments other learners gather a group for now, by their pushes: {fragment:
-        (version, digest)}. Where learners gather at different keys for one fragment, the key
-        announced by the most learners is returned (ties: the higher version, then the smaller
-        digest). Announcements whose ``t`` (swarm time) is older than ``max_age`` are left out:
-        their authors stopped announcing (crashed, or left)."""
-        votes: dict[int, Counter[tuple[int, str]]] = {}
+    def open(self) -> dict[int, set[tuple[int, str]]]:
+        """Fragments other learners gather a group for now, by their pushes: {fragment: every
+        (version, digest) announced for it}, all of them, so that no announcement (a hostile
+        one, say) hides another. Announcements whose ``t`` (swarm time) is older than
+        ``max_age`` are left out: their authors stopped announcing (crashed, or left)."""
+        out: dict[int, set[tuple[int, str]]] = {}
         now = self.swarm.clock.now()
         for peer, gathering in self._pushes.items():
             if peer in self.swarm.bans or peer == self.swarm.peer_id:
@@ -87,9 +92,8 @@ class Gatherings:
             if self.max_age is not None and now - gathering.t > self.max_age:
                 continue
             for p, v, d in gathering.keys:
-                votes.setdefault(p, Counter())[(v, d)] += 1
-        return {p: max(counter.items(), key=lambda kv: (kv[1], kv[0][0], tuple(-ord(c) for c in kv[0][1])))[0]
-                for p, counter in votes.items()}
+                out.setdefault(p, set()).add((v, d))
+        return out
 
     async def watch(self) -> None:
         """Wait until a push arrives (and ``COALESCE_S`` more, for pushes arriving with it)."""
@@ -103,16 +107,22 @@ class Gatherings:
         while True:
             await self._changed.wait()
             self._changed.clear()
-            value, me = self._mine, self.swarm.peer_id
-            peers = [p for p in dict.fromkeys(self.audience()) if p != me and p not in self.swarm.bans]
-            await asyncio.gather(*(self._push(p, value) for p in peers[:MAX_AUDIENCE]))
+            value, me, now = self._mine, self.swarm.peer_id, swarm_clock.monotonic()
+            self._skip = {p: t for p, t in self._skip.items() if t > now}
+            peers = [p for p in dict.fromkeys(self.audience())
+                     if p != me and p not in self.swarm.bans and p not in self._skip]
+            if len(peers) > MAX_AUDIENCE:
+                peers = random.sample(peers, MAX_AUDIENCE)
+            await asyncio.gather(*(self._push(p, value) for p in peers))
 
     async def _push(self, peer: str, value: dict[str, Any] | None) -> None:
         try:
             await self.swarm.call(peer, "mm.gather", {**(value or {}), "run": self.run_id}, timeout=PUSH_TIMEOUT_S)
             self.stats["sent"] += 1
-        except (NetworkError, ProtocolError):
+        except (NetworkError, ProtocolError):  # skipped a while: a peer that stalls delays the others' pushes
             self.stats["failed"] += 1
+            if len(self._skip) < 4 * MAX_AUDIENCE:
+                self._skip[peer] = swarm_clock.monotonic() + SKIP_S
 
     async def _on_push(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
         if peer in self.swarm.bans:
@@ -126,6 +136,9 @@ class Gatherings:
             self.swarm.drop(peer, "gathering_push")
             self.swarm.ban(peer, "pushed a malformed gathering announcement")
             raise
+        if gathering.t > self.swarm.clock.now() + FUTURE_SLACK_S:  # would never age out (clocks are corrected)
+            self.swarm.drop(peer, "gathering_future")
+            raise ProtocolError("a gathering announcement from the future")
         old = self._pushes.pop(peer, None)
         self._pushes[peer] = gathering if old is None or gathering.t >= old.t else old  # a late push: not newer
         while len(self._pushes) > MAX_PUSHED:

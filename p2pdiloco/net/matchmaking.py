@@ -169,10 +169,10 @@ class Matchmaker:
         await self.swarm.add_handler("mm.join", self._on_join, max_payload=0)
         await self.gatherings.start()
 
-    def open_gatherings(self) -> dict[int, GroupKey]:
-        """Fragments other learners are gathering a group for right now (fragment -> key), from
-        their pushed announcements (``Gatherings.open``)."""
-        return {p: GroupKey(p, v, d) for p, (v, d) in self.gatherings.open().items()}
+    def open_gatherings(self) -> dict[int, set[GroupKey]]:
+        """Fragments other learners are gathering a group for right now (fragment -> every key
+        announced for it), from their pushed announcements (``Gatherings.open``)."""
+        return {p: {GroupKey(p, v, d) for v, d in keys} for p, keys in self.gatherings.open().items()}
 
     def _announce(self) -> None:
         """Announce the fragments this learner leads an open gathering for (``Gatherings.announce``)."""
@@ -479,9 +479,10 @@ class Matchmaker:
                 self.swarm.ban(leader, f"gave one member {max(answer.shares)} of {rec.SHARE_GRID} of the all-reduce")
                 return "gone"
             group = Group(answer.round, key, members, answer.formed_in, leader, answer.shares, answer.rates)
-            if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that reached
-                self.listed_in(group)  # us first): we do not merge with it, nor fault the leader; our
-                return "gone"  # reducer part still serves the others (it rejects the excluded one's slice)
+            self.listed_in(group)  # now: the others' slices may come while we check it (our reducer part serves them)
+            if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that reached us
+                self._leader_failed(leader, "led a group with a member we excluded")  # first): not a ban, but
+                return "gone"  # a leader that keeps doing it is passed over; we do not merge with that member
             ghosts = [m for m in members if m not in (me, leader)]
             for attempt in range(2 if ghosts else 0):  # a declaration stored just now may still be on its way
                 declared = await self._declarations(dht_key)

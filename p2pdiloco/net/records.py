@@ -246,7 +246,8 @@ def parse_gathering(value: Any, num_fragments: int) -> Gathering:
     """Parse a gathering announcement ``{"g": [[fragment, version, digest], ...], "t": time}``.
 
     Raises:
-        ProtocolError: malformed, or more keys than fragments.
+        ProtocolError: malformed, more keys than fragments, or one fragment twice (a second
+            vote of its author: ``gatherings.Gatherings.open``).
     """
     rec = _map(value, "gathering")
     items = rec.get("g")
@@ -257,6 +258,8 @@ def parse_gathering(value: Any, num_fragments: int) -> Gathering:
         if not isinstance(item, list) or len(item) != 3:
             raise ProtocolError("gathering: a key is not [fragment, version, digest]")
         keys.append((fragment(item[0], num_fragments), version(item[1]), digest(item[2])))
+    if len({k[0] for k in keys}) != len(keys):
+        raise ProtocolError("gathering: a fragment named twice")
     return Gathering(tuple(keys), _finite(rec.get("t", 0.0), "t"))
 
 
