@@ -35,12 +35,13 @@ class SwarmView:
         self.read_ok = False
         self.others: set[str] = set()
         self.swarm_step = 0
-        self._read_at = -math.inf  # time.monotonic() of the last successful read
+        self._read_at = -math.inf  # time.monotonic() at which the kept read began
 
     async def read(self, max_age: float = 0.0) -> dict[str, HeadsRecord]:
         """The records: the last read if it succeeded at most ``max_age`` seconds ago, else a
         new read ({} when the DHT cannot be read; never raises for it)."""
-        if self.read_ok and time.monotonic() - self._read_at <= max_age:
+        started = time.monotonic()
+        if self.read_ok and started - self._read_at <= max_age:
             return self.records
         try:
             records = await self.sync.records()
@@ -48,7 +49,9 @@ class SwarmView:
             log.debug("records unavailable: %s", e)
             self.records, self.read_ok = {}, False
             return {}
-        self.records, self.read_ok, self._read_at = records, True, time.monotonic()
+        if started < self._read_at:  # a read that began later has finished first: keep that one
+            return records
+        self.records, self.read_ok, self._read_at = records, True, started
         self.others = {p for p in records if p != self.me}
         steps = sorted((r.step for p, r in records.items() if p != self.me), reverse=True)
         self.swarm_step = steps[1] if len(steps) > 1 else steps[0] if steps else self.swarm_step

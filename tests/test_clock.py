@@ -115,7 +115,7 @@ def test_gathering_announcements_older_than_the_runs_gathering_window_are_left_o
     mm = Matchmaker(_Swarm({}, now), "run", 1, num_fragments=2)
     for peer, pushed in records.items():  # as pushed by their authors (mm.gather)
         asyncio.run(mm.gatherings._on_push(peer, {**pushed, "run": "run"}, b""))
-    assert set(mm.open_gatherings()) == {0, 1}  # never gathered: no window known yet
+    assert set(mm.open_gatherings()) == {0, 1}  # never gathered: no window known yet (60 s until then)
     mm.gatherings.max_age = window  # what form_group(quorum_timeout=10, grace<=3, max_grace=3) sets
     assert set(mm.open_gatherings()) == {0}
 

@@ -46,7 +46,8 @@ MAX_AUDIENCE = 64  # learners an announcement is pushed to at most
 MAX_PUSHED = 1024  # authors whose newest push is kept (the oldest go first)
 PUSH_TIMEOUT_S = 1.0  # seconds for one push ...
 SKIP_S = 30.0  # ... and a peer that failed one gets none for this long (seconds)
-FUTURE_SLACK_S = 5.0  # seconds an announcement's time may be ahead of ours (clocks are corrected: net.clock)
+DEFAULT_MAX_AGE_S = 60.0  # seconds an announcement stays current before this node's first gathering
+FUTURE_SLACK_S = 5.0  # seconds a peer's time stamp (announcement, declaration) may be ahead of ours: net.clock
 
 
 class Gatherings:
@@ -61,7 +62,7 @@ class Gatherings:
 
     def __init__(self, swarm: Swarm, run_id: str, num_fragments: int):
         self.swarm, self.run_id, self.num_fragments = swarm, run_id, num_fragments
-        self.max_age: float | None = None  # seconds an announcement stays current (Matchmaker sets it)
+        self.max_age: float = DEFAULT_MAX_AGE_S  # seconds an announcement stays current (Matchmaker sets it)
         self.audience: Callable[[], Iterable[str]] = tuple  # the node sets it: the live learners it knows
         self.pushed = asyncio.Event()  # set when a push arrives
         self.stats: Counter[str] = Counter()  # pushes "sent", "failed", "received" and "other_run" (refused)
@@ -89,7 +90,7 @@ class Gatherings:
         for peer, gathering in self._pushes.items():
             if peer in self.swarm.bans or peer == self.swarm.peer_id:
                 continue
-            if self.max_age is not None and now - gathering.t > self.max_age:
+            if now - gathering.t > self.max_age:
                 continue
             for p, v, d in gathering.keys:
                 out.setdefault(p, set()).add((v, d))

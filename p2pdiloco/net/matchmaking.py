@@ -66,7 +66,7 @@ from typing import Literal
 from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
 from p2pdiloco.net import records as rec
-from p2pdiloco.net.gatherings import Gatherings
+from p2pdiloco.net.gatherings import FUTURE_SLACK_S, Gatherings
 from p2pdiloco.net.shares import bandwidth_shares, max_share
 from p2pdiloco.net.transport import Header, Swarm
 
@@ -79,7 +79,6 @@ LEADER_FAILURES = 3  # failed groups in a row under one leader before it is pass
 PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
 PASS_OVER_MAX_S = 900.0
 FAILED_GROUP_WAIT_S = 10.0  # seconds a failed group's members still make us late (they may have committed)
-FUTURE_SLACK_S = 5.0  # seconds a declaration's time may be ahead of ours (clocks are corrected: net.clock)
 Outcome = Literal["group", "late", "no_quorum"]
 
 
