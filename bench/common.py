@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,6 +378,26 @@ class Doc:
         path.write_text("\n".join(body).rstrip() + "\n")
         (DOCS / f"{self.name}.json").write_text(json.dumps({"machine": m, **data}, indent=1, default=str) + "\n")
         return path
+
+
+def replica_main(ap: Any, run: Any, make_runs: Any, report: Any) -> None:
+    """``main`` of the in-process replica benchmarks (``bench.partial_rounds``, ``mixed_speeds``,
+    ``codecs``): adds ``--jobs``, ``--no-write`` and ``--report-from`` to the argparse parser
+    ``ap``, runs ``run(*args)`` for every tuple of ``make_runs(args)`` in a process pool, then
+    ``report(results, args, machine, seconds)``."""
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--report-from", metavar="JSON", help="rewrite the report from an earlier run's JSON file")
+    a = ap.parse_args()
+    if a.report_from:
+        data = json.loads(Path(a.report_from).read_text())
+        report(data["results"], a, data["machine"], data["seconds"])
+        return
+    m, t0 = machine(), time.monotonic()
+    with ProcessPoolExecutor(a.jobs) as pool:
+        results = list(pool.map(run, *zip(*make_runs(a))))
+    if not a.no_write:
+        report(results, a, m, time.monotonic() - t0)
 
 
 def fmt(x: float | None, nd: int = 3) -> str:

@@ -28,10 +28,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from bench.common import Doc, fmt, machine
+from bench.common import Doc, fmt, replica_main
 from bench.partial_rounds import Replica
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import nesterov_outer_step, round_fraction, span_fraction
@@ -92,15 +91,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000, help="inner steps of a fast learner")
     ap.add_argument("--sync-every", type=int, default=100)
     ap.add_argument("--ratio", type=int, default=2, help="a slow learner takes one step per RATIO ticks")
-    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
-    ap.add_argument("--no-write", action="store_true", help="print only")
-    a = ap.parse_args()
-    m, t0 = machine(), time.monotonic()
-    runs = [(L, seed, a.steps, a.sync_every, a.ratio, rule) for L in a.learners for seed in a.seeds for rule in RULES]
-    with ProcessPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(run, *zip(*runs)))
-    if not a.no_write:
-        report(results, a, m, time.monotonic() - t0)
+    replica_main(ap, run, lambda a: [(L, seed, a.steps, a.sync_every, a.ratio, rule) for L in a.learners
+                                     for seed in a.seeds for rule in RULES], report)
 
 
 def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, Any], seconds: float) -> None:

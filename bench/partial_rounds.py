@@ -27,14 +27,11 @@ Writes docs/benchmarks/partial_rounds.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from bench.common import Doc, fmt, machine, verdict
+from bench.common import Doc, fmt, replica_main, verdict
 from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients
@@ -137,21 +134,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--sync-every", type=int, default=100)
-    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
-    ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--report-from", metavar="JSON", help="rewrite the report from an earlier run's JSON file")
-    a = ap.parse_args()
-    if a.report_from:
-        data = json.loads(Path(a.report_from).read_text())
-        report(data["results"], a, data["machine"], data["seconds"])
-        return
-    m, t0 = machine(), time.monotonic()
-    runs = [(L, seed, a.steps, a.sync_every, scenario, rule) for L in a.learners for seed in a.seeds
-            for scenario, rule in [("merged", "full"), *((s, r) for s in ("split", "alone") for r in RULES)]]
-    with ProcessPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(run, *zip(*runs)))
-    if not a.no_write:
-        report(results, a, m, time.monotonic() - t0)
+    replica_main(ap, run, lambda a: [(L, seed, a.steps, a.sync_every, scenario, rule) for L in a.learners
+                                     for seed in a.seeds for scenario, rule in
+                                     [("merged", "full"), *((s, r) for s in ("split", "alone") for r in RULES)]],
+                 report)
 
 
 def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, Any], seconds: float) -> None:

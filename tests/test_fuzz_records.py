@@ -155,12 +155,12 @@ def test_record_and_message_decoders_survive_10000_hostile_inputs(name: str) -> 
     assert counts["ok"] + counts["refused"] == N and counts["refused"] > N // 2
 
 
-def test_wire_decoder_survives_10000_hostile_payloads() -> None:
-    shapes = [(16, 8), (8,), (3, 5)]
-    rng = random.Random(7)
-    good = {p: wire.encode([__import__("torch").randn(s) for s in shapes], p) for p in wire.WIRE_DTYPES}
+def payloads(good: dict[str, bytes], rng: random.Random, head: int = 0) -> list[tuple[bytes, str]]:
+    """N (bytes, precision) cases from valid payloads: cut short, bytes overwritten (half of
+    them within the first ``head`` bytes, where counts and scales sit, when ``head``), bytes
+    appended, or random bytes."""
     cases = []
-    for i in range(N):
+    for _ in range(N):
         p = rng.choice(sorted(good))
         data = bytearray(good[p])
         action = rng.random()
@@ -168,13 +168,33 @@ def test_wire_decoder_survives_10000_hostile_payloads() -> None:
             del data[rng.randrange(len(data)):]
         elif action < 0.6 and data:
             for _ in range(rng.randint(1, 8)):
-                data[rng.randrange(len(data))] = rng.randrange(256)
+                data[rng.randrange(min(len(data), head) if head and rng.random() < 0.5 else len(data))] = \
+                    rng.randrange(256)
         elif action < 0.8:
             data += rng.randbytes(rng.randint(1, 64))
         else:
             data = bytearray(rng.randbytes(rng.randint(0, 2000)))
         cases.append((bytes(data), p))
-    counts = run_fuzz(lambda c: wire.decode(c[0], shapes, c[1]), cases, (ProtocolError,))
+    return cases
+
+
+def test_wire_decoder_survives_10000_hostile_payloads() -> None:
+    shapes = [(16, 8), (8,), (3, 5)]
+    rng = random.Random(7)
+    good = {p: wire.encode([__import__("torch").randn(s) for s in shapes], p) for p in wire.WIRE_DTYPES}
+    counts = run_fuzz(lambda c: wire.decode(c[0], shapes, c[1]), payloads(good, rng), (ProtocolError,))
+    assert counts["refused"] > N // 3
+
+
+def test_merged_slice_decoder_survives_10000_hostile_payloads() -> None:
+    """A reducer's answer at every precision (topk2's has its own layout, with counts)."""
+    torch = __import__("torch")
+    shapes = [(70, 70), (8,), (3, 5)]  # 4900 elements: topk2 chunks of 4096 and 804
+    rng = random.Random(8)
+    good = {p: wire.encode_merged([torch.randn(s) * (torch.rand(s) < 0.1) for s in shapes], p)
+            for p in wire.WIRE_DTYPES}
+    counts = run_fuzz(lambda c: wire.decode_merged(c[0], shapes, c[1]), payloads(good, rng, head=64),
+                      (ProtocolError,))
     assert counts["refused"] > N // 3
 
 

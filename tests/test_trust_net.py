@@ -392,13 +392,14 @@ async def test_second_node_with_the_same_identity_refuses_to_start(tmp_path: Pat
 
 
 @pytest.mark.asyncio
-async def test_int4_rounds_return_each_members_quantisation_residual_for_error_feedback():
-    """Two members, int4 on the wire: each gets back, exactly, its Δ minus what the reducers
-    decoded from its slices (its own slice too). With fp32 on the wire nothing is lost and no
-    residual comes back."""
+async def test_lossy_rounds_return_each_members_quantisation_residual_for_error_feedback():
+    """Two members, int4 or topk2 on the wire: each gets back, exactly, its Δ minus what the
+    reducers decoded from its slices (its own slice too), and both get the same merge: the
+    robust merge of those decoded slices, through the precision's merged-slice coding. With
+    fp32 on the wire nothing is lost and no residual comes back."""
     from p2pdiloco.net import wire
 
-    for precision in ("int4", "fp32"):
+    for precision in ("int4", "topk2", "fp32"):
         async with swarms(2) as sw:
             ids = sorted(s.peer_id for s in sw)
             reducers = {s.peer_id: AllReducer(s, [FRAGMENT], precision, 4.0, sync_every=10, run_id="run",
@@ -410,14 +411,24 @@ async def test_int4_rounds_return_each_members_quantisation_residual_for_error_f
         if precision == "fp32":
             assert all(r.residual is None for r in results.values())
             continue
+        decoded: dict[str, list[torch.Tensor]] = {}
         for p in ids:
             got: dict[int, torch.Tensor] = {}
             for slots in assign_parts([slot.numel for slot in FRAGMENT.slots], 2):  # whole tensors per reducer
                 tensors = [contribs[p].delta[i] for i in slots]
-                got.update(zip(slots, wire.decode(wire.encode(tensors, "int4"), [t.shape for t in tensors], "int4")))
+                got.update(zip(slots, wire.decode(wire.encode(tensors, precision), [t.shape for t in tensors],
+                                                  precision)))
+            decoded[p] = [got[i] for i in range(len(SHAPES))]
             residual = results[p].residual
             assert all(torch.equal(e, contribs[p].delta[i] - got[i]) for i, e in enumerate(residual))
             assert max(float(e.norm() / d.norm()) for e, d in zip(residual, contribs[p].delta)) > 0.01
+        weights = [contribution_weight(1000, 10)] * 2
+        merged = robust_merge([decoded[p] for p in ids], weights, FRAGMENT.embedding_mask, policy="off").merged
+        for slots in assign_parts([slot.numel for slot in FRAGMENT.slots], 2):
+            shapes = [SHAPES[i] for i in slots]
+            coded = wire.decode_merged(wire.encode_merged([merged[i] for i in slots], precision), shapes, precision)
+            for p in ids:
+                assert all(torch.equal(results[p].delta[i], c) for i, c in zip(slots, coded))
 
 
 @pytest.mark.asyncio

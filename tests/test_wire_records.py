@@ -88,7 +88,7 @@ def test_empty_and_zero_size_tensors() -> None:
 
 def test_unknown_precision() -> None:
     with pytest.raises(ValueError, match=r"unknown wire precision 'int2'; choose one of "
-                                         r"\['bf16', 'fp16', 'fp32', 'int4', 'int8'\]"):
+                                         r"\['bf16', 'fp16', 'fp32', 'int4', 'int8', 'topk2'\]"):
         wire.encode([torch.ones(1)], "int2")
 
 

@@ -176,9 +176,9 @@ class AllReducer:
         return [frag.slots[i].shape for i in slots]
 
     def _slice_bytes(self, group: Group, r: int) -> int:
-        """Bytes of reducer r's merged slice in ``group`` on the wire."""
+        """The most bytes reducer r's merged slice in ``group`` takes on the wire."""
         parts = self._parts(group.key.fragment, len(group.members), group.shares)
-        return wire.wire_nbytes(self._shapes(group.key.fragment, parts[r]), self.precision)
+        return wire.merged_max_nbytes(self._shapes(group.key.fragment, parts[r]), self.precision)
 
     def _wait(self, fragment: int, shares: Sequence[int], rates: Sequence[int]) -> float:
         """:func:`round_wait` for a round of ``fragment`` (seconds)."""
@@ -277,7 +277,7 @@ class AllReducer:
                     raise RoundFailed(f"own reducer part: {reply['error']}")
             else:
                 reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload,
-                                                    timeout=self._call_timeout(group), max_reply=len(payload))
+                                                    timeout=self._call_timeout(group), max_reply=self._slice_bytes(group, r))
             contributors, counters = self._check_answer(group, r, 1, reply, body)
             return r, contributors, counters, reply["sig"], body
 
@@ -327,7 +327,7 @@ class AllReducer:
         merged: list[torch.Tensor | None] = [None] * len(self.fragments[frag].slots)
         for r, (_, _, _, body) in answers.items():
             try:
-                tensors = wire.decode(body, self._shapes(frag, parts[r]), self.precision)
+                tensors = wire.decode_merged(body, self._shapes(frag, parts[r]), self.precision)
             except ProtocolError as e:  # signed, so the reducer sent these wrong bytes
                 raise RoundFailed(f"round {group.round_id}: merged slice of {members[r][-8:]}: {e}") from None
             for i, t in zip(parts[r], tensors):
@@ -524,7 +524,7 @@ class AllReducer:
         return out
 
     def _statement(self, rnd: _Round, phase: int, contributors: Sequence[int], merged) -> tuple[Header, bytes]:
-        body = wire.encode(merged, self.precision)
+        body = wire.encode_merged(merged, self.precision)
         counters = self._counters([rnd.parts[rnd.members[i]][1:] for i in contributors])
         fields = self._merged_fields(rnd, rnd.index, phase, contributors, counters,
                                      self._digest(body, signing_side=True))

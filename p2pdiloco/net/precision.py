@@ -8,5 +8,5 @@ from typing import Literal
 
 __all__ = ["WirePrecision", "WIRE_PRECISIONS"]
 
-WirePrecision = Literal["fp32", "fp16", "bf16", "int8", "int4"]
+WirePrecision = Literal["fp32", "fp16", "bf16", "int8", "int4", "topk2"]
 WIRE_PRECISIONS: tuple[str, ...] = typing.get_args(WirePrecision)

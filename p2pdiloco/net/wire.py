@@ -18,6 +18,15 @@ Precisions (``WIRE_DTYPES``, the registry the config validates against):
   of 0 when the element count is odd. A non-finite element makes its chunk's scale (and so
   every decoded element of that chunk) non-finite, so receivers' finiteness checks still
   reject it.
+* ``topk2``: chunk-wise top-k (1.5625%) with 2-bit values, SparseLoCo's codec (arXiv
+  2508.15706); layout and rules in :mod:`p2pdiloco.net.sparse`.
+
+A member's slice (its contribution) and a reducer's merged slice use the same encoding
+(:func:`encode`, :func:`encode_merged`), except for ``topk2``, whose merged slice lists the
+union of the contributions' entries at int8 (:func:`p2pdiloco.net.sparse.encode_merged`) and
+has a size that depends on its values, bounded by :func:`merged_max_nbytes`. Lossy precisions
+leave a quantisation residual with the sender, added to its next pseudo-gradient (error
+feedback, ``RoundResult.residual``).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import numpy as np
 import torch
 
 from p2pdiloco.errors import ProtocolError
+from p2pdiloco.net import sparse
 from p2pdiloco.net.precision import WIRE_PRECISIONS
 
 # name -> storage dtype of one element on the wire (int4 codes are packed two per uint8)
@@ -39,6 +49,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "int8": torch.int8,
     "int4": torch.uint8,
+    "topk2": torch.uint8,  # a byte stream (p2pdiloco.net.sparse)
 }
 assert tuple(WIRE_DTYPES) == WIRE_PRECISIONS, "p2pdiloco/net/precision.py names the same precisions"
 QUANT_LEVELS: dict[str, int] = {"int8": 127, "int4": 7}  # largest code magnitude L
@@ -60,6 +71,8 @@ def _num_chunks(numel: int) -> int:
 def wire_nbytes(shapes: Sequence[tuple[int, ...]], precision: str = "fp32") -> int:
     """Bytes :func:`encode` produces for tensors of ``shapes`` at ``precision``."""
     dtype = wire_dtype(precision)
+    if precision == "topk2":
+        return sparse.nbytes(shapes)
     numels = [math.prod(s) for s in shapes]
     total = sum(numels)
     if precision not in QUANT_LEVELS:
@@ -107,6 +120,8 @@ def encode(tensors: Sequence[torch.Tensor], precision: str = "fp32") -> bytes:
     dtype = wire_dtype(precision)
     if not tensors:
         return b""
+    if precision == "topk2":
+        return sparse.encode(tensors)
     if precision in QUANT_LEVELS:
         scales, codes = _quantize(tensors, QUANT_LEVELS[precision])
         if precision == "int8":
@@ -152,6 +167,8 @@ def decode(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp3
         ProtocolError: the byte count does not match the shapes.
     """
     dtype = wire_dtype(precision)
+    if precision == "topk2":
+        return sparse.decode(data, shapes)
     numels = [int(torch.Size(s).numel()) for s in shapes]
     expected = wire_nbytes(shapes, precision)
     if len(data) != expected:
@@ -167,3 +184,27 @@ def decode(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp3
         raw = bytearray(data) if sys.byteorder == "little" else bytearray(_swap(data, itemsize))
         flat = torch.frombuffer(raw, dtype=dtype).to(torch.float32)
     return [chunk.reshape(s) for chunk, s in zip(flat.split(numels), shapes)]
+
+
+def merged_max_nbytes(shapes: Sequence[tuple[int, ...]], precision: str = "fp32") -> int:
+    """The most bytes :func:`encode_merged` produces for tensors of ``shapes``: exactly
+    :func:`wire_nbytes` except for ``topk2``."""
+    wire_dtype(precision)
+    return sparse.merged_max_nbytes(shapes) if precision == "topk2" else wire_nbytes(shapes, precision)
+
+
+def encode_merged(tensors: Sequence[torch.Tensor], precision: str = "fp32") -> bytes:
+    """A reducer's merged slice of ``tensors`` at ``precision`` (module docstring)."""
+    wire_dtype(precision)
+    return sparse.encode_merged(tensors) if precision == "topk2" else encode(tensors, precision)
+
+
+def decode_merged(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp32") -> list[torch.Tensor]:
+    """Inverse of :func:`encode_merged`: fp32 tensors of ``shapes``.
+
+    Raises:
+        ProtocolError: the bytes do not match the shapes (:func:`decode`,
+            :func:`p2pdiloco.net.sparse.decode_merged`).
+    """
+    wire_dtype(precision)
+    return sparse.decode_merged(data, shapes) if precision == "topk2" else decode(data, shapes, precision)
