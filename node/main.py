@@ -27,6 +27,7 @@ from p2pdiloco.errors import ConfigError, NetworkError, P2PDilocoError
 from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.heads import is_behind, newest_heads
+from p2pdiloco.net.statesync import READ_EVERY_S
 from p2pdiloco.net.transport import Swarm
 from p2pdiloco.status import Status
 
@@ -94,7 +95,7 @@ class SwarmView:
     async def refresh_forever(self, node: Node, swarm: Swarm) -> None:
         while True:
             try:
-                self.records = await node.sync.records()
+                self.records = await node.sync.records(READ_EVERY_S)
                 self.read_at = time.time()
             except P2PDilocoError as e:
                 log.debug("swarm view: %s", e)
@@ -171,6 +172,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "bytes_out": swarm.stats.bytes_out, "bytes_in": swarm.stats.bytes_in,
         "rpc_calls": swarm.stats.calls_out, "rpc_failed": swarm.stats.calls_failed, "dht_ops": dict(swarm.stats.dht),
         "gathering_pushes": dict(node.matchmaker.gatherings.stats),
+        "record_pushes": dict(node.sync.pusher.stats + node.sync.pushes_received),
         "link_bytes_per_s": round(link) if (link := swarm.stats.link.estimate()) else None,
         "rejected": rejected, "rejected_total": sum(rejected.values()),
         "bans": dict(swarm.bans), "ignored": node.sync.ignoring(), "other_settings": node.sync.other_settings(),

@@ -75,6 +75,7 @@ class Node:
         self.matchmaker.listed_in = self.allreducer.expect  # our reducer part serves each group we are listed in
         self.view = SwarmView(self.sync, swarm.peer_id)  # the swarm's records, as last read
         self.matchmaker.gatherings.audience = lambda: self.view.others  # pushed our gathering announcements
+        self.sync.pusher.audience = lambda: self.view.others  # ... and our records
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
@@ -126,6 +127,7 @@ class Node:
                           tg.create_task(self._forever("catch-up", self._catch_up_often, CATCHUP_SECONDS)),
                           tg.create_task(self._forever("gathering watch", self._gathering_step, 0.0)),
                           tg.create_task(self._forever("pushes", self.matchmaker.gatherings.push_forever, 0.0)),
+                          tg.create_task(self._forever("record pushes", self.sync.pusher.push_forever, 0.0)),
                           tg.create_task(self._revocation_watch()),
                           tg.create_task(self._forever("alone watch", self._alone_step, ALONE_POLL_SECONDS))]
             try:
@@ -145,7 +147,7 @@ class Node:
                     await asyncio.to_thread(self._checkpoint, data_dir)
                 if not self._interrupted:
                     await self._settle(self.cfg.settle)
-                await self._publish()
+                await self._publish(store=True)  # done: nodes that read only the DHT see it too
             finally:
                 self.training.stop.set()
                 for task in background:
@@ -576,9 +578,9 @@ class Node:
             "reach": self.swarm.reach.state(),
         }
 
-    async def _publish(self) -> None:
+    async def _publish(self, *, store: bool = False) -> None:
         try:
-            await self.sync.publish(self.record())
+            await self.sync.publish(self.record(), store=store)
         except NetworkError as e:
             log.debug("publish failed: %s", e)
 

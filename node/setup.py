@@ -23,7 +23,7 @@ from node.training import Dispatch, TrainingLoop
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 5  # bump on any change of the RPC formats (5: ar.reduce names its group by fingerprint; mm.gather)
+WIRE_VERSION = 6  # bump on any change of the RPC formats (6: signed mm.join, st.heads pushes, topk2)
 
 
 def protocol_tag(cfg, fragments) -> str:

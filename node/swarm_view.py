@@ -13,7 +13,7 @@ import time
 
 from p2pdiloco.errors import NetworkError
 from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.statesync import StateSync
+from p2pdiloco.net.statesync import READ_EVERY_S, StateSync
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class SwarmView:
         if self.read_ok and started - self._read_at <= max_age:
             return self.records
         try:
-            records = await self.sync.records()
+            records = await self.sync.records(READ_EVERY_S)  # pushes keep it current in between
         except NetworkError as e:
             log.debug("records unavailable: %s", e)
             self.records, self.read_ok = {}, False

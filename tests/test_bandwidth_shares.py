@@ -95,7 +95,7 @@ def test_round_wait_scales_with_payload_over_the_slowest_link():
 
 
 def test_share_and_rate_fields_are_bounded():
-    answer = {"members": [Identity.generate().peer_id], "round": "r", "t": 0.1, "s": [1000]}
+    answer = {"members": [Identity.generate().peer_id], "round": "r", "t": 0.1, "s": [1000], "js": [b"s" * 64]}
     assert rec.parse_join_answer(answer).shares == (1000,)
     assert rec.parse_join_answer(dict(answer, s=[])).shares == ()
     for bad in ([1001], [0], [500, 500], [True], "x", [1.0]):
@@ -105,8 +105,14 @@ def test_share_and_rate_fields_are_bounded():
     for bad in ([-1], [2**33], [1, 2], [None]):
         with pytest.raises(ProtocolError):
             rec.parse_join_answer(dict(answer, bw=bad))
-    req = {"f": 0, "v": 1, "d": "ab" * 32}
+    for bad in ([], [b"s" * 64] * 2, [b"s" * 63], ["s" * 64], None):
+        with pytest.raises(ProtocolError):
+            rec.parse_join_answer(dict(answer, js=bad))
+    req = {"f": 0, "v": 1, "d": "ab" * 32, "sig": b"s" * 64}
     assert rec.parse_join_request(dict(req, bw=1024), 4).bandwidth == 1024
+    for bad in (None, b"s" * 63, "s" * 64):
+        with pytest.raises(ProtocolError):
+            rec.parse_join_request(dict(req, sig=bad), 4)
     assert rec.parse_join_request(req, 4).bandwidth == 0
     for bad in (-1, 2**33, 1.5):
         with pytest.raises(ProtocolError):

@@ -126,7 +126,7 @@ async def test_no_push_hides_another_a_future_one_is_refused_and_one_fragment_tw
 async def test_a_peer_that_fails_a_push_is_skipped_for_a_while():
     """A peer in the audience that does not serve ``mm.gather`` fails one push and then gets
     none for SKIP_S, so a peer that stalls delays the others' pushes once in that time."""
-    from p2pdiloco.net.gatherings import SKIP_S
+    from p2pdiloco.net.pushes import SKIP_S
 
     async with memory_swarms(3, MemoryNet(default=Link(latency=0.01))) as (net, (a, b, mute)):
         mm_a, mm_b = Matchmaker(a, "run", 1), Matchmaker(b, "run", 1)

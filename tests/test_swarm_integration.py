@@ -37,6 +37,12 @@ def test_three_nodes_merge_like_one_process(harness):
                for r in reports), [r["gathering_pushes"] for r in reports]
     assert all(r["dht_ops"].get("store:mm", 0) > 0 and not any(k.endswith(":gathering") for k in r["dht_ops"])
                for r in reports), [r["dht_ops"] for r in reports]
+    # records travel as pushes too; the DHT holds them for nodes that do not know us yet, stored
+    # every few seconds (statesync.STORE_EVERY_S), not at every commit
+    assert all(r["record_pushes"].get("sent", 0) > 0 and r["record_pushes"].get("received", 0) > 0
+               for r in reports), [r["record_pushes"] for r in reports]
+    assert all(r["record_pushes"]["sent"] > 2 * r["dht_ops"]["store:heads"] for r in reports), \
+        [(r["record_pushes"], r["dht_ops"]) for r in reports]  # two peers a push: more publishes than stores
 
     traces = [_traces(d) for _, d in nodes]
     full = [rid for rid in traces[0] if all(rid in t for t in traces) and len(traces[0][rid]["members"]) == 3]

@@ -16,7 +16,7 @@ class _Sync:
     def __init__(self) -> None:
         self.reads: list[asyncio.Future] = []
 
-    async def records(self) -> dict:
+    async def records(self, max_dht_age: float = 0.0) -> dict:
         fut = asyncio.get_running_loop().create_future()
         self.reads.append(fut)
         return await fut

@@ -325,7 +325,7 @@ async def test_matchmaking_ignores_banned_peers():
                                                   mm_b.form_group(KEY, grace=1.0, quorum_timeout=3.0, expected=2))
         assert oa == ob == "group" and ga.members == (a.peer_id,) and gb.members == (b.peer_id,)
         with pytest.raises(ProtocolError, match="excluded from this run"):
-            await mm_a._on_join(b.peer_id, {"f": 0, "v": 3, "d": KEY.digest}, b"")
+            await mm_a._on_join(b.peer_id, {"f": 0, "v": 3, "d": KEY.digest, "sig": bytes(64)}, b"")
         # gathering announcements are pushed by their authors; a banned peer's are ignored
         a.bans.clear()
         b.bans.clear()
@@ -347,30 +347,67 @@ async def test_matchmaking_ignores_banned_peers():
 
 
 @pytest.mark.asyncio
-async def test_a_leader_admits_only_declared_joiners():
-    """A stranger that sends ``mm.join`` to the leader without declaring under the key is not
-    made a member: the declared joiner sees no ghost in the group and bans nobody (before, the
-    stranger became a member the joiner could not find, and the joiner banned the honest leader)."""
+async def test_a_leader_admits_only_joiners_that_signed_and_members_check_every_signature():
+    """A stranger whose ``mm.join`` carries no valid join signature is refused, counted and
+    banned, and is not made a member. One that signs its join at the key is a member like any
+    other: the joiner verifies every member's join signature against its peer ID (no DHT
+    read) and bans nobody. A leader whose answer lists a member with a signature that does not
+    verify (a peer that never asked to join) is banned by the joiner."""
     async with swarms(3) as (a, b, c):
         dht_key = KEY.dht_key("run")
         (leader, mm_l), (joiner, mm_j) = sorted(
             [(a, Matchmaker(a, "run", 2)), (b, Matchmaker(b, "run", 2))], key=lambda x: leader_rank(dht_key, x[0].peer_id))
         await mm_l.start()
         await mm_j.start()
-        # expected=3: with the stranger counted, the leader would close at once with three members
-        leading = asyncio.create_task(mm_l.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=3))
+        fields = signing.join_fields("run", KEY.fragment, KEY.version, KEY.digest)
         request = {"f": KEY.fragment, "v": KEY.version, "d": KEY.digest}
         gathering = lambda: mm_l._gatherings.get(0)  # noqa: E731
+
+        # 1. a forged signature: refused at once, and its sender banned by the leader
+        leading = asyncio.create_task(mm_l.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=3))
         await until(lambda: gathering() and gathering().key == KEY, 10, "the leader's gathering", every=0.05)
-        sneaking = asyncio.create_task(c.call(leader.peer_id, "mm.join", request, timeout=10.0))
-        await until(lambda: c.peer_id in gathering().joiners, 10, "the stranger's join at the leader", every=0.05)
+        with pytest.raises(ProtocolError, match="join signature does not verify"):
+            await c.call(leader.peer_id, "mm.join", dict(request, sig=bytes(64)), timeout=10.0)
+        assert c.peer_id in leader.bans and leader.drops.reasons["join_signature"] == 1
         (outcome_l, group_l), (outcome_j, group_j) = await asyncio.gather(
             leading, mm_j.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=3))
-        reply, _ = await sneaking
         assert outcome_l == outcome_j == "group"
         assert group_l.members == group_j.members == tuple(sorted([leader.peer_id, joiner.peer_id]))
-        assert reply == {"status": "redirect"}
+        assert joiner.bans == {}
+
+        # 2. a signed join at the next key: a member, verified by the other joiner
+        leader.bans.clear()
+        key2 = GroupKey(0, 4, "cd" * 32)
+        fields2 = signing.join_fields("run", key2.fragment, key2.version, key2.digest)
+        (leader, mm_l), (joiner, mm_j) = sorted([(a, mm_l if a is leader else mm_j), (b, mm_j if b is joiner else mm_l)],
+                                                key=lambda x: leader_rank(key2.dht_key("run"), x[0].peer_id))
+        leading = asyncio.create_task(mm_l.form_group(key2, grace=1.0, quorum_timeout=10.0, expected=3))
+        await until(lambda: gathering() and gathering().key == key2, 10, "the leader's gathering", every=0.05)
+        signed = {"f": key2.fragment, "v": key2.version, "d": key2.digest,
+                  "sig": signing.sign(c.identity, "mm.join", fields2)}
+        joining_c = asyncio.create_task(c.call(leader.peer_id, "mm.join", signed, timeout=10.0))
+        (outcome_l, group_l), (outcome_j, group_j) = await asyncio.gather(
+            leading, mm_j.form_group(key2, grace=1.0, quorum_timeout=10.0, expected=3))
+        reply, _ = await joining_c
+        members = tuple(sorted([a.peer_id, b.peer_id, c.peer_id]))
+        assert outcome_l == outcome_j == "group" and group_l.members == group_j.members == members
+        assert reply["members"] == list(members) and len(reply["js"]) == 3
+        assert all(signing.verify_by_peer(m, "mm.join", fields2, sig) for m, sig in zip(members, reply["js"]))
         assert leader.bans == {} and joiner.bans == {}
+        assert fields != fields2  # a signature is for one key: it does not carry over to another round
+
+        # 3. a leader that lists a member whose signature does not verify is banned
+        key3 = GroupKey(0, 5, "ef" * 32)
+
+        async def forging_leader(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
+            group = sorted([peer, c.peer_id])
+            sigs = [header["sig"] if m == peer else bytes(64) for m in group]
+            return {"members": group, "round": "r3", "t": 0.1, "s": [], "bw": [], "js": sigs}, b""
+
+        await c.add_handler("mm.join", forging_leader)
+        outcome = await mm_j._join(c.peer_id, key3, signing.sign(joiner.identity, "mm.join",
+                                                                  signing.join_fields("run", 0, 5, "ef" * 32)), 10.0)
+        assert outcome == "gone" and c.peer_id in joiner.bans
 
 
 # ---- identity ----------------------------------------------------------------------------

@@ -30,22 +30,17 @@ replaces a newer one.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
 
-from p2pdiloco.errors import NetworkError, ProtocolError
-from p2pdiloco.net import clock as swarm_clock, records as rec
+from p2pdiloco.errors import ProtocolError
+from p2pdiloco.net import records as rec
+from p2pdiloco.net.pushes import MAX_AUDIENCE, MAX_PUSHED, PUSH_TIMEOUT_S, Pusher
 from p2pdiloco.net.transport import Header, Swarm
 
 __all__ = ["Gatherings", "MAX_AUDIENCE", "MAX_PUSHED", "PUSH_TIMEOUT_S"]
 
 COALESCE_S = 0.1  # seconds the watch waits after a push for others arriving with it
-MAX_AUDIENCE = 64  # learners an announcement is pushed to at most
-MAX_PUSHED = 1024  # authors whose newest push is kept (the oldest go first)
-PUSH_TIMEOUT_S = 1.0  # seconds for one push ...
-SKIP_S = 30.0  # ... and a peer that failed one gets none for this long (seconds)
 DEFAULT_MAX_AGE_S = 60.0  # seconds an announcement stays current before this node's first gathering
 FUTURE_SLACK_S = 5.0  # seconds a peer's time stamp (announcement, declaration) may be ahead of ours: net.clock
 
@@ -63,13 +58,24 @@ class Gatherings:
     def __init__(self, swarm: Swarm, run_id: str, num_fragments: int):
         self.swarm, self.run_id, self.num_fragments = swarm, run_id, num_fragments
         self.max_age: float = DEFAULT_MAX_AGE_S  # seconds an announcement stays current (Matchmaker sets it)
-        self.audience: Callable[[], Iterable[str]] = tuple  # the node sets it: the live learners it knows
+        self.pusher = Pusher(swarm, "mm.gather")  # pushes ours; the node sets its audience
         self.pushed = asyncio.Event()  # set when a push arrives
-        self.stats: Counter[str] = Counter()  # pushes "sent", "failed", "received" and "other_run" (refused)
+        self.on_push: Callable[[list[tuple[int, int, str]]], object] = lambda keys: None  # the Matchmaker's
+        self.received: Counter[str] = Counter()  # pushes "received" and "other_run" (refused)
         self._pushes: dict[str, rec.Gathering] = {}  # author -> its newest push, oldest author first
-        self._mine: dict[str, Any] | None = None  # our newest announcement
-        self._changed = asyncio.Event()
-        self._skip: dict[str, float] = {}  # peer -> monotonic time until which it gets no push (it failed one)
+
+    @property
+    def audience(self) -> Callable[[], Iterable[str]]:
+        return self.pusher.audience
+
+    @audience.setter
+    def audience(self, peers: Callable[[], Iterable[str]]) -> None:
+        self.pusher.audience = peers
+
+    @property
+    def stats(self) -> Counter[str]:
+        """Pushes "sent", "failed", "received" and "other_run" (refused)."""
+        return self.pusher.stats + self.received
 
     async def start(self) -> None:
         await self.swarm.add_handler("mm.gather", self._on_push, max_payload=0)
@@ -77,8 +83,7 @@ class Gatherings:
     def announce(self, keys: list[list]) -> None:
         """Announce that we gather at ``keys`` ([[fragment, version, digest], ...]; [] withdraws):
         :meth:`push_forever` pushes it."""
-        self._mine = {"g": keys, "t": self.swarm.clock.now()}
-        self._changed.set()
+        self.pusher.set({"g": keys, "t": self.swarm.clock.now(), "run": self.run_id})
 
     def open(self) -> dict[int, set[tuple[int, str]]]:
         """Fragments other learners gather a group for now, by their pushes: {fragment: every
@@ -96,6 +101,14 @@ class Gatherings:
                 out.setdefault(p, set()).add((v, d))
         return out
 
+    def leading_at(self, fragment: int, version: int, digest: str) -> set[str]:
+        """The learners whose current announcement (as :meth:`open`) names this key: they lead
+        a gathering there."""
+        now, me = self.swarm.clock.now(), self.swarm.peer_id
+        return {peer for peer, g in self._pushes.items()
+                if peer != me and peer not in self.swarm.bans and now - g.t <= self.max_age
+                and any((p, v, d) == (fragment, version, digest) for p, v, d in g.keys)}
+
     async def watch(self) -> None:
         """Wait until a push arrives (and ``COALESCE_S`` more, for pushes arriving with it)."""
         await self.pushed.wait()
@@ -104,32 +117,14 @@ class Gatherings:
 
     async def push_forever(self) -> None:
         """Push our newest announcement to the audience each time it changes, for the node's
-        life (the node runs it in its task group). Never raises for a peer's failure."""
-        while True:
-            await self._changed.wait()
-            self._changed.clear()
-            value, me, now = self._mine, self.swarm.peer_id, swarm_clock.monotonic()
-            self._skip = {p: t for p, t in self._skip.items() if t > now}
-            peers = [p for p in dict.fromkeys(self.audience())
-                     if p != me and p not in self.swarm.bans and p not in self._skip]
-            if len(peers) > MAX_AUDIENCE:
-                peers = random.sample(peers, MAX_AUDIENCE)
-            await asyncio.gather(*(self._push(p, value) for p in peers))
-
-    async def _push(self, peer: str, value: dict[str, Any] | None) -> None:
-        try:
-            await self.swarm.call(peer, "mm.gather", {**(value or {}), "run": self.run_id}, timeout=PUSH_TIMEOUT_S)
-            self.stats["sent"] += 1
-        except (NetworkError, ProtocolError):  # skipped a while: a peer that stalls delays the others' pushes
-            self.stats["failed"] += 1
-            if len(self._skip) < 4 * MAX_AUDIENCE:
-                self._skip[peer] = swarm_clock.monotonic() + SKIP_S
+        life (``Pusher.push_forever``)."""
+        await self.pusher.push_forever()
 
     async def _on_push(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
         if peer in self.swarm.bans:
             raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
         if header.get("run") != self.run_id:  # another run, or our run with other settings: not ours to read
-            self.stats["other_run"] += 1
+            self.received["other_run"] += 1
             raise ProtocolError("a gathering of another run (or of other settings)")
         try:
             gathering = rec.parse_gathering(header, self.num_fragments)
@@ -144,6 +139,7 @@ class Gatherings:
         self._pushes[peer] = gathering if old is None or gathering.t >= old.t else old  # a late push: not newer
         while len(self._pushes) > MAX_PUSHED:
             del self._pushes[next(iter(self._pushes))]
-        self.stats["received"] += 1
+        self.received["received"] += 1
         self.pushed.set()
+        self.on_push(list(gathering.keys))
         return {}, b""

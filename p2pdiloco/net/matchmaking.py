@@ -2,12 +2,17 @@
 
 Only learners at the same fragment version *and* the same global-state digest can be
 grouped (invariant I3, docs/architecture.md): the DHT key they declare under contains both.
-Among the learners declared open under a key, the one whose peer ID hashes lowest with the
-key (``leader_rank``: sha256 of the DHT key and the peer ID) leads: the others send it a
+Among the learners declared open under a key (and those whose pushed gathering announcement
+names it, ``Gatherings.leading_at``), the one whose peer ID hashes lowest with the key
+(``leader_rank``: sha256 of the DHT key and the peer ID) leads: the others send it a
 long-poll ``mm.join`` request; the leader closes the group once the
 minimum quorum K is reached and the grace window has passed (or everyone declared has
 joined), then answers every joiner with the same member list, round ID and all-reduce
 shares (Decoupled DiLoCo, arXiv 2604.21428, sec. 3: minimum quorum and grace window).
+A leader reads the declarations every ``POLL_SECONDS`` while it is alone (a learner that
+outranks it may have declared), and once joiners came to it only every ``REREAD_S`` or when
+a push names its key (another learner announced that it leads there); a joiner reads them
+once per leader it tries (issue 13 of this project: each read is a Kademlia traversal).
 
 Bandwidth-aware shares (:func:`bandwidth_shares`): every joiner reports its measured link
 rate (``drops.LinkMeter``, KiB/s) in its ``mm.join``; the leader splits the fragment among
@@ -33,11 +38,13 @@ can write or overwrite them
 * the leader of a key is the open peer with the lowest sha256(DHT key, peer ID): the key
   holds the fragment's version and state digest, which change every round, so no identity
   leads more often than chance, and grinding one that would needs a fresh identity per round;
-* a leader admits only joiners whose signed declaration under the key it has read, and a
-  joiner accepts a group only if the leader and the joiner are in its member list and
-  every other member has a signed declaration under the key; a leader that sends anything
-  else is banned (provable: honest leaders send only declared members and themselves, so a
-  stranger that joins without declaring cannot make an honest leader look like a forger);
+* every ``mm.join`` carries the joiner's Ed25519 signature over (run, fragment, version,
+  digest) (``signing.join_fields``); a leader admits only joiners whose signature verifies
+  against their peer ID (a bad one is dropped, counted, and bans its sender), and answers with
+  every member's signature; a joiner accepts a group only if the leader and the joiner are in
+  its member list and every other member's signature verifies, with no DHT read; a leader
+  that sends anything else is banned (provable: a leader cannot make up a member's
+  signature, and honest leaders list only peers that asked to join and themselves);
 * a leader that keeps a joiner waiting past the grace window (when the joiner and the
   leader already make a quorum) is passed over for that round, and that counts as a failed
   group; a leader whose groups failed ``LEADER_FAILURES`` times in a row (rounds reported
@@ -69,10 +76,12 @@ from p2pdiloco.net import records as rec
 from p2pdiloco.net.gatherings import FUTURE_SLACK_S, Gatherings
 from p2pdiloco.net.shares import bandwidth_shares, max_share
 from p2pdiloco.net.transport import Header, Swarm
+from p2pdiloco.trust import signing
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.2
+POLL_SECONDS = 0.2  # seconds between a leader's checks of its gathering (and DHT reads while it is alone)
+REREAD_S = 1.0  # seconds between DHT reads of the declarations by a leader with joiners, when no push wakes it
 JOIN_SLACK_S = 3.0  # seconds past the grace window a joiner waits for a leader that has its quorum
 JOIN_HOLD_S = 120.0  # seconds a leader holds a joiner's long poll at most
 LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
@@ -128,6 +137,8 @@ class _Gathering:
     closed: bool = False
     following: str | None = None  # the leader this peer is joining now: joins sent to us are redirected
     leading: bool = False  # we lead it now: announced to the audience (net.gatherings)
+    signatures: dict[str, bytes] = field(default_factory=dict)  # member -> its mm.join signature (ours too)
+    stale: bool = True  # the declarations must be read again before they are used (a push named the key)
 
 
 class Matchmaker:
@@ -155,6 +166,7 @@ class Matchmaker:
         self.empty_groups: Counter[str] = Counter()  # peer -> groups we deferred to that delivered nothing, in a row
         self.ignored_groups: dict[str, float] = {}  # peer -> its "left in a group" ignored until (monotonic s)
         self.gatherings = Gatherings(swarm, run_id, num_fragments)  # the run's gathering announcements
+        self.gatherings.on_push = self.on_push
         self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
         self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
         # peers whose states this node cannot fetch now (the node sets it: StateSync.ignoring while
@@ -327,6 +339,7 @@ class Matchmaker:
         self.gatherings.max_age = quorum_timeout + max(grace, max_grace or 0.0) + JOIN_SLACK_S
         await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
         gathering = _Gathering(key)
+        gathering.signatures[me] = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key))
         self._gatherings[key.fragment] = gathering
         excluded: set[str] = set()
         quorum_at: float | None = None
@@ -335,10 +348,18 @@ class Matchmaker:
         fresh_for = ttl if round_time is None else round_time
         self._settle_deferrals(key, fresh_for)
         grouped = False  # whether we leave in a group (our last declaration says so)
+        entries: dict[str, rec.Declaration] = {}
+        read_at = -math.inf
         try:
             while True:
-                entries = await self._declarations(dht_key)
-                open_peers = {p for p, d in entries.items() if d.open}
+                # alone, a leader re-reads often (a learner that outranks it may be open); with joiners, only
+                # when a push names the key or every REREAD_S (they came to it: they see it leads)
+                every = REREAD_S if gathering.joiners else POLL_SECONDS
+                if gathering.stale or swarm_clock.monotonic() - read_at >= every - 1e-9:
+                    gathering.stale, read_at = False, swarm_clock.monotonic()
+                    entries = await self._declarations(dht_key)
+                open_peers = {p for p, d in entries.items() if d.open} | self.gatherings.leading_at(
+                    key.fragment, key.version, key.digest)
                 open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
                 grouped_peers = self._grouped(key, entries, fresh_for)
                 if grouped_peers:  # a group at this version exists: don't fork it (leaders and joiners alike)
@@ -354,8 +375,8 @@ class Matchmaker:
                     wait = max(0.5, deadline + grace + 2 - now)
                     if self.min_quorum <= 2:  # the leader and we make a quorum: it owes us a group soon
                         wait = min(wait, max(grace, max_grace or 0.0) + JOIN_SLACK_S)
-                    outcome = await self._join(leader, key, dht_key, timeout=wait)
-                    gathering.following = None
+                    outcome = await self._join(leader, key, gathering.signatures[me], timeout=wait)
+                    gathering.following, gathering.stale = None, True
                     if isinstance(outcome, Group):
                         grouped = True
                         return "group", self._formed(key, outcome)
@@ -364,9 +385,8 @@ class Matchmaker:
                     elif swarm_clock.monotonic() > deadline:
                         return "no_quorum", None
                     continue
-                # only joiners declared under the key become members: an undeclared one would
-                # be a ghost to the other members, and get this (honest) leader banned
-                joined = [j for j in gathering.joiners if j in entries]
+                # every joiner signed its join at the key (_on_join), which the other members check
+                joined = [j for j in gathering.joiners if j in gathering.signatures]
                 size = 1 + len(joined)
                 if size >= self.min_quorum and quorum_at is None:
                     quorum_at = now
@@ -448,9 +468,22 @@ class Matchmaker:
                 fut.set_result("redirect")
         gathering.joiners.clear()
 
-    async def _join(self, leader: str, key: GroupKey, dht_key: str, timeout: float) -> Group | str:
+    def _join_fields(self, key: GroupKey) -> list:
+        return signing.join_fields(self.run_id, key.fragment, key.version, key.digest)
+
+    def on_push(self, keys: list[tuple[int, int, str]]) -> None:
+        """A gathering announcement naming ``keys`` (fragment, version, digest) arrived
+        (``Gatherings``): a gathering of ours at one of them reads the declarations again now
+        (another learner leads there) instead of at its next ``REREAD_S``."""
+        for p, v, d in keys:
+            gathering = self._gatherings.get(p)
+            if gathering is not None and (gathering.key.version, gathering.key.digest) == (v, d):
+                gathering.stale = True
+                gathering.arrived.set()
+
+    async def _join(self, leader: str, key: GroupKey, signature: bytes, timeout: float) -> Group | str:
         rate = self.swarm.stats.link.estimate()
-        request = {"f": key.fragment, "v": key.version, "d": key.digest,
+        request = {"f": key.fragment, "v": key.version, "d": key.digest, "sig": signature,
                    "bw": min(rec.MAX_RATE_KIB, round(rate / 1024)) if rate else 0}
         try:
             reply, _ = await self.swarm.call(leader, "mm.join", request, timeout=timeout)
@@ -482,15 +515,11 @@ class Matchmaker:
             if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that reached us
                 self._leader_failed(leader, "led a group with a member we excluded")  # first): not a ban, but
                 return "gone"  # a leader that keeps doing it is passed over; we do not merge with that member
-            ghosts = [m for m in members if m not in (me, leader)]
-            for attempt in range(2 if ghosts else 0):  # a declaration stored just now may still be on its way
-                declared = await self._declarations(dht_key)
-                ghosts = [m for m in ghosts if m not in declared]
-                if not ghosts or attempt:
-                    break
-                await asyncio.sleep(POLL_SECONDS)
+            fields = self._join_fields(key)  # every member asked to join at this key: a leader cannot make one up
+            ghosts = [m for m, sig in zip(members, answer.signatures)
+                      if m != me and not signing.verify_by_peer(m, "mm.join", fields, sig)]
             if ghosts:
-                self.swarm.ban(leader, f"led a group with {len(ghosts)} member(s) that never declared at its key")
+                self.swarm.ban(leader, f"led a group with {len(ghosts)} member(s) that never asked to join at its key")
                 return "gone"
             return group
         if answer.status == "redirect":
@@ -507,6 +536,10 @@ class Matchmaker:
         key = GroupKey(request.fragment, request.version, request.digest)
         if peer in self.swarm.bans:
             raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
+        if not signing.verify_by_peer(peer, "mm.join", self._join_fields(key), request.signature):
+            self.swarm.drop(peer, "join_signature")  # an honest node signs its own joins
+            self.swarm.ban(peer, "sent a join with a bad signature")
+            raise ProtocolError("join signature does not verify")
         gathering = self._gatherings.get(key.fragment)
         if gathering is None or gathering.closed or gathering.key != key:
             return {"status": "closed"}, b""
@@ -522,6 +555,8 @@ class Matchmaker:
         if old is not None and not old.done():
             old.set_result("redirect")
         gathering.joiners[peer] = fut
+        if peer in gathering.signatures or len(gathering.signatures) < 4 * rec.MAX_GROUP:
+            gathering.signatures[peer] = request.signature
         if request.bandwidth and (peer in gathering.rates or len(gathering.rates) < 4 * rec.MAX_GROUP):
             gathering.rates[peer] = request.bandwidth * 1024.0
         gathering.arrived.set()
@@ -535,5 +570,6 @@ class Matchmaker:
                 del gathering.joiners[peer]
         if isinstance(result, Group):
             return {"members": list(result.members), "round": result.round_id, "t": result.formed_in,
-                    "s": list(result.shares), "bw": list(result.rates)}, b""
+                    "s": list(result.shares), "bw": list(result.rates),
+                    "js": [gathering.signatures[m] for m in result.members]}, b""
         return {"status": "redirect"}, b""

@@ -291,26 +291,30 @@ def parse_declaration(value: Any) -> Declaration:
 # ---- RPC messages ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class JoinRequest:
-    """``mm.join``: the (fragment, version, digest) the joiner wants to merge at, and its
-    measured link rate ``bandwidth`` in KiB/s (``drops.LinkMeter``; 0: not measured yet)."""
+    """``mm.join``: the (fragment, version, digest) the joiner wants to merge at, its
+    ``signature`` over ``signing.join_fields`` (64 bytes: what lets the other members check that
+    it asked to join), and its measured link rate ``bandwidth`` in KiB/s
+    (``drops.LinkMeter``; 0: not measured yet)."""
 
     fragment: int
     version: int
     digest: str
+    signature: bytes
     bandwidth: int = 0
 
 
 def parse_join_request(header: Any, num_fragments: int) -> JoinRequest:
     h = _map(header, "join request")
     return JoinRequest(fragment(h.get("f"), num_fragments), version(h.get("v")), digest(h.get("d")),
-                       _int(h.get("bw", 0), "bandwidth", 0, MAX_RATE_KIB))
+                       _bytes(h.get("sig"), "signature", 64), _int(h.get("bw", 0), "bandwidth", 0, MAX_RATE_KIB))
 
 
 @dataclass(frozen=True)
 class JoinAnswer:
     """A leader's answer to ``mm.join``: a closed group (``members``, ``round``, the members'
-    all-reduce ``shares``, see :func:`shares`, and link ``rates``, see :func:`rates`), or a
-    ``status`` of "redirect" (another peer leads) or "closed"."""
+    all-reduce ``shares``, see :func:`shares`, link ``rates``, see :func:`rates`, and every
+    member's ``mm.join`` signature, ``signatures``, in member order), or a ``status`` of
+    "redirect" (another peer leads) or "closed"."""
 
     status: str
     members: tuple[str, ...] = ()
@@ -318,14 +322,19 @@ class JoinAnswer:
     formed_in: float = 0.0
     shares: tuple[int, ...] = ()
     rates: tuple[int, ...] = ()
+    signatures: tuple[bytes, ...] = ()
 
 
 def parse_join_answer(header: Any) -> JoinAnswer:
     h = _map(header, "join answer")
     if "members" in h:
         group = members(h["members"])
+        sigs = h.get("js")
+        if not isinstance(sigs, list) or len(sigs) != len(group):
+            raise ProtocolError("join answer: expected one join signature per member")
         return JoinAnswer("group", group, round_id(h.get("round")), max(0.0, _finite(h.get("t", 0.0), "t")),
-                          shares(h.get("s"), len(group)), rates(h.get("bw"), len(group)))
+                          shares(h.get("s"), len(group)), rates(h.get("bw"), len(group)),
+                          tuple(_bytes(x, "join signature", 64) for x in sigs))
     status = h.get("status")
     if status not in ("redirect", "closed"):
         raise ProtocolError("join answer: neither a group nor a status")

@@ -7,7 +7,11 @@ at the one boundary in :mod:`p2pdiloco.net.records` (malformed records are dropp
 counted per peer). Readers pick, per fragment, the newest version; at a version held with
 two digests (two groups merged the same version: split brain, invariant I7) the digest held
 by more peers wins, ties to the smaller digest, so every node resolves it the same way and
-the losers re-sync.
+the losers re-sync. A node pushes its record to the learners it knows on every publish
+(``st.heads``, ``net.pushes``) and stores it in the DHT every ``STORE_EVERY_S``, for nodes that
+do not know it yet; readers that can (the node's ``SwarmView``) reuse a DHT read for
+``READ_EVERY_S`` with the newer pushes merged in (issue 13 of this project: every DHT read is a
+Kademlia traversal whose answers carry every node's record).
 
 Transfer: ``state.get`` returns a fragment's Θ and outer momentum (fp32) with its version
 and digest; the receiver recomputes the digest over the bytes it got and installs nothing
@@ -65,7 +69,7 @@ import asyncio
 import hashlib
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +82,7 @@ from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, ProtocolErro
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
 from p2pdiloco.net.heads import LEAD, ROLLBACK_MAX, Head, claim_ceiling
+from p2pdiloco.net.pushes import MAX_PUSHED, Pusher
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.transport import Header, Swarm
 
@@ -96,6 +101,8 @@ FIRST_REPLY_MIN_S = 0.5  # ... but never less than this (seconds), nor more than
 IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its first strike (doubling)
 IGNORE_MAX_S = 600.0
 STALE_S = 15.0  # seconds a record may go unchanged before its author counts as gone (nodes publish every <= 5 s)
+STORE_EVERY_S = 5.0  # seconds between DHT stores of our record; pushes carry every change in between
+READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused by readers that take pushes in between
 
 
 class StateSync:
@@ -137,6 +144,13 @@ class StateSync:
         self._donors: dict[str, None] = {}  # holders that delivered a state to us (insertion-ordered set)
         self._took: deque[float] = deque(maxlen=FOLLOW_HISTORY)  # seconds of recent successful downloads
         self._changed: dict[str, tuple[float, float]] = {}  # peer -> (its record's t, monotonic s we first saw it)
+        self.pusher = Pusher(swarm, "st.heads")  # pushes our record to the learners we know (the node sets them)
+        self.pushes_received: Counter[str] = Counter()  # "received", "other_run" (refused)
+        self._pushed: dict[str, HeadsRecord] = {}  # author -> its newest pushed record, oldest author first
+        self._mine: HeadsRecord | None = None  # our last published record
+        self._stored_at = -math.inf  # monotonic s of our last DHT store
+        self._read: tuple[float, dict[str, HeadsRecord], set[str]] = (-math.inf, {}, set())  # last DHT read:
+        # (monotonic s it began, parsed records, every author under the key)
 
     @property
     def heads_key(self) -> str:
@@ -151,6 +165,7 @@ class StateSync:
                 certificate); the message carries their reason.
         """
         await self.swarm.add_handler("state.get", self._on_get, max_payload=0)
+        await self.swarm.add_handler("st.heads", self._on_heads, max_payload=0)
         await self.swarm.check_admission(self.heads_key)
 
     def state_bytes(self, fragment: int) -> int:
@@ -158,12 +173,45 @@ class StateSync:
         shapes = [s.shape for s in self.fragments[fragment].slots]
         return wire.wire_nbytes(shapes + shapes, "fp32")
 
-    async def publish(self, extra: dict[str, Any]) -> None:
-        """Store this node's record: per-fragment [version, digest] plus ``extra`` figures
-        (the other fields of :class:`HeadsRecord`)."""
+    async def publish(self, extra: dict[str, Any], *, store: bool = False) -> None:
+        """Publish this node's record: per-fragment [version, digest] plus ``extra`` figures
+        (the other fields of :class:`HeadsRecord`). It is pushed to the learners we know
+        (``pusher``, ``st.heads``) every time, and stored in the DHT, where nodes that do not
+        know us yet find it, when ``store`` or ``STORE_EVERY_S`` after the last store.
+
+        Raises:
+            NetworkError: the DHT store failed (the push is made all the same).
+        """
         record = HeadsRecord(tuple((s.version, s.digest) for s in self.committed()), t=self.swarm.clock.now(),
                              tag=self.tag, **extra)
-        await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
+        self._mine = record
+        self.pusher.set({"r": record.to_wire(), "run": self.run_id})
+        if store or swarm_clock.monotonic() - self._stored_at >= STORE_EVERY_S:
+            await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
+            self._stored_at = swarm_clock.monotonic()
+
+    async def _on_heads(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
+        """A peer's record, pushed (``st.heads``): its own, as the transport authenticates it,
+        parsed like one read from the DHT (a malformed one bans its author); an older push
+        never replaces a newer one."""
+        if peer in self.swarm.bans:
+            raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
+        if header.get("run") != self.run_id:
+            self.pushes_received["other_run"] += 1
+            raise ProtocolError("a record of another run")
+        try:
+            record = rec.parse_heads(header.get("r"), len(self.fragments))
+        except ProtocolError:
+            self._malformed(peer, header.get("r"))
+            raise
+        old = self._pushed.pop(peer, None)
+        self._pushed[peer] = record if old is None or record.t >= old.t else old
+        now = self.swarm.clock.now()
+        self._pushed = {p: r for p, r in self._pushed.items() if now - r.t <= HEAD_TTL}  # authors long gone
+        while len(self._pushed) > MAX_PUSHED:
+            del self._pushed[next(iter(self._pushed))]
+        self.pushes_received["received"] += 1
+        return {}, b""
 
     def ignoring(self) -> dict[str, str]:
         """Peers whose claims are ignored now, {peer ID: reason}."""
@@ -171,9 +219,11 @@ class StateSync:
         self.ignored = {p: v for p, v in self.ignored.items() if v[0] > now}
         return {p: why for p, (_, why) in self.ignored.items()}
 
-    async def records(self) -> dict[str, HeadsRecord]:
+    async def records(self, max_dht_age: float = 0.0) -> dict[str, HeadsRecord]:
         """Every live node's parsed record, {peer ID: record}: records under a peer ID, which
-        the DHT accepted only when signed by that peer (and, in a private swarm, a member);
+        the DHT accepted only when signed by that peer (and, in a private swarm, a member), or
+        pushed by that peer (the newer of the two by its ``t``), and ours as last published;
+        the DHT is read again when the last read began ``max_dht_age`` seconds ago or more;
         none of a banned or ignored peer; none that stayed unchanged for ``STALE_S`` seconds of
         this node's watch (its author stopped publishing: a dead node's record outlives it by
         up to ``HEAD_TTL`` plus the DHT's clock slack, ``clock.TOLERANCE_S``, and must neither hold a head nor corroborate a claim); none that
@@ -186,12 +236,23 @@ class StateSync:
         """
         self._observe()
         ignoring = self.ignoring()
-        stored = await self.swarm.get(self.heads_key)
-        values = {p: v for p, v in stored.items() if p not in self.swarm.bans and p not in ignoring}
-        self._changed = {p: seen for p, seen in self._changed.items() if p in stored}  # gone from the DHT: forgotten
-        good, bad = rec.parse_many(values, rec.parse_heads, len(self.fragments))
-        for peer in bad:
-            self._malformed(peer, values[peer])
+        if swarm_clock.monotonic() - self._read[0] >= max_dht_age:
+            began = swarm_clock.monotonic()
+            stored = await self.swarm.get(self.heads_key)
+            values = {p: v for p, v in stored.items() if p not in self.swarm.bans and p not in ignoring}
+            parsed, bad = rec.parse_many(values, rec.parse_heads, len(self.fragments))
+            for peer in bad:
+                self._malformed(peer, values[peer])
+            self._read = (began, parsed, set(stored))
+        _, parsed, authors = self._read
+        good = {p: r for p, r in parsed.items() if p not in self.swarm.bans and p not in ignoring}
+        for peer, pushed in self._pushed.items():
+            if peer not in self.swarm.bans and peer not in ignoring and (peer not in good or pushed.t > good[peer].t):
+                good[peer] = pushed
+        if self._mine is not None and self.swarm.peer_id in good:
+            good[self.swarm.peer_id] = self._mine
+        # gone from the DHT and no longer pushing: forgotten
+        self._changed = {p: seen for p, seen in self._changed.items() if p in authors or p in self._pushed}
         out = {}
         for peer, record in self._live(good).items():
             if record.tag and self.tag and record.tag != self.tag:

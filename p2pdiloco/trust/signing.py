@@ -41,10 +41,10 @@ import msgpack
 from p2pdiloco.trust.identity import Identity, public_key_of, verify_raw
 
 __all__ = ["PREFIX", "message", "sign", "verify", "verify_by_peer", "sha256", "contribution_fields",
-           "merged_fields"]
+           "merged_fields", "join_fields"]
 
 PREFIX = b"p2pdiloco/v1/"
-PURPOSES = ("ar.contrib", "ar.merged", "dht.record", "cert", "revocations", "run.manifest")
+PURPOSES = ("ar.contrib", "ar.merged", "dht.record", "cert", "revocations", "run.manifest", "mm.join")
 
 
 def message(purpose: str, fields: Sequence[Any]) -> bytes:
@@ -85,6 +85,12 @@ def contribution_fields(run: str, fragment: int, version: int, digest: str, roun
     shares, which decide the slots of the slice; empty for equal shares)."""
     return [run, fragment, version, digest, round_id, list(members), reducer, tokens, steps, span, position,
             payload_sha256, list(shares)]
+
+
+def join_fields(run: str, fragment: int, version: int, digest: str) -> list[Any]:
+    """Fields of an ``mm.join`` signature, in order: a learner asks to merge fragment
+    ``fragment`` at (``version``, ``digest``) in ``run`` (net.matchmaking)."""
+    return [run, fragment, version, digest]
 
 
 def merged_fields(run: str, fragment: int, version: int, digest: str, round_id: str, reducer: int,

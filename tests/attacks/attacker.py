@@ -446,10 +446,12 @@ async def stall(atk: Attacker, targets: Sequence[str], until: float) -> None:
     await _claim_ahead(atk, until, 1, 3.0, True, current)
 
 
-def _mm_reply(mode: str, joiner: str, ghost: str, fakes: list[str]) -> dict:
+def _mm_reply(mode: str, joiner: str, ghost: str, fakes: list[str], joiner_sig: object = b"") -> dict:
     round_id = secrets.token_hex(8)
-    if mode == "ghost":
+    if mode == "ghost":  # the joiner's own join signature, and a made-up one for the ghost
         members = sorted([joiner, ghost])
+        sigs = [joiner_sig if m == joiner else secrets.token_bytes(64) for m in members]
+        return {"members": members, "round": round_id, "t": 0.5, "js": sigs}
     elif mode == "unsorted":
         members = sorted([joiner, ghost], reverse=True)
     elif mode == "huge":
@@ -476,7 +478,7 @@ async def mm_hijack(atk: Attacker, targets: Sequence[str], until: float, *,
         mode = modes[atk.stats["joins"] % len(modes)]
         atk.stats["joins"] += 1
         atk.stats[f"joins_{mode}"] += 1
-        return _mm_reply(mode, peer, ghost, fakes), b""
+        return _mm_reply(mode, peer, ghost, fakes, header.get("sig") if isinstance(header, dict) else b""), b""
 
     await atk.serve("mm.join", on_join)
     declared: dict[tuple[int, int, str], float] = {}
