@@ -76,6 +76,8 @@ class Node:
         self.view = SwarmView(self.sync, swarm.peer_id)  # the swarm's records, as last read
         self.matchmaker.gatherings.audience = lambda: self.view.others  # pushed our gathering announcements
         self.sync.pusher.audience = lambda: self.view.others  # ... and our records
+        pushers = (self.matchmaker.gatherings.pusher, self.sync.pusher)  # a peer that pushed to us gets both again
+        self.matchmaker.gatherings.on_heard = self.sync.on_heard = lambda peer: [p.heard_from(peer) for p in pushers]
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)

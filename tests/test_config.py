@@ -178,7 +178,7 @@ def test_every_out_of_range_value_of_a_section_is_listed(tmp_path: Path) -> None
         "outer.momentum: must be in [0, 1)" + where,
         "outer.fragments: must be in 1..1024" + where,
         "outer.grace_min: need 0 <= grace_min <= grace_max <= 3600 (seconds)" + where,
-        "outer.wire_precision: must be one of fp32, fp16, bf16, int8, int4" + where,
+        "outer.wire_precision: must be one of fp32, fp16, bf16, int8, int4, topk2" + where,
         "data.shard_index: must be -1 or in [0, num_shards)" + where,
         "data.batch_size: must be in 1..65536" + where,
         "threads: must be in 1..1024 (from environment variable P2PDILOCO_THREADS)",

@@ -38,7 +38,7 @@ D = "ab" * 32
 VALID: dict[str, Any] = {
     "heads": {"f": [[3, D], [2, D], None, [0, D]], "r": ["a1", "", "b2", ""], "t": 1.5, "name": "n0",
               "state": "training", "done": False, "step": 12, "tps": 100.5, "loss": 2.25},
-    "gathering": {"g": [[0, 3, D], [2, 1, D]], "t": 5.0},
+    "gathering": {"g": [[0, 3, D], [2, 1, D]], "t": 5.0, "l": [[1, 3, D, 4.5], [0, 2, D, 3.0]]},
     "declaration": {"open": False, "t": 5.0, "g": True},
     "join_request": {"f": 1, "v": 3, "d": D, "sig": b"s" * 64, "bw": 6104},
     "join_answer": {"members": PEERS, "round": "abcd", "t": 0.5, "s": [500, 500, 0], "bw": [6104, 6104, 244],

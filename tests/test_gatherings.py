@@ -22,8 +22,8 @@ pytestmark = pytest.mark.looptime(end=3600)
 async def test_a_gathering_is_pushed_to_the_audience_and_withdrawn_without_dht_reads():
     """A gathers at KEY (expecting a second learner that never comes); B, in A's audience,
     learns of it from A's push within a second, with no DHT read, and of its withdrawal when
-    A's gathering ends; C, not in the audience, hears nothing; nobody stores an announcement
-    in the DHT (A's stores are its two matchmaking declarations); a push of another run is
+    A's gathering ends; C, not in the audience, hears nothing; nobody reads or stores anything
+    in the DHT (A, with an audience, declares by its pushes alone); a push of another run is
     refused, not read."""
     async with memory_swarms(3, MemoryNet(default=Link(latency=0.01))) as (net, (a, b, c)):
         mm_a, mm_b, mm_c = (Matchmaker(s, "run", 1) for s in (a, b, c))
@@ -42,7 +42,7 @@ async def test_a_gathering_is_pushed_to_the_audience_and_withdrawn_without_dht_r
             await until(lambda: mm_b.gatherings.stats["received"] >= 2, 5, "A's withdrawal pushed to B", every=0.1)
             assert mm_b.open_gatherings() == {}
             assert net.dht_gets[b.peer_id] == reads and dict(b.stats.dht) == {}
-            assert dict(a.stats.dht) == {"store:mm": 2, "get:mm": a.stats.dht["get:mm"]}  # opened, closed
+            assert dict(a.stats.dht) == {}
             assert mm_a.gatherings.stats["sent"] >= 2 and mm_a.gatherings.stats["failed"] == 0
         finally:
             pusher.cancel()
@@ -120,12 +120,18 @@ async def test_no_push_hides_another_a_future_one_is_refused_and_one_fragment_tw
                                                         "run": "run"}, timeout=5)
         assert set(b.bans) == {hostile.peer_id}
         assert mm_b.open_gatherings() == {0: {GroupKey(0, 3, "ab" * 32)}}
+        with pytest.raises(ProtocolError):  # a closed key named twice for one fragment: banned too
+            await honest.call(b.peer_id, "mm.gather", {"g": [], "t": now, "run": "run",
+                                                       "l": [[0, 1, "ab" * 32, now], [0, 2, "ab" * 32, now]]},
+                              timeout=5)
+        assert set(b.bans) == {hostile.peer_id, honest.peer_id} and b.drop_reasons["gathering_push"] == 2
 
 
 @pytest.mark.asyncio
 async def test_a_peer_that_fails_a_push_is_skipped_for_a_while():
     """A peer in the audience that does not serve ``mm.gather`` fails one push and then gets
-    none for SKIP_S, so a peer that stalls delays the others' pushes once in that time."""
+    none for SKIP_S, so a peer that stalls delays the others' pushes once in that time; once it
+    pushes to us itself (it restarted), it gets ours again at once."""
     from p2pdiloco.net.pushes import SKIP_S
 
     async with memory_swarms(3, MemoryNet(default=Link(latency=0.01))) as (net, (a, b, mute)):
@@ -142,5 +148,43 @@ async def test_a_peer_that_fails_a_push_is_skipped_for_a_while():
             await asyncio.sleep(SKIP_S)  # virtual time: the skip runs out
             mm_a.gatherings.announce([])
             await until(lambda: mm_a.gatherings.stats["failed"] == 2, 5, "the mute peer's second failure", every=0.05)
+            # the mute peer comes back (restarted): its first push to a lifts the skip at once, and a
+            # pushes it the newest announcement without waiting for a change
+            mm_mute = Matchmaker(mute, "run", 1)
+            await mm_mute.start()
+            await mute.call(a.peer_id, "mm.gather", {"g": [], "t": mute.clock.now(), "run": "run"}, timeout=5)
+            await until(lambda: mm_mute.gatherings.stats["received"] == 1, 5, "a's push to the returned peer",
+                        every=0.05)
+            assert mm_a.gatherings.stats["failed"] == 2
         finally:
             pusher.cancel()
+
+
+@pytest.mark.asyncio
+async def test_with_an_audience_matchmaking_needs_no_dht_and_a_latecomer_learns_it_is_late_from_a_push():
+    """Three learners who know each other (the node's audience): the lowest-ranked of the first
+    two leads, the other joins it, both from pushes alone; the third, ready after the group
+    closed, is late at once because the leader's announcement names the key where it closed
+    a group. No learner reads or stores a matchmaking declaration in the DHT."""
+    async with memory_swarms(3, MemoryNet(default=Link(latency=0.01))) as (net, sw):
+        mms = {s.peer_id: Matchmaker(s, "run", 1) for s in sw}
+        for m in mms.values():
+            await m.start()
+            m.gatherings.audience = lambda: [s.peer_id for s in sw]
+        pushers = [asyncio.create_task(m.gatherings.push_forever()) for m in mms.values()]
+        try:
+            first, second, third = (mms[s.peer_id] for s in sw)
+            (o1, g1), (o2, g2) = await asyncio.gather(
+                first.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=2),
+                second.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=2))
+            assert o1 == o2 == "group" and g1.members == g2.members and len(g1.members) == 2
+            leader = g1.leader
+            assert leader == min(g1.members, key=lambda p: leader_rank(KEY.dht_key("run"), p))
+            await until(lambda: third.gatherings.declarations(KEY.fragment, KEY.version, KEY.digest).get(leader) is not None
+                        and not third.gatherings.declarations(KEY.fragment, KEY.version, KEY.digest)[leader].open,
+                        5, "the leader's closed key at the third learner", every=0.05)
+            assert await third.form_group(KEY, grace=1.0, quorum_timeout=10.0, expected=3) == ("late", None)
+            assert all(not any(k.endswith(":mm") for k in s.stats.dht) for s in sw), [dict(s.stats.dht) for s in sw]
+        finally:
+            for task in pushers:
+                task.cancel()

@@ -113,7 +113,12 @@ def hostile_cases() -> list[tuple[str, bytes, str]]:
     ]
     good = wire.encode_merged([torch.arange(300.0)], "topk2")
     count = struct.unpack_from("<H", good)[0]
+    codes_at = len(good) - count
     cases += [
+        ("merged", good[:2] + struct.pack("<f", -1.0) + good[6:], "negative or not finite"),
+        ("merged", good[:2] + struct.pack("<f", float("nan")) + good[6:], "negative or not finite"),
+        ("merged", good[:codes_at] + b"\x00" + good[codes_at + 1:], "a code of 0 or -128"),
+        ("merged", good[:codes_at] + b"\x80" + good[codes_at + 1:], "a code of 0 or -128"),
         ("merged", good[:-1], "expected"),
         ("merged", b"\x00", "expected at least 6"),
         ("merged", struct.pack("<H", 301) + good[2:], "more entries than its chunk"),
@@ -144,3 +149,16 @@ def test_error_feedback_delivers_a_constant_pseudo_gradient_over_rounds() -> Non
         assert torch.allclose(sent + residual, t * x, atol=1e-3 * t)  # nothing is lost, only delayed
         errors.append(float((sent / t - x).norm() / x.norm()))
     assert errors[0] > 0.9 and errors[-1] < 0.1 and errors[-1] < errors[99] < errors[9]
+
+
+def test_a_merged_slice_lists_at_most_the_union_of_the_contributions() -> None:
+    """A merged slice of M contributions holds at most M x k(m) entries a chunk: a reducer that
+    lists more (a dense slice, say: each decoded entry costs memory) is refused, and the bound
+    on the reply's size follows (``merged_max_nbytes`` with ``members``)."""
+    dense = wire.encode_merged([torch.arange(128.0, 428.0)], "topk2")  # 300 entries; k(300) = 5
+    assert len(wire.decode_merged(dense, [(300,)], "topk2")[0].nonzero()) == 300  # no bound: any number
+    with pytest.raises(ProtocolError, match="more entries than its chunk holds"):
+        wire.decode_merged(dense, [(300,)], "topk2", members=4)  # at most 4 x 5 = 20
+    assert sparse.merged_cap(300, 4) == 20 and sparse.merged_cap(4096, 100) == 4096
+    assert wire.merged_max_nbytes([(300,)], "topk2", members=4) == 6 + 30 + 20
+    assert wire.merged_max_nbytes([(300,)], "int4", members=4) == wire.wire_nbytes([(300,)], "int4")

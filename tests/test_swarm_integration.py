@@ -35,8 +35,11 @@ def test_three_nodes_merge_like_one_process(harness):
     # gathering announcements travel as pushes between the nodes, never through the DHT
     assert all(r["gathering_pushes"].get("sent", 0) > 0 and r["gathering_pushes"].get("received", 0) > 0
                for r in reports), [r["gathering_pushes"] for r in reports]
-    assert all(r["dht_ops"].get("store:mm", 0) > 0 and not any(k.endswith(":gathering") for k in r["dht_ops"])
-               for r in reports), [r["dht_ops"] for r in reports]
+    # ... and so do matchmaking declarations once a node knows the others (net.matchmaking): most
+    # rounds, if not all, read and store nothing in the DHT for matchmaking
+    assert all(r["dht_ops"].get("store:mm", 0) + r["dht_ops"].get("get:mm", 0) < r["rounds_committed"]
+               and not any(k.endswith(":gathering") for k in r["dht_ops"]) for r in reports), \
+        [(r["dht_ops"], r["rounds_committed"]) for r in reports]
     # records travel as pushes too; the DHT holds them for nodes that do not know us yet, stored
     # every few seconds (statesync.STORE_EVERY_S), not at every commit
     assert all(r["record_pushes"].get("sent", 0) > 0 and r["record_pushes"].get("received", 0) > 0

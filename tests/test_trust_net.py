@@ -359,7 +359,7 @@ async def test_a_leader_admits_only_joiners_that_signed_and_members_check_every_
             [(a, Matchmaker(a, "run", 2)), (b, Matchmaker(b, "run", 2))], key=lambda x: leader_rank(dht_key, x[0].peer_id))
         await mm_l.start()
         await mm_j.start()
-        fields = signing.join_fields("run", KEY.fragment, KEY.version, KEY.digest)
+        fields = signing.join_fields("run", KEY.fragment, KEY.version, KEY.digest, leader.peer_id)
         request = {"f": KEY.fragment, "v": KEY.version, "d": KEY.digest}
         gathering = lambda: mm_l._gatherings.get(0)  # noqa: E731
 
@@ -378,9 +378,9 @@ async def test_a_leader_admits_only_joiners_that_signed_and_members_check_every_
         # 2. a signed join at the next key: a member, verified by the other joiner
         leader.bans.clear()
         key2 = GroupKey(0, 4, "cd" * 32)
-        fields2 = signing.join_fields("run", key2.fragment, key2.version, key2.digest)
         (leader, mm_l), (joiner, mm_j) = sorted([(a, mm_l if a is leader else mm_j), (b, mm_j if b is joiner else mm_l)],
                                                 key=lambda x: leader_rank(key2.dht_key("run"), x[0].peer_id))
+        fields2 = signing.join_fields("run", key2.fragment, key2.version, key2.digest, leader.peer_id)
         leading = asyncio.create_task(mm_l.form_group(key2, grace=1.0, quorum_timeout=10.0, expected=3))
         await until(lambda: gathering() and gathering().key == key2, 10, "the leader's gathering", every=0.05)
         signed = {"f": key2.fragment, "v": key2.version, "d": key2.digest,
@@ -396,18 +396,20 @@ async def test_a_leader_admits_only_joiners_that_signed_and_members_check_every_
         assert leader.bans == {} and joiner.bans == {}
         assert fields != fields2  # a signature is for one key: it does not carry over to another round
 
-        # 3. a leader that lists a member whose signature does not verify is banned
+        # 3. a leader that lists a member whose signature does not verify for it is banned: here
+        # a valid signature of that member, made for another leader (itself)
         key3 = GroupKey(0, 5, "ef" * 32)
+        other = leader  # signs a join at key3 with itself as the leader: not a join of c's group
+        stolen = signing.sign(other.identity, "mm.join", signing.join_fields("run", 0, 5, "ef" * 32, other.peer_id))
 
         async def forging_leader(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
-            group = sorted([peer, c.peer_id])
-            sigs = [header["sig"] if m == peer else bytes(64) for m in group]
+            group = sorted([peer, c.peer_id, other.peer_id])
+            own = signing.sign(c.identity, "mm.join", signing.join_fields("run", 0, 5, "ef" * 32, c.peer_id))
+            sigs = [header["sig"] if m == peer else own if m == c.peer_id else stolen for m in group]
             return {"members": group, "round": "r3", "t": 0.1, "s": [], "bw": [], "js": sigs}, b""
 
         await c.add_handler("mm.join", forging_leader)
-        outcome = await mm_j._join(c.peer_id, key3, signing.sign(joiner.identity, "mm.join",
-                                                                  signing.join_fields("run", 0, 5, "ef" * 32)), 10.0)
-        assert outcome == "gone" and c.peer_id in joiner.bans
+        assert await mm_j._join(c.peer_id, key3, 10.0) == "gone" and c.peer_id in joiner.bans
 
 
 # ---- identity ----------------------------------------------------------------------------
@@ -466,6 +468,34 @@ async def test_lossy_rounds_return_each_members_quantisation_residual_for_error_
             coded = wire.decode_merged(wire.encode_merged([merged[i] for i in slots], precision), shapes, precision)
             for p in ids:
                 assert all(torch.equal(results[p].delta[i], c) for i, c in zip(slots, coded))
+
+
+class NonFiniteReducer(AllReducer):
+    """A reducer that signs a merged slice holding an infinity."""
+
+    def _statement(self, rnd, phase, contributors, merged):
+        merged = [t.clone() for t in merged]
+        merged[0].view(-1)[0] = float("inf")
+        return super()._statement(rnd, phase, contributors, merged)
+
+
+@pytest.mark.asyncio
+async def test_a_reducer_that_signs_a_non_finite_merged_slice_fails_the_round_and_is_banned():
+    """Its statement verifies (it signed those bytes), so the fault is provable: the other
+    member commits nothing (the round fails) and bans it, instead of installing Θ = inf."""
+    async with swarms(2) as sw:
+        ids = sorted(s.peer_id for s in sw)
+        evil = ids[0]  # the first member reduces slot 0 (assign_parts: the largest tensors first)
+        reducers = {s.peer_id: (NonFiniteReducer if s.peer_id == evil else AllReducer)(
+            s, [FRAGMENT], "fp32", 4.0, sync_every=10, run_id="run", outliers="off") for s in sw}
+        for r in reducers.values():
+            await r.start()
+        slots = assign_parts([slot.numel for slot in FRAGMENT.slots], 2)
+        assert 0 in slots[0]
+        results = await run_round(reducers, {p: Contribution(delta(i), 1000, 10) for i, p in enumerate(ids)})
+        honest = next(s for s in sw if s.peer_id != evil)
+        assert isinstance(results[honest.peer_id], RoundFailed) and evil in honest.bans
+        assert reducers[honest.peer_id].stats.rejected["bad_result"] == 1
 
 
 @pytest.mark.asyncio

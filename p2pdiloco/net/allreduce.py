@@ -178,16 +178,21 @@ class AllReducer:
     def _slice_bytes(self, group: Group, r: int) -> int:
         """The most bytes reducer r's merged slice in ``group`` takes on the wire."""
         parts = self._parts(group.key.fragment, len(group.members), group.shares)
-        return wire.merged_max_nbytes(self._shapes(group.key.fragment, parts[r]), self.precision)
+        return wire.merged_max_nbytes(self._shapes(group.key.fragment, parts[r]), self.precision, len(group.members))
 
-    def _wait(self, fragment: int, shares: Sequence[int], rates: Sequence[int]) -> float:
-        """:func:`round_wait` for a round of ``fragment`` (seconds)."""
-        return round_wait(self.timeout, self._fragment_bytes[fragment], shares, rates)
+    def _wait(self, group: Group) -> float:
+        """:func:`round_wait` for a round of ``group`` (seconds), for the larger of a slice and
+        a merged slice of its fragment (``topk2``'s merged slices, the union of the
+        contributions, outweigh them)."""
+        frag = group.key.fragment
+        merged = wire.merged_max_nbytes(self._shapes(frag, range(len(self.fragments[frag].slots))), self.precision,
+                                        len(group.members))
+        return round_wait(self.timeout, max(self._fragment_bytes[frag], merged), group.shares, group.rates)
 
     def _call_timeout(self, group: Group) -> float:
         """Seconds a member waits for a reducer's answer: the reducers' wait, then as long
         again as the wait exceeds ``timeout`` (the merged slices travel back), plus 5 s."""
-        wait = self._wait(group.key.fragment, group.shares, group.rates)
+        wait = self._wait(group)
         return 2 * wait - self.timeout + 5
 
     def _parts(self, fragment: int, n: int, shares: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -327,8 +332,12 @@ class AllReducer:
         merged: list[torch.Tensor | None] = [None] * len(self.fragments[frag].slots)
         for r, (_, _, _, body) in answers.items():
             try:
-                tensors = wire.decode_merged(body, self._shapes(frag, parts[r]), self.precision)
-            except ProtocolError as e:  # signed, so the reducer sent these wrong bytes
+                tensors = wire.decode_merged(body, self._shapes(frag, parts[r]), self.precision, len(members))
+                if not is_finite_contribution(tensors):
+                    raise ProtocolError("a merged slice that is not finite")
+            except ProtocolError as e:  # signed, so the reducer sent these wrong bytes: provable
+                self.stats.rejected["bad_result"] += 1
+                self.swarm.ban(members[r], f"signed a malformed merged slice in round {group.round_id}: {e}")
                 raise RoundFailed(f"round {group.round_id}: merged slice of {members[r][-8:]}: {e}") from None
             for i, t in zip(parts[r], tensors):
                 merged[i] = t
@@ -426,7 +435,7 @@ class AllReducer:
                     self._forget(old)
             rnd = self._rounds[req.round] = _Round(req.round, frag, group.key.version, group.key.digest, members,
                                                    req.reducer, group.shares, group.rates, slots, creator=peer)
-            wait = self._wait(frag, group.shares, group.rates)
+            wait = self._wait(group)
             loop = asyncio.get_running_loop()
             loop.call_later(wait, self._deadline, rnd)
             loop.call_later(2 * wait - self.timeout + 5 + KEEP_DECIDED_SECONDS, self._forget, rnd)  # members' wait

@@ -5,9 +5,13 @@ round costs each node about two pushes sent and two received, whatever the swarm
 announces the (fragment, version, digest) keys it gathers at, and withdraws them when its
 gathering ends or another learner leads it, so that learners at
 the same version pull that fragment's round in and join (``node.runtime``'s gathering watch)
-instead of arriving late. The announcement, ``{"g": [[fragment, version, digest], ...],
-"t": swarm time}`` with the run's name (``run``, with its protocol tag: a push of another run
-is refused), is pushed (``mm.gather``) to the audience, the live learners of this
+instead of arriving late. It also lists, per fragment, the last key where its author closed
+a group, with the time (``l``): learners that reach that key later are late
+(``Matchmaker.form_group``; with an audience these pushes are the whole of matchmaking's
+declarations, :meth:`Gatherings.declarations`). The announcement, ``{"g": [[fragment,
+version, digest], ...], "l": [[fragment, version, digest, time], ...], "t": swarm time}`` with
+the run's name (``run``, with its protocol tag: a push of another run is refused), is pushed
+(``mm.gather``, by a ``net.pushes.Pusher``) to the audience, the live learners of this
 node's last records read (``audience``, at most ``MAX_AUDIENCE``), by
 :meth:`Gatherings.push_forever` whenever it changes (the newest only; a learner that does not
 answer within ``PUSH_TIMEOUT_S`` gets no push for ``SKIP_S``, so that a peer that stalls
@@ -61,6 +65,7 @@ class Gatherings:
         self.pusher = Pusher(swarm, "mm.gather")  # pushes ours; the node sets its audience
         self.pushed = asyncio.Event()  # set when a push arrives
         self.on_push: Callable[[list[tuple[int, int, str]]], object] = lambda keys: None  # the Matchmaker's
+        self.on_heard: Callable[[str], object] = self.pusher.heard_from  # a peer pushed to us (the node widens it)
         self.received: Counter[str] = Counter()  # pushes "received" and "other_run" (refused)
         self._pushes: dict[str, rec.Gathering] = {}  # author -> its newest push, oldest author first
 
@@ -80,10 +85,11 @@ class Gatherings:
     async def start(self) -> None:
         await self.swarm.add_handler("mm.gather", self._on_push, max_payload=0)
 
-    def announce(self, keys: list[list]) -> None:
-        """Announce that we gather at ``keys`` ([[fragment, version, digest], ...]; [] withdraws):
+    def announce(self, keys: list[list], left: list[list] = ()) -> None:
+        """Announce that we lead a gathering at ``keys`` ([[fragment, version, digest], ...]; []
+        withdraws) and closed groups at ``left`` ([[fragment, version, digest, swarm time], ...]):
         :meth:`push_forever` pushes it."""
-        self.pusher.set({"g": keys, "t": self.swarm.clock.now(), "run": self.run_id})
+        self.pusher.set({"g": keys, "l": list(left), "t": self.swarm.clock.now(), "run": self.run_id})
 
     def open(self) -> dict[int, set[tuple[int, str]]]:
         """Fragments other learners gather a group for now, by their pushes: {fragment: every
@@ -101,13 +107,22 @@ class Gatherings:
                 out.setdefault(p, set()).add((v, d))
         return out
 
-    def leading_at(self, fragment: int, version: int, digest: str) -> set[str]:
-        """The learners whose current announcement (as :meth:`open`) names this key: they lead
-        a gathering there."""
-        now, me = self.swarm.clock.now(), self.swarm.peer_id
-        return {peer for peer, g in self._pushes.items()
-                if peer != me and peer not in self.swarm.bans and now - g.t <= self.max_age
-                and any((p, v, d) == (fragment, version, digest) for p, v, d in g.keys)}
+    def declarations(self, fragment: int, version: int, digest: str) -> dict[str, rec.Declaration]:
+        """What the other learners' announcements say of this key, as matchmaking declarations
+        (``Matchmaker.form_group``): open where a current announcement (as :meth:`open`) names
+        it (its author leads a gathering there), in a group where its closed keys do (with the
+        time it closed the group); banned authors left out."""
+        now, me, key = self.swarm.clock.now(), self.swarm.peer_id, (fragment, version, digest)
+        out = {}
+        for peer, g in self._pushes.items():
+            if peer == me or peer in self.swarm.bans:
+                continue
+            if key in g.keys and now - g.t <= self.max_age:
+                out[peer] = rec.Declaration(True, False, g.t)
+            for p, v, d, t in g.left:
+                if (p, v, d) == key and peer not in out:
+                    out[peer] = rec.Declaration(False, True, t)
+        return out
 
     async def watch(self) -> None:
         """Wait until a push arrives (and ``COALESCE_S`` more, for pushes arriving with it)."""
@@ -140,6 +155,7 @@ class Gatherings:
         while len(self._pushes) > MAX_PUSHED:
             del self._pushes[next(iter(self._pushes))]
         self.received["received"] += 1
+        self.on_heard(peer)
         self.pushed.set()
-        self.on_push(list(gathering.keys))
+        self.on_push([*gathering.keys, *(k[:3] for k in gathering.left)])
         return {}, b""

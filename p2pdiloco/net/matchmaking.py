@@ -1,18 +1,28 @@
 """DHT-matched group formation for one fragment's outer round.
 
 Only learners at the same fragment version *and* the same global-state digest can be
-grouped (invariant I3, docs/architecture.md): the DHT key they declare under contains both.
-Among the learners declared open under a key (and those whose pushed gathering announcement
-names it, ``Gatherings.leading_at``), the one whose peer ID hashes lowest with the key
-(``leader_rank``: sha256 of the DHT key and the peer ID) leads: the others send it a
+grouped (invariant I3, docs/architecture.md): the key they gather at contains both.
+Among the learners open at a key, the one whose peer ID hashes lowest with the key
+(``leader_rank``: sha256 of the key and the peer ID) leads: the others send it a
 long-poll ``mm.join`` request; the leader closes the group once the
 minimum quorum K is reached and the grace window has passed (or everyone declared has
 joined), then answers every joiner with the same member list, round ID and all-reduce
 shares (Decoupled DiLoCo, arXiv 2604.21428, sec. 3: minimum quorum and grace window).
-A leader reads the declarations every ``POLL_SECONDS`` while it is alone (a learner that
-outranks it may have declared), and once joiners came to it only every ``REREAD_S`` or when
-a push names its key (another learner announced that it leads there); a joiner reads them
-once per leader it tries (issue 13 of this project: each read is a Kademlia traversal).
+
+Declarations travel two ways (issue 13 of this project: every DHT read is a Kademlia
+traversal whose answers carry every declaration, about 9 kB among 5 peers):
+
+* **pushed**, when the node knows other learners (its records name some: the audience of
+  ``Gatherings``): a learner that leads a gathering announces the key (``mm.gather``), and
+  when it closes a group there it announces that key as closed, with the time
+  (``LEFT_KEEP_S``); joiners announce nothing and the DHT is neither read nor written. A
+  learner is open to the others while its announcement names the key, and in a group once
+  its closed keys do (``Gatherings.declarations``). A learner that outranks every leader it
+  has heard of leads and announces, so the lowest-ranked ready learner leads as before.
+* **in the DHT**, by a node that knows no other learner yet: a record under the key (subkey:
+  its peer ID) while open, and another when it leaves, saying whether in a group; a leader
+  reads them at a wake-up (a join, a push, or ``POLL_SECONDS``) at most every
+  ``POLL_SECONDS``, a joiner once per leader it tries; pushed announcements count too.
 
 Bandwidth-aware shares (:func:`bandwidth_shares`): every joiner reports its measured link
 rate (``drops.LinkMeter``, KiB/s) in its ``mm.join``; the leader splits the fragment among
@@ -29,9 +39,9 @@ competing group (that would split the swarm's history); it reports ``late`` and 
 catches up with the group's result instead (unless it cannot fetch their state at all: a node
 behind NAT without a relay slot, ``Matchmaker.undeliverable``; it then goes on with its own).
 
-Trust (docs/trust.md): declarations are DHT records under the declaring peer's own ID (and
-gathering announcements are pushed by their authors: ``net.gatherings``), so only that peer
-can write or overwrite them
+Trust (docs/trust.md): declarations are pushed by their authors (``net.gatherings``, the
+transport authenticates the pusher) or are DHT records under the declaring peer's own ID, so
+only that peer can write or overwrite them
 (``transport.SignedRecords``); entries under any other subkey, and values that do not parse
 (:mod:`p2pdiloco.net.records`), are ignored and counted. No single peer can capture groups:
 
@@ -39,12 +49,14 @@ can write or overwrite them
   holds the fragment's version and state digest, which change every round, so no identity
   leads more often than chance, and grinding one that would needs a fresh identity per round;
 * every ``mm.join`` carries the joiner's Ed25519 signature over (run, fragment, version,
-  digest) (``signing.join_fields``); a leader admits only joiners whose signature verifies
-  against their peer ID (a bad one is dropped, counted, and bans its sender), and answers with
-  every member's signature; a joiner accepts a group only if the leader and the joiner are in
-  its member list and every other member's signature verifies, with no DHT read; a leader
-  that sends anything else is banned (provable: a leader cannot make up a member's
-  signature, and honest leaders list only peers that asked to join and themselves);
+  digest, leader) (``signing.join_fields``); a leader admits only joiners whose signature
+  verifies against their peer ID (a bad one is dropped, counted, and bans its sender), and
+  answers with every member's signature; a joiner accepts a group only if the leader and the
+  joiner are in its member list and every other member's signature verifies, with no DHT
+  read; a leader that sends anything else is banned (provable: a leader cannot make up a
+  member's signature, nor use one given to another leader; honest leaders list only peers
+  that asked them and themselves). What is not excluded: a leader that gathers twice at one
+  key (a retry) may list a peer that joined it the first time;
 * a leader that keeps a joiner waiting past the grace window (when the joiner and the
   leader already make a quorum) is passed over for that round, and that counts as a failed
   group; a leader whose groups failed ``LEADER_FAILURES`` times in a row (rounds reported
@@ -80,14 +92,14 @@ from p2pdiloco.trust import signing
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.2  # seconds between a leader's checks of its gathering (and DHT reads while it is alone)
-REREAD_S = 1.0  # seconds between DHT reads of the declarations by a leader with joiners, when no push wakes it
+POLL_SECONDS = 0.2  # seconds between a leader's checks of its gathering (and DHT reads, without an audience)
 JOIN_SLACK_S = 3.0  # seconds past the grace window a joiner waits for a leader that has its quorum
 JOIN_HOLD_S = 120.0  # seconds a leader holds a joiner's long poll at most
 LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
 PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
 PASS_OVER_MAX_S = 900.0
 FAILED_GROUP_WAIT_S = 10.0  # seconds a failed group's members still make us late (they may have committed)
+LEFT_KEEP_S = 120.0  # seconds a leader keeps announcing a key where it closed a group
 Outcome = Literal["group", "late", "no_quorum"]
 
 
@@ -137,8 +149,8 @@ class _Gathering:
     closed: bool = False
     following: str | None = None  # the leader this peer is joining now: joins sent to us are redirected
     leading: bool = False  # we lead it now: announced to the audience (net.gatherings)
-    signatures: dict[str, bytes] = field(default_factory=dict)  # member -> its mm.join signature (ours too)
-    stale: bool = True  # the declarations must be read again before they are used (a push named the key)
+    signatures: dict[str, bytes] = field(default_factory=dict)  # joiner -> its mm.join signature (ours too)
+    member_signatures: tuple[bytes, ...] = ()  # the closed group's, in member order
 
 
 class Matchmaker:
@@ -167,6 +179,7 @@ class Matchmaker:
         self.ignored_groups: dict[str, float] = {}  # peer -> its "left in a group" ignored until (monotonic s)
         self.gatherings = Gatherings(swarm, run_id, num_fragments)  # the run's gathering announcements
         self.gatherings.on_push = self.on_push
+        self._left: dict[int, tuple[GroupKey, float]] = {}  # fragment -> (key, swarm time) of our last group closed
         self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
         self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
         # peers whose states this node cannot fetch now (the node sets it: StateSync.ignoring while
@@ -186,9 +199,14 @@ class Matchmaker:
         return {p: {GroupKey(p, v, d) for v, d in keys} for p, keys in self.gatherings.open().items()}
 
     def _announce(self) -> None:
-        """Announce the fragments this learner leads an open gathering for (``Gatherings.announce``)."""
+        """Announce the fragments this learner leads an open gathering for, and the keys where
+        it closed its last group of each fragment, ``LEFT_KEEP_S`` at most
+        (``Gatherings.announce``)."""
+        now = self.swarm.clock.now()
+        self._left = {p: (k, t) for p, (k, t) in self._left.items() if now - t <= LEFT_KEEP_S}
         self.gatherings.announce([[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values()
-                                  if g.leading and not g.closed])
+                                  if g.leading and not g.closed],
+                                 [[k.fragment, k.version, k.digest, t] for k, t in self._left.values()])
 
     async def _declarations(self, dht_key: str) -> dict[str, rec.Declaration]:
         """The parsed, non-banned declarations under ``dht_key``, by author."""
@@ -337,9 +355,11 @@ class Matchmaker:
         # retry at this key with a shorter lifetime would not replace our closed declaration
         dht_key, ttl = key.dht_key(self.run_id), quorum_timeout + max(grace, max_grace or 0.0) + 30
         self.gatherings.max_age = quorum_timeout + max(grace, max_grace or 0.0) + JOIN_SLACK_S
-        await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
+        pushed = any(True for _ in self.gatherings.audience())  # other learners known: declarations are pushed
+        if not pushed:
+            await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
         gathering = _Gathering(key)
-        gathering.signatures[me] = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key))
+        gathering.signatures[me] = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key, me))
         self._gatherings[key.fragment] = gathering
         excluded: set[str] = set()
         quorum_at: float | None = None
@@ -348,18 +368,15 @@ class Matchmaker:
         fresh_for = ttl if round_time is None else round_time
         self._settle_deferrals(key, fresh_for)
         grouped = False  # whether we leave in a group (our last declaration says so)
-        entries: dict[str, rec.Declaration] = {}
+        stored: dict[str, rec.Declaration] = {}
         read_at = -math.inf
         try:
             while True:
-                # alone, a leader re-reads often (a learner that outranks it may be open); with joiners, only
-                # when a push names the key or every REREAD_S (they came to it: they see it leads)
-                every = REREAD_S if gathering.joiners else POLL_SECONDS
-                if gathering.stale or swarm_clock.monotonic() - read_at >= every - 1e-9:
-                    gathering.stale, read_at = False, swarm_clock.monotonic()
-                    entries = await self._declarations(dht_key)
-                open_peers = {p for p, d in entries.items() if d.open} | self.gatherings.leading_at(
-                    key.fragment, key.version, key.digest)
+                if not pushed and swarm_clock.monotonic() - read_at >= POLL_SECONDS:  # no learner known to push
+                    read_at = swarm_clock.monotonic()  # to us: the DHT, at a wake-up POLL_SECONDS after the last
+                    stored = await self._declarations(dht_key)
+                entries = {**stored, **self.gatherings.declarations(key.fragment, key.version, key.digest)}
+                open_peers = {p for p, d in entries.items() if d.open}
                 open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
                 grouped_peers = self._grouped(key, entries, fresh_for)
                 if grouped_peers:  # a group at this version exists: don't fork it (leaders and joiners alike)
@@ -375,8 +392,8 @@ class Matchmaker:
                     wait = max(0.5, deadline + grace + 2 - now)
                     if self.min_quorum <= 2:  # the leader and we make a quorum: it owes us a group soon
                         wait = min(wait, max(grace, max_grace or 0.0) + JOIN_SLACK_S)
-                    outcome = await self._join(leader, key, gathering.signatures[me], timeout=wait)
-                    gathering.following, gathering.stale = None, True
+                    outcome = await self._join(leader, key, timeout=wait)
+                    gathering.following = None
                     if isinstance(outcome, Group):
                         grouped = True
                         return "group", self._formed(key, outcome)
@@ -408,12 +425,16 @@ class Matchmaker:
             self._abdicate(gathering)
             if self._gatherings.get(key.fragment) is gathering:
                 del self._gatherings[key.fragment]
+            if gathering.leading and grouped:  # learners arriving at the key later are late
+                self._left[key.fragment] = (key, self.swarm.clock.now())
             if gathering.leading:
                 self._announce()  # withdrawn
-            try:
-                await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now(), "g": grouped}, ttl)
-            except NetworkError as e:
-                log.debug("could not mark %s closed: %s", dht_key, e)
+            if not pushed:
+                try:
+                    await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now(), "g": grouped},
+                                           ttl)
+                except NetworkError as e:
+                    log.debug("could not mark %s closed: %s", dht_key, e)
 
     def _grouped(self, key: GroupKey, entries: dict[str, rec.Declaration], fresh_for: float) -> dict[str, float]:
         """{peer: t} of the declarations at ``key`` that make us late (``form_group``): "in a
@@ -454,6 +475,7 @@ class Matchmaker:
         kib = tuple(min(rec.MAX_RATE_KIB, round(r / 1024)) if r else 0 for r in rates)
         group = Group(secrets.token_hex(8), gathering.key, members, swarm_clock.monotonic() - t0, me,
                       bandwidth_shares(rates), kib if any(kib) else ())
+        gathering.member_signatures = tuple(gathering.signatures[m] for m in members)
         for peer in joined:
             fut = gathering.joiners[peer]
             if not fut.done():
@@ -468,21 +490,21 @@ class Matchmaker:
                 fut.set_result("redirect")
         gathering.joiners.clear()
 
-    def _join_fields(self, key: GroupKey) -> list:
-        return signing.join_fields(self.run_id, key.fragment, key.version, key.digest)
+    def _join_fields(self, key: GroupKey, leader: str) -> list:
+        return signing.join_fields(self.run_id, key.fragment, key.version, key.digest, leader)
 
     def on_push(self, keys: list[tuple[int, int, str]]) -> None:
         """A gathering announcement naming ``keys`` (fragment, version, digest) arrived
-        (``Gatherings``): a gathering of ours at one of them reads the declarations again now
-        (another learner leads there) instead of at its next ``REREAD_S``."""
+        (``Gatherings``): a gathering of ours at one of them looks at the declarations now
+        (another learner leads there, or closed a group there), not at its next poll."""
         for p, v, d in keys:
             gathering = self._gatherings.get(p)
             if gathering is not None and (gathering.key.version, gathering.key.digest) == (v, d):
-                gathering.stale = True
                 gathering.arrived.set()
 
-    async def _join(self, leader: str, key: GroupKey, signature: bytes, timeout: float) -> Group | str:
+    async def _join(self, leader: str, key: GroupKey, timeout: float) -> Group | str:
         rate = self.swarm.stats.link.estimate()
+        signature = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key, leader))
         request = {"f": key.fragment, "v": key.version, "d": key.digest, "sig": signature,
                    "bw": min(rec.MAX_RATE_KIB, round(rate / 1024)) if rate else 0}
         try:
@@ -515,7 +537,7 @@ class Matchmaker:
             if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that reached us
                 self._leader_failed(leader, "led a group with a member we excluded")  # first): not a ban, but
                 return "gone"  # a leader that keeps doing it is passed over; we do not merge with that member
-            fields = self._join_fields(key)  # every member asked to join at this key: a leader cannot make one up
+            fields = self._join_fields(key, leader)  # every member asked this leader: it cannot make one up
             ghosts = [m for m, sig in zip(members, answer.signatures)
                       if m != me and not signing.verify_by_peer(m, "mm.join", fields, sig)]
             if ghosts:
@@ -536,7 +558,7 @@ class Matchmaker:
         key = GroupKey(request.fragment, request.version, request.digest)
         if peer in self.swarm.bans:
             raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
-        if not signing.verify_by_peer(peer, "mm.join", self._join_fields(key), request.signature):
+        if not signing.verify_by_peer(peer, "mm.join", self._join_fields(key, self.swarm.peer_id), request.signature):
             self.swarm.drop(peer, "join_signature")  # an honest node signs its own joins
             self.swarm.ban(peer, "sent a join with a bad signature")
             raise ProtocolError("join signature does not verify")
@@ -555,8 +577,7 @@ class Matchmaker:
         if old is not None and not old.done():
             old.set_result("redirect")
         gathering.joiners[peer] = fut
-        if peer in gathering.signatures or len(gathering.signatures) < 4 * rec.MAX_GROUP:
-            gathering.signatures[peer] = request.signature
+        gathering.signatures[peer] = request.signature  # as many as joiners (MAX_GROUP - 1) and ours
         if request.bandwidth and (peer in gathering.rates or len(gathering.rates) < 4 * rec.MAX_GROUP):
             gathering.rates[peer] = request.bandwidth * 1024.0
         gathering.arrived.set()
@@ -568,8 +589,9 @@ class Matchmaker:
         finally:
             if gathering.joiners.get(peer) is fut:
                 del gathering.joiners[peer]
+                if not gathering.closed:  # left before the group closed: its signature goes too
+                    gathering.signatures.pop(peer, None)
         if isinstance(result, Group):
             return {"members": list(result.members), "round": result.round_id, "t": result.formed_in,
-                    "s": list(result.shares), "bw": list(result.rates),
-                    "js": [gathering.signatures[m] for m in result.members]}, b""
+                    "s": list(result.shares), "bw": list(result.rates), "js": list(gathering.member_signatures)}, b""
         return {"status": "redirect"}, b""

@@ -6,7 +6,8 @@ docs/benchmarks/control_plane.md); a push is one RPC of about 100-400 bytes to e
 :class:`Pusher` holds the newest value and pushes it, whenever it changes, to the audience
 (the live learners of the node's last records read; at most ``MAX_AUDIENCE``, a random sample
 above that). A learner that does not answer within ``PUSH_TIMEOUT_S`` gets no push for
-``SKIP_S``, so a peer that stalls delays the others' pushes once in that time. What a receiver
+``SKIP_S``, so a peer that stalls delays the others' pushes once in that time, unless it
+pushes to us meanwhile (:meth:`Pusher.heard_from`: it restarted, say). What a receiver
 does with a push is its owner's business (``net.gatherings``, ``net.statesync``): the
 transport authenticates the pusher, so a pushed value is its author's own, like a DHT record
 under the author's peer ID.
@@ -47,6 +48,12 @@ class Pusher:
         self._value: dict[str, Any] | None = None
         self._changed = asyncio.Event()
         self._skip: dict[str, float] = {}  # peer -> monotonic time until which it gets no push
+
+    def heard_from(self, peer: str) -> None:
+        """``peer`` reached us (it pushed to us): if it was skipped after a failed push (it was
+        down, and restarted since), it gets our pushes again from now on."""
+        if self._skip.pop(peer, None) is not None:
+            self._changed.set()  # and the newest value now, not at our next change
 
     def set(self, value: dict[str, Any]) -> None:
         """Push ``value`` (an RPC header) next; a value not pushed yet is replaced."""

@@ -235,32 +235,42 @@ def _bool(x: Any, what: str) -> bool:
 
 @dataclass(frozen=True)
 class Gathering:
-    """A learner's announcement under ``{run}/{tag}/gathering``: the (fragment, version,
-    digest) keys it is gathering a group for now."""
+    """A learner's pushed announcement (``mm.gather``): the (fragment, version, digest) keys
+    it leads a gathering at now, and ``left``: per fragment, the last key where it closed a
+    group, with when (the swarm's Unix seconds, its clock), so that learners arriving there
+    later know they are late."""
 
     keys: tuple[tuple[int, int, str], ...]
     t: float
+    left: tuple[tuple[int, int, str, float], ...] = ()
 
 
 def parse_gathering(value: Any, num_fragments: int) -> Gathering:
-    """Parse a gathering announcement ``{"g": [[fragment, version, digest], ...], "t": time}``.
+    """Parse a gathering announcement ``{"g": [[fragment, version, digest], ...], "t": time,
+    "l": [[fragment, version, digest, time], ...]}`` (``l`` optional).
 
     Raises:
-        ProtocolError: malformed, more keys than fragments, or one fragment twice (a second
-            vote of its author: ``gatherings.Gatherings.open``).
+        ProtocolError: malformed, more keys than fragments in ``g`` or in ``l``, or one
+            fragment twice in either (a second vote of its author: ``gatherings.Gatherings.open``).
     """
     rec = _map(value, "gathering")
-    items = rec.get("g")
+    items, gone = rec.get("g"), rec.get("l", [])
     if not isinstance(items, list) or len(items) > num_fragments:
         raise ProtocolError("gathering: expected a list of at most P keys")
-    keys = []
+    if not isinstance(gone, list) or len(gone) > num_fragments:
+        raise ProtocolError("gathering: expected a list of at most P closed keys")
+    keys, left = [], []
     for item in items:
         if not isinstance(item, list) or len(item) != 3:
             raise ProtocolError("gathering: a key is not [fragment, version, digest]")
         keys.append((fragment(item[0], num_fragments), version(item[1]), digest(item[2])))
-    if len({k[0] for k in keys}) != len(keys):
+    for item in gone:
+        if not isinstance(item, list) or len(item) != 4:
+            raise ProtocolError("gathering: a closed key is not [fragment, version, digest, time]")
+        left.append((fragment(item[0], num_fragments), version(item[1]), digest(item[2]), _finite(item[3], "t")))
+    if len({k[0] for k in keys}) != len(keys) or len({k[0] for k in left}) != len(left):
         raise ProtocolError("gathering: a fragment named twice")
-    return Gathering(tuple(keys), _finite(rec.get("t", 0.0), "t"))
+    return Gathering(tuple(keys), _finite(rec.get("t", 0.0), "t"), tuple(left))
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,11 @@ scale as fp32, the entries' indices packed as above, then one signed byte per en
 depends on the values; :func:`merged_max_nbytes` bounds it. Every member decodes the same
 bytes, so the answer's own rounding is the same on every member (invariant I1).
 
-Every decoder checks the byte count against the shapes (and, for a merged slice, its counts)
-before it reads anything, and refuses indices out of a chunk, not strictly ascending, or
-nonzero padding: :class:`p2pdiloco.errors.ProtocolError`.
+Every decoder checks the byte count against the shapes (and, for a merged slice, its counts:
+at most the union of the round's contributions, :func:`merged_cap`) before it reads anything,
+and refuses indices out of a chunk, not strictly ascending, or nonzero padding, and in a
+merged slice scales that are negative or not finite and codes never written (0, -128):
+:class:`p2pdiloco.errors.ProtocolError`.
 """
 
 from __future__ import annotations
@@ -78,31 +80,57 @@ def nbytes(shapes: Sequence[tuple[int, ...]]) -> int:
     return 8 * len(lengths) + _packed_bytes(k, INDEX_BITS) + _packed_bytes(k, CODE_BITS)
 
 
-def merged_max_nbytes(shapes: Sequence[tuple[int, ...]]) -> int:
-    """The most bytes a merged slice of tensors of ``shapes`` can take (every entry kept)."""
-    n = sum(math.prod(s) for s in shapes)
-    return 6 * len(_chunk_lengths([math.prod(s) for s in shapes])) + _packed_bytes(n, INDEX_BITS) + n
+def merged_cap(m: int, members: int | None) -> int:
+    """Entries a merged slice may list in a chunk of m elements: the union of ``members``
+    contributions of k(m) entries each, at most m (None: m)."""
+    return m if members is None else min(m, members * kept(m))
+
+
+def merged_max_nbytes(shapes: Sequence[tuple[int, ...]], members: int | None = None) -> int:
+    """The most bytes a merged slice of tensors of ``shapes`` can take, merged from
+    ``members`` contributions (None: every entry listed)."""
+    lengths = _chunk_lengths([math.prod(s) for s in shapes])
+    n = sum(merged_cap(m, members) for m in lengths)
+    return 6 * len(lengths) + _packed_bytes(n, INDEX_BITS) + n
 
 
 # ---- bit streams --------------------------------------------------------------------------
 
 def _pack(values: np.ndarray, bits: int) -> bytes:
-    """``values`` (unsigned, each < 2**bits) as the module docstring's bit stream."""
+    """``values`` (unsigned, each < 2**bits; bits 12 or 2) as the module docstring's bit
+    stream: two 12-bit values in three bytes, four 2-bit values in one."""
     if values.size == 0:
         return b""
-    planes = (values.astype(np.uint32)[:, None] >> np.arange(bits, dtype=np.uint32)) & 1  # [n, bits]
-    return np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+    per = 2 if bits == INDEX_BITS else 4
+    v = np.zeros(-(-values.size // per) * per, dtype=np.uint16)
+    v[:values.size] = values
+    if bits == INDEX_BITS:
+        a, b = v[0::2], v[1::2]
+        out = np.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], axis=1).astype(np.uint8).reshape(-1)
+    else:
+        q = v.reshape(-1, 4)
+        out = (q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)).astype(np.uint8)
+    return out[:_packed_bytes(values.size, bits)].tobytes()
 
 
 def _unpack(data: bytes, count: int, bits: int) -> np.ndarray:
-    """Inverse of :func:`_pack` for ``count`` values; ProtocolError if a padding bit is set."""
+    """Inverse of :func:`_pack` for ``count`` values (int64; about 10 bytes of memory a value);
+    ProtocolError if a padding bit is set."""
     if count == 0:
+        if any(data):
+            raise ProtocolError("nonzero padding bits")
         return np.zeros(0, dtype=np.int64)
-    stream = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
-    if stream[count * bits:].any():
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if bits == INDEX_BITS:
+        padded = np.zeros(-(-raw.size // 3) * 3, dtype=np.uint16)
+        padded[:raw.size] = raw
+        t = padded.reshape(-1, 3)
+        values = np.stack([t[:, 0] | ((t[:, 1] & 0xF) << 8), (t[:, 1] >> 4) | (t[:, 2] << 4)], axis=1).reshape(-1)
+    else:
+        values = np.stack([(raw >> s) & 3 for s in (0, 2, 4, 6)], axis=1).reshape(-1)
+    if values[count:].any():
         raise ProtocolError("nonzero padding bits")
-    planes = stream[:count * bits].reshape(count, bits).astype(np.int64)
-    return (planes << np.arange(bits, dtype=np.int64)).sum(axis=1)
+    return values[:count].astype(np.int64)
 
 
 def _le(array: np.ndarray) -> bytes:
@@ -221,12 +249,15 @@ def encode_merged(tensors: Sequence[torch.Tensor]) -> bytes:
             + _pack(idx, INDEX_BITS) + torch.cat(codes).numpy().tobytes())
 
 
-def decode_merged(data: bytes, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Inverse of :func:`encode_merged`: fp32 tensors of ``shapes``.
+def decode_merged(data: bytes, shapes: Sequence[tuple[int, ...]], members: int | None = None) -> list[torch.Tensor]:
+    """Inverse of :func:`encode_merged`: fp32 tensors of ``shapes``, merged from ``members``
+    contributions (None: any number).
 
     Raises:
-        ProtocolError: a count exceeds its chunk, the byte count does not match the counts,
-            an index is outside its chunk or not strictly ascending, or a padding bit is set.
+        ProtocolError: a count exceeds what its chunk holds (:func:`merged_cap`), the byte
+            count does not match the counts, a scale is negative or not finite, a code is 0 or
+            -128 (never written), an index is outside its chunk or not strictly ascending, or
+            a padding bit is set.
     """
     numels = [math.prod(s) for s in shapes]
     lengths = np.asarray(_chunk_lengths(numels), dtype=np.int64)
@@ -234,16 +265,21 @@ def decode_merged(data: bytes, shapes: Sequence[tuple[int, ...]]) -> list[torch.
     if len(data) < 6 * c:
         raise ProtocolError(f"expected at least {6 * c} tensor bytes, got {len(data)}")
     counts = np.frombuffer(data, dtype="<u2", count=c).astype(np.int64)
-    if (counts > lengths).any():
+    if (counts > np.asarray([merged_cap(int(m), members) for m in lengths], dtype=np.int64)).any():
         raise ProtocolError("more entries than its chunk holds")
     k = int(counts.sum())
     expected = 6 * c + _packed_bytes(k, INDEX_BITS) + k
     if len(data) != expected:
         raise ProtocolError(f"expected {expected} tensor bytes, got {len(data)}")
     scales = np.frombuffer(data, dtype="<f4", count=c, offset=2 * c).astype(np.float32)
+    if not (np.isfinite(scales) & (scales >= 0)).all():
+        raise ProtocolError("a scale is negative or not finite")
     idx = _unpack(data[6 * c:6 * c + _packed_bytes(k, INDEX_BITS)], k, INDEX_BITS)
     _check_indices(idx, counts, lengths)
-    q = np.frombuffer(data, dtype=np.int8, offset=len(data) - k).astype(np.float32) if k else np.zeros(0, np.float32)
+    codes = np.frombuffer(data, dtype=np.int8, offset=len(data) - k) if k else np.zeros(0, np.int8)
+    if ((codes == 0) | (codes == -128)).any():
+        raise ProtocolError("a code of 0 or -128")
+    q = codes.astype(np.float32)
     values = torch.from_numpy(q * np.repeat(scales, counts))  # fp32
     flat = _scatter(numels, lengths, counts, idx, values)
     return [t.reshape(s) for t, s in zip(flat.split(numels), shapes)]

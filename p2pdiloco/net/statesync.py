@@ -8,8 +8,8 @@ counted per peer). Readers pick, per fragment, the newest version; at a version 
 two digests (two groups merged the same version: split brain, invariant I7) the digest held
 by more peers wins, ties to the smaller digest, so every node resolves it the same way and
 the losers re-sync. A node pushes its record to the learners it knows on every publish
-(``st.heads``, ``net.pushes``) and stores it in the DHT every ``STORE_EVERY_S``, for nodes that
-do not know it yet; readers that can (the node's ``SwarmView``) reuse a DHT read for
+(``st.heads``, ``net.pushes``) and stores it in the DHT on a publish ``STORE_EVERY_S`` or more
+after its last store, for nodes that do not know it yet; readers that can (the node's ``SwarmView``) reuse a DHT read for
 ``READ_EVERY_S`` with the newer pushes merged in (issue 13 of this project: every DHT read is a
 Kademlia traversal whose answers carry every node's record).
 
@@ -68,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import dataclasses
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -81,6 +82,7 @@ from p2pdiloco.core.outer import FragmentState, fragment_digest
 from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, ProtocolError, StateSyncError
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
+from p2pdiloco.net.gatherings import FUTURE_SLACK_S
 from p2pdiloco.net.heads import LEAD, ROLLBACK_MAX, Head, claim_ceiling
 from p2pdiloco.net.pushes import MAX_PUSHED, Pusher
 from p2pdiloco.net.records import HeadsRecord
@@ -101,7 +103,8 @@ FIRST_REPLY_MIN_S = 0.5  # ... but never less than this (seconds), nor more than
 IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its first strike (doubling)
 IGNORE_MAX_S = 600.0
 STALE_S = 15.0  # seconds a record may go unchanged before its author counts as gone (nodes publish every <= 5 s)
-STORE_EVERY_S = 5.0  # seconds between DHT stores of our record; pushes carry every change in between
+STORE_EVERY_S = 4.0  # seconds between DHT stores of our record (publishes come every <= 5 s: a store at most every
+# 9 s, so that a reader that gets no push from us, reusing its reads for READ_EVERY_S, sees it change within STALE_S)
 READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused by readers that take pushes in between
 
 
@@ -146,6 +149,7 @@ class StateSync:
         self._changed: dict[str, tuple[float, float]] = {}  # peer -> (its record's t, monotonic s we first saw it)
         self.pusher = Pusher(swarm, "st.heads")  # pushes our record to the learners we know (the node sets them)
         self.pushes_received: Counter[str] = Counter()  # "received", "other_run" (refused)
+        self.on_heard: Callable[[str], object] = self.pusher.heard_from  # a peer pushed to us (the node widens it)
         self._pushed: dict[str, HeadsRecord] = {}  # author -> its newest pushed record, oldest author first
         self._mine: HeadsRecord | None = None  # our last published record
         self._stored_at = -math.inf  # monotonic s of our last DHT store
@@ -204,6 +208,9 @@ class StateSync:
         except ProtocolError:
             self._malformed(peer, header.get("r"))
             raise
+        if record.t > self.swarm.clock.now() + FUTURE_SLACK_S:  # would never age out (clocks are corrected)
+            self.swarm.drop(peer, "heads_future")
+            raise ProtocolError("a record from the future")
         old = self._pushed.pop(peer, None)
         self._pushed[peer] = record if old is None or record.t >= old.t else old
         now = self.swarm.clock.now()
@@ -211,6 +218,7 @@ class StateSync:
         while len(self._pushed) > MAX_PUSHED:
             del self._pushed[next(iter(self._pushed))]
         self.pushes_received["received"] += 1
+        self.on_heard(peer)
         return {}, b""
 
     def ignoring(self) -> dict[str, str]:
@@ -246,9 +254,14 @@ class StateSync:
             self._read = (began, parsed, set(stored))
         _, parsed, authors = self._read
         good = {p: r for p, r in parsed.items() if p not in self.swarm.bans and p not in ignoring}
+        now = self.swarm.clock.now() if self._pushed else 0.0
         for peer, pushed in self._pushed.items():
-            if peer not in self.swarm.bans and peer not in ignoring and (peer not in good or pushed.t > good[peer].t):
+            if peer in self.swarm.bans or peer in ignoring or now - pushed.t > HEAD_TTL:
+                continue
+            if peer not in good:
                 good[peer] = pushed
+            elif pushed.t > good[peer].t:
+                good[peer] = _consistent(pushed, good[peer])
         if self._mine is not None and self.swarm.peer_id in good:
             good[self.swarm.peer_id] = self._mine
         # gone from the DHT and no longer pushing: forgotten
@@ -557,6 +570,17 @@ class StateSync:
         state = self.committed()[request.fragment]
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
         return {"v": state.version, "d": state.digest, "l": state.ledger.to_list()}, body
+
+
+def _consistent(pushed: HeadsRecord, stored: HeadsRecord) -> HeadsRecord:
+    """A peer's pushed record, newer than its DHT record, with the DHT's claim kept for every
+    fragment where both name the same version with different digests: a push reaches only
+    the peers it is sent to, so a peer could push each side of a split brain its own digest
+    (both sides would count its vote) and keep the split from healing; its DHT record is one
+    claim that every reader sees."""
+    frags = tuple(s if p is not None and s is not None and p[0] == s[0] and p[1] != s[1] else p
+                  for p, s in zip(pushed.fragments, stored.fragments))
+    return pushed if frags == pushed.fragments else dataclasses.replace(pushed, fragments=frags)
 
 
 def _distance(a: FragmentState, b: FragmentState) -> float:

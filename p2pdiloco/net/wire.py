@@ -186,11 +186,14 @@ def decode(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp3
     return [chunk.reshape(s) for chunk, s in zip(flat.split(numels), shapes)]
 
 
-def merged_max_nbytes(shapes: Sequence[tuple[int, ...]], precision: str = "fp32") -> int:
-    """The most bytes :func:`encode_merged` produces for tensors of ``shapes``: exactly
-    :func:`wire_nbytes` except for ``topk2``."""
+def merged_max_nbytes(shapes: Sequence[tuple[int, ...]], precision: str = "fp32", members: int | None = None) -> int:
+    """The most bytes :func:`encode_merged` produces for tensors of ``shapes`` merged from
+    ``members`` contributions (None: any number): exactly :func:`wire_nbytes` except for
+    ``topk2``."""
     wire_dtype(precision)
-    return sparse.merged_max_nbytes(shapes) if precision == "topk2" else wire_nbytes(shapes, precision)
+    if precision == "topk2":
+        return sparse.merged_max_nbytes(shapes, members)
+    return wire_nbytes(shapes, precision)
 
 
 def encode_merged(tensors: Sequence[torch.Tensor], precision: str = "fp32") -> bytes:
@@ -199,12 +202,16 @@ def encode_merged(tensors: Sequence[torch.Tensor], precision: str = "fp32") -> b
     return sparse.encode_merged(tensors) if precision == "topk2" else encode(tensors, precision)
 
 
-def decode_merged(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp32") -> list[torch.Tensor]:
-    """Inverse of :func:`encode_merged`: fp32 tensors of ``shapes``.
+def decode_merged(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp32",
+                  members: int | None = None) -> list[torch.Tensor]:
+    """Inverse of :func:`encode_merged`: fp32 tensors of ``shapes``, merged from ``members``
+    contributions (None: any number).
 
     Raises:
         ProtocolError: the bytes do not match the shapes (:func:`decode`,
             :func:`p2pdiloco.net.sparse.decode_merged`).
     """
     wire_dtype(precision)
-    return sparse.decode_merged(data, shapes) if precision == "topk2" else decode(data, shapes, precision)
+    if precision == "topk2":
+        return sparse.decode_merged(data, shapes, members)
+    return decode(data, shapes, precision)

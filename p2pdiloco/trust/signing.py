@@ -87,10 +87,11 @@ def contribution_fields(run: str, fragment: int, version: int, digest: str, roun
             payload_sha256, list(shares)]
 
 
-def join_fields(run: str, fragment: int, version: int, digest: str) -> list[Any]:
+def join_fields(run: str, fragment: int, version: int, digest: str, leader: str) -> list[Any]:
     """Fields of an ``mm.join`` signature, in order: a learner asks to merge fragment
-    ``fragment`` at (``version``, ``digest``) in ``run`` (net.matchmaking)."""
-    return [run, fragment, version, digest]
+    ``fragment`` at (``version``, ``digest``) in ``run`` in the group ``leader`` (a peer ID)
+    gathers (net.matchmaking); the leader signs the same with itself as leader."""
+    return [run, fragment, version, digest, leader]
 
 
 def merged_fields(run: str, fragment: int, version: int, digest: str, round_id: str, reducer: int,
