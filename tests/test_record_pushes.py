@@ -70,19 +70,19 @@ async def test_records_are_pushed_on_every_publish_and_stored_every_few_seconds(
 
 
 @pytest.mark.asyncio
-async def test_a_push_cannot_contradict_its_authors_stored_claim_at_the_same_version():
-    """A peer that pushes one digest and stores another at the same version (it could push each
-    side of a split brain its own digest) is counted with its stored claim; a pushed claim at a
-    newer version counts (progress travels by pushes); a record stamped an hour ahead is
-    dropped (it would never age out)."""
+async def test_the_newer_of_a_pushed_and_a_stored_record_counts_and_a_future_one_is_dropped():
+    """A peer's pushed record newer than its stored one counts (progress travels by pushes),
+    at a newer version or at the same version with another digest (an honest node that
+    followed a split brain's winner); a record stamped an hour ahead is dropped (it would never
+    age out), its author not banned."""
     async with swarms(2) as (a, b):
         sync_b = StateSync(b, "run", [FRAGMENT], lambda: [state(0)])
         await sync_b.start()
         stored = HeadsRecord(((3, state(3).digest),), t=a.clock.now())
         await a.store("run/heads", a.peer_id, stored.to_wire(), 60)
-        other = HeadsRecord(((3, "ee" * 32),), t=a.clock.now() + 1)
-        await a.call(b.peer_id, "st.heads", {"r": other.to_wire(), "run": "run"}, timeout=5)
-        assert (await sync_b.records())[a.peer_id].fragments == ((3, state(3).digest),)
+        switched = HeadsRecord(((3, "ee" * 32),), t=a.clock.now() + 1)
+        await a.call(b.peer_id, "st.heads", {"r": switched.to_wire(), "run": "run"}, timeout=5)
+        assert (await sync_b.records())[a.peer_id].fragments == ((3, "ee" * 32),)
         newer = HeadsRecord(((4, state(4).digest),), t=a.clock.now() + 2)
         await a.call(b.peer_id, "st.heads", {"r": newer.to_wire(), "run": "run"}, timeout=5)
         assert (await sync_b.records(max_dht_age=60.0))[a.peer_id].fragments == ((4, state(4).digest),)

@@ -68,7 +68,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import dataclasses
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -258,10 +257,8 @@ class StateSync:
         for peer, pushed in self._pushed.items():
             if peer in self.swarm.bans or peer in ignoring or now - pushed.t > HEAD_TTL:
                 continue
-            if peer not in good:
+            if peer not in good or pushed.t > good[peer].t:
                 good[peer] = pushed
-            elif pushed.t > good[peer].t:
-                good[peer] = _consistent(pushed, good[peer])
         if self._mine is not None and self.swarm.peer_id in good:
             good[self.swarm.peer_id] = self._mine
         # gone from the DHT and no longer pushing: forgotten
@@ -570,17 +567,6 @@ class StateSync:
         state = self.committed()[request.fragment]
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
         return {"v": state.version, "d": state.digest, "l": state.ledger.to_list()}, body
-
-
-def _consistent(pushed: HeadsRecord, stored: HeadsRecord) -> HeadsRecord:
-    """A peer's pushed record, newer than its DHT record, with the DHT's claim kept for every
-    fragment where both name the same version with different digests: a push reaches only
-    the peers it is sent to, so a peer could push each side of a split brain its own digest
-    (both sides would count its vote) and keep the split from healing; its DHT record is one
-    claim that every reader sees."""
-    frags = tuple(s if p is not None and s is not None and p[0] == s[0] and p[1] != s[1] else p
-                  for p, s in zip(pushed.fragments, stored.fragments))
-    return pushed if frags == pushed.fragments else dataclasses.replace(pushed, fragments=frags)
 
 
 def _distance(a: FragmentState, b: FragmentState) -> float:

@@ -37,7 +37,7 @@ import torch
 from p2pdiloco.config import NodeConfig, load_config
 from p2pdiloco.core.fragments import assign_parts, balanced_fragments
 from p2pdiloco.core.outer import fragment_digest
-from p2pdiloco.errors import NetworkError, P2PDilocoError
+from p2pdiloco.errors import NetworkError, P2PDilocoError, ProtocolError
 from p2pdiloco.model import build_model
 from p2pdiloco.net import transport, wire
 from p2pdiloco.net.matchmaking import Group, GroupKey
@@ -147,6 +147,7 @@ class Attacker:
         self.peer_id = swarm.peer_id
         self.stats: Counter[str] = Counter()
         self.claims: set[str] = set()  # digests this attacker claimed (full hex)
+        self.pushed: dict[str, dict] = {}  # honest records pushed to it (st.heads): it reads them as a node does
         self.max_claim = 0  # highest version it claimed
         self._handlers: set[str] = set()
         self._held: list[asyncio.StreamWriter] = []
@@ -155,7 +156,16 @@ class Attacker:
     async def start(cls, world: World, identity: Identity | None = None, membership=None) -> Attacker:
         swarm = await Swarm.start(initial_peers=[world.maddr], identity=identity or Identity.generate(),
                                   membership=membership)
-        return cls(world, swarm)
+        atk = cls(world, swarm)
+
+        async def on_heads(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
+            record = header.get("r") if isinstance(header, dict) else None
+            if isinstance(record, dict) and len(atk.pushed) < 1024:
+                atk.pushed[peer] = record
+            return {}, b""
+
+        await swarm.add_handler("st.heads", on_heads)  # honest nodes push their records to it once they see it
+        return atk
 
     async def close(self) -> None:
         for w in self._held:
@@ -170,7 +180,10 @@ class Attacker:
         try:
             recs = await self.swarm.get(self.world.heads_key)
         except NetworkError:
-            return {}
+            recs = {}
+        for p, r in self.pushed.items():  # the newer of the stored and the pushed record, as a node reads them
+            if not isinstance(recs.get(p), dict) or r.get("t", 0) > recs[p].get("t", 0):
+                recs[p] = r
         return {p: r for p, r in recs.items() if p != self.peer_id and is_peer_id(p) and isinstance(r, dict)}
 
     async def newest(self) -> list[tuple[int, str]]:
@@ -216,7 +229,14 @@ class Attacker:
                 if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str):
                     self.claims.add(item[1])
                     self.max_claim = max(self.max_claim, item[0])
-        return await self.publish(self.world.heads_key, record)
+        stored = await self.publish(self.world.heads_key, record)
+        for peer in list(self.pushed):  # and pushed to the nodes that push to it, as a node does (st.heads)
+            try:
+                await self.swarm.call(peer, "st.heads", {"r": record, "run": self.world.run_id}, timeout=1.0)
+                self.stats["pushed"] += 1
+            except (NetworkError, ProtocolError):
+                self.stats["push_failed"] += 1
+        return stored
 
     def zero_state(self, p: int, version: int) -> tuple[str, bytes]:
         """Digest and wire bytes of a fragment state whose Θ and momentum are all zero."""
