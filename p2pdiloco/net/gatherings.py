@@ -14,9 +14,9 @@ the run's name (``run``, with its protocol tag: a push of another run is refused
 (``mm.gather``, by a ``net.pushes.Pusher``) to the audience, the live learners of this
 node's last records read (``audience``, at most ``MAX_AUDIENCE``), by
 :meth:`Gatherings.push_forever` whenever it changes (the newest only; a learner that does not
-answer within ``PUSH_TIMEOUT_S`` gets no push for ``SKIP_S``, so that a peer that stalls
-delays the others' pushes once in that time; above ``MAX_AUDIENCE``, a random sample of the
-audience for each push). A receiver keeps each author's newest push
+answer within ``PUSH_TIMEOUT_S`` gets no push for ``SKIP_S``, and every peer has a sender of
+its own, so that a peer that stalls delays no other's pushes; above ``MAX_AUDIENCE``, a random
+sample of the audience for each push). A receiver keeps each author's newest push
 (``MAX_PUSHED`` authors) and wakes its watch (:meth:`Gatherings.watch`).
 
 It used to be a DHT record under ``{run}/gathering`` that every learner polled twice a

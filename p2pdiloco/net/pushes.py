@@ -5,9 +5,9 @@ docs/benchmarks/control_plane.md); a push is one RPC of about 100-400 bytes to e
 
 :class:`Pusher` holds the newest value and pushes it, whenever it changes, to the audience
 (the live learners of the node's last records read; at most ``MAX_AUDIENCE``, a random sample
-above that). A learner that does not answer within ``PUSH_TIMEOUT_S`` gets no push for
-``SKIP_S``, so a peer that stalls delays the others' pushes once in that time, unless it
-pushes to us meanwhile (:meth:`Pusher.heard_from`: it restarted, say). What a receiver
+above that), each peer by a sender of its own, so that a peer that stalls delays nothing but
+its own pushes. A learner that does not answer within ``PUSH_TIMEOUT_S`` gets no push for
+``SKIP_S``, unless it pushes to us meanwhile (:meth:`Pusher.heard_from`: it restarted, say). What a receiver
 does with a push is its owner's business (``net.gatherings``, ``net.statesync``): the
 transport authenticates the pusher, so a pushed value is its author's own, like a DHT record
 under the author's peer ID.
@@ -48,6 +48,8 @@ class Pusher:
         self._value: dict[str, Any] | None = None
         self._changed = asyncio.Event()
         self._skip: dict[str, float] = {}  # peer -> monotonic time until which it gets no push
+        self._version = 0  # changes of the value so far
+        self._sending: set[str] = set()  # peers with a push in flight
 
     def heard_from(self, peer: str) -> None:
         """``peer`` reached us (it pushed to us): if it was skipped after a failed push (it was
@@ -62,17 +64,35 @@ class Pusher:
 
     async def push_forever(self) -> None:
         """Push the newest value to the audience each time it changes, for the node's life (the
-        node runs it in its task group). Never raises for a peer's failure."""
-        while True:
-            await self._changed.wait()
-            self._changed.clear()
-            value, me, now = self._value, self.swarm.peer_id, swarm_clock.monotonic()
-            self._skip = {p: t for p, t in self._skip.items() if t > now}
-            peers = [p for p in dict.fromkeys(self.audience())
-                     if p != me and p not in self.swarm.bans and p not in self._skip]
-            if len(peers) > MAX_AUDIENCE:
-                peers = random.sample(peers, MAX_AUDIENCE)
-            await asyncio.gather(*(self._push(p, value or {}) for p in peers))
+        node runs it in its task group). Each peer has its own sender, at most one push in
+        flight to it, which then sends the newest value if it changed meanwhile: a peer that
+        stalls delays only its own pushes (before, each change waited for the slowest peer of
+        the last one). Never raises for a peer's failure."""
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                await self._changed.wait()
+                self._changed.clear()
+                self._version += 1
+                me, now = self.swarm.peer_id, swarm_clock.monotonic()
+                self._skip = {p: t for p, t in self._skip.items() if t > now}
+                peers = [p for p in dict.fromkeys(self.audience())
+                         if p != me and p not in self.swarm.bans and p not in self._skip]
+                if len(peers) > MAX_AUDIENCE:
+                    peers = random.sample(peers, MAX_AUDIENCE)
+                for peer in peers:
+                    if peer not in self._sending:
+                        self._sending.add(peer)
+                        tg.create_task(self._sender(peer))
+
+    async def _sender(self, peer: str) -> None:
+        """Push to ``peer`` until it holds the newest value, or a push fails."""
+        try:
+            sent = None
+            while sent != self._version and peer not in self._skip:
+                sent = self._version
+                await self._push(peer, self._value or {})
+        finally:
+            self._sending.discard(peer)
 
     async def _push(self, peer: str, value: dict[str, Any]) -> None:
         try:
