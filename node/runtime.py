@@ -1,13 +1,11 @@
 """One node: the swarm services, the outer rounds and the training thread, in one task group.
 
 Outer round of fragment p (Decoupled DiLoCo, arXiv 2604.21428, on a swarm: docs/architecture.md):
-the training thread hands over Δ_p with its token and step counts and the anchor state it was
-computed against; the node forms a group of learners at the same (version, digest) through
-the DHT, all-reduces the contributions with the token-weighted merge, applies the Nesterov
-outer step to the anchor, commits the new state (version + 1) and delivers it to the
-training thread, which overwrites θ_p. A failed round commits nothing (I2). A node that finds
-the swarm ahead downloads the newer state, verifies it, and rebases its unsent local progress
-on it (I3): θ_p ← Θ_p(new) − (Θ_p(old) − θ_p), counters kept, contributed at the next round.
+the training thread hands over Δ_p, its counts and its anchor; the node forms a group at the same
+(version, digest) (net.matchmaking), all-reduces with the token-weighted merge, applies the
+Nesterov outer step, commits version + 1 and delivers it to the training thread. A failed round
+commits nothing (I2). A node that finds the swarm ahead downloads the newer state, verifies it
+and rebases its unsent progress on it (I3): θ_p ← Θ_p(new) − (Θ_p(old) − θ_p).
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ log = logging.getLogger(__name__)
 
 # how often a node catches up with the swarm, republishes, and its alone watch looks (seconds)
 CATCHUP_SECONDS, PUBLISH_SECONDS, ALONE_POLL_SECONDS = 2.0, 5.0, 2.0
+EXCLUDED_HOLD_S = 60.0  # seconds after our contribution was left out that a fragment merges with peers only
 LEAVE_S = 2.5  # seconds from a stop request (SIGINT/SIGTERM) for rounds in flight to finish; then abandoned
 SETTLE_CONFIRM_S = 2.0  # seconds the swarm must stay done and agreed before a settling node leaves
 NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
@@ -74,9 +73,8 @@ class Node:
                               on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum))
         self.matchmaker.listed_in = self.allreducer.expect  # our reducer part serves each group we are listed in
         self.view = SwarmView(self.sync, swarm.peer_id)  # the swarm's records, as last read
-        self.matchmaker.gatherings.audience = lambda: self.view.others  # pushed our gathering announcements
-        self.sync.pusher.audience = lambda: self.view.others  # ... and our records
-        pushers = (self.matchmaker.gatherings.pusher, self.sync.pusher)  # a peer that pushed to us gets both again
+        pushers = (self.matchmaker.gatherings.pusher, self.sync.pusher)  # announcements, records: to the learners
+        self.matchmaker.gatherings.audience = self.sync.pusher.audience = lambda: self.view.others  # we know
         self.matchmaker.gatherings.on_heard = self.sync.on_heard = lambda peer: [p.heard_from(peer) for p in pushers]
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
@@ -86,6 +84,7 @@ class Node:
         self._rounds: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._publish_now = asyncio.Event()
+        self._excluded_until: dict[int, float] = {}  # fragment -> no lone round until (monotonic s): EXCLUDED_HOLD_S
         self._no_shows: dict[str, int] = {}  # peer -> our groups in a row it was expected in but missed
         self._interrupted = False
         self._stopped_at = 0.0  # time.monotonic() of the stop request
@@ -224,7 +223,10 @@ class Node:
                 key, grace=grace, quorum_timeout=out.quorum_timeout, expected=1 + len(expected),
                 max_grace=out.quorum_timeout if out.synchronous else out.grace_max,
                 lone_wait=not self.training.spent, round_time=4 * out.liveness_timeout + out.grace_max)
-            if outcome == "group":
+            if outcome == "group" and len(group.members) == 1 and time.monotonic() < self._excluded_until.get(p, 0.0):
+                # our last Δ was left out by the swarm's merge: alone, we would commit what it refused; kept
+                self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "alone after excluded"))
+            elif outcome == "group":
                 self._count_no_shows(expected, group)
                 self.grace.t_quorum.update(group.formed_in)
                 t1 = time.monotonic()
@@ -236,6 +238,8 @@ class Node:
                 merged = await self.allreducer.run(group, contrib)
                 self.grace.t_sync.update(time.monotonic() - t1)
                 result = await self._commit(p, anchor, group, merged, contrib, t0)
+                if result is not None and len(group.members) > 1:  # merged with peers: lone rounds again
+                    self._excluded_until.pop(p, None)
             else:
                 if outcome == "late":
                     self.stats.rounds_late += 1
@@ -243,6 +247,7 @@ class Node:
         except ContributionExcluded as e:
             # the others merged without our progress: kept, rebased on their state (not ours: _follow)
             self.stats.rounds_excluded += 1
+            self._excluded_until[p] = time.monotonic() + EXCLUDED_HOLD_S
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "excluded"))
             log.warning("round f%d v%d: our contribution was left out (%s); kept for the next round",
                         p, anchor.version + 1, e)
