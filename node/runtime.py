@@ -172,8 +172,8 @@ class Node:
         (or ``timeout``) seconds, so a node that still needs to download finds a donor."""
         end, agreed_at = time.monotonic() + timeout, math.inf
         while time.monotonic() < end:
-            await self._publish()
-            records = await self.view.read()
+            await self._publish(store=True)  # settling: stored and read every time, as nodes leave one by one
+            records = await self.view.read(fresh=True)
             await self._catch_up_often()
             mine = tuple((st.version, st.digest) for st in self.committed)
             if all(r.done and r.fragments == mine for r in records.values()) and not self.committed.in_flight():

@@ -37,14 +37,15 @@ class SwarmView:
         self.swarm_step = 0
         self._read_at = -math.inf  # time.monotonic() at which the kept read began
 
-    async def read(self, max_age: float = 0.0) -> dict[str, HeadsRecord]:
+    async def read(self, max_age: float = 0.0, *, fresh: bool = False) -> dict[str, HeadsRecord]:
         """The records: the last read if it succeeded at most ``max_age`` seconds ago, else a
-        new read ({} when the DHT cannot be read; never raises for it)."""
+        new read ({} when the DHT cannot be read; never raises for it). ``fresh``: that read goes to
+        the DHT, not to the last one (``StateSync.records``'s reuse for ``READ_EVERY_S``)."""
         started = time.monotonic()
         if self.read_ok and started - self._read_at <= max_age:
             return self.records
         try:
-            records = await self.sync.records(READ_EVERY_S)  # pushes keep it current in between
+            records = await self.sync.records(0.0 if fresh else READ_EVERY_S)  # pushes keep it current between
         except NetworkError as e:
             log.debug("records unavailable: %s", e)
             self.records, self.read_ok = {}, False
