@@ -3,7 +3,7 @@ or state payload, per second and per committed round, at this commit against a b
 commit, in the same run.
 
     python bench/control_plane.py                    # HEAD against --baseline, 4 nodes, 2 runs each
-    python bench/control_plane.py --nodes 4 --duration 60 --repeats 2 --baseline 364f230
+    python bench/control_plane.py --nodes 4 --duration 60 --repeats 2 --window 40 --baseline 74201dc
 
 Each commit runs from its own clean clone of this repository checked out at that commit (its
 processes start in the clone, with the clone first on PYTHONPATH), inside its own network
@@ -14,8 +14,12 @@ bootstrap peer's start to the last node's exit (TCP/IP headers, TLS, yamux, the 
 bootstrap peer included); *payload*: the nodes' RPC payload bytes (their reports'
 ``bytes_out``: slices, merged slices, state downloads; headers not counted); *control* =
 bytes − payload. Per node per second (over the run's wall time) and per node per committed
-round (all control bytes over the rounds: background included). The runs alternate between
-the commits (A B A B ...), so drifts in the machine's load fall on both.
+round (all control bytes over the rounds: background included). Then the background: the same
+nodes training without merging (H beyond the run), socket bytes per node per second over a
+``--window`` that starts once every node trains (start-up excluded). The runs alternate
+between the commits (A B A B ...), so drifts in the machine's load fall on both. The nodes'
+RPCs are counted by name (report key ``rpc_by_name``), and one RPC's socket bytes are measured
+alone (bench/stream_cost.py), which together say where the per-round bytes go.
 
 Writes docs/benchmarks/control_plane.md and .json.
 """
@@ -23,6 +27,7 @@ Writes docs/benchmarks/control_plane.md and .json.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from collections import Counter
 import subprocess
@@ -50,8 +55,8 @@ def checkout(commit: str, work: Path) -> tuple[str, Path]:
     return short, dst
 
 
-def run_once(src: Path, n: int, duration: float, work: Path, seed: int) -> dict:
-    values = {**c.settings(inner__total_steps=100_000, outer__sync_every=100, outer__wire_precision="int4",
+def run_once(src: Path, n: int, duration: float, work: Path, seed: int, sync_every: int = 100) -> dict:
+    values = {**c.settings(inner__total_steps=100_000, outer__sync_every=sync_every, outer__wire_precision="int4",
                            eval_every=1_000_000, seed=seed), **c.SWARM}
     work.mkdir(parents=True, exist_ok=True)
     with c.NetNS(f"cp{seed}") as ns, c.processes() as procs:
@@ -65,23 +70,60 @@ def run_once(src: Path, n: int, duration: float, work: Path, seed: int) -> dict:
             raise RuntimeError(f"a node failed; logs in {work}")
     payload = sum(r["bytes_out"] for r in reports)
     dht: Counter[str] = Counter()
+    rpc: dict[str, list[int]] = {}
     for r in reports:
         dht.update(r.get("dht_ops", {}))  # a node's DHT reads and stores by record kind (absent before this benchmark)
+        for name, (calls, header_bytes) in r.get("rpc_by_name", {}).items():  # absent before 2026-12-03
+            rpc[name] = [a + b for a, b in zip(rpc.get(name, [0, 0]), (calls, header_bytes))]
     rounds = sum(r["rounds_committed"] for r in reports)
     return {"bytes": sent, "payload": payload, "seconds": seconds, "rounds": rounds,
             "tokens": sum(r["tokens"] for r in reports), "catchups": sum(r["catchups"] for r in reports),
             "control_per_node_s": (sent - payload) / n / seconds,
             "control_per_node_round": (sent - payload) / max(1, rounds), "payload_per_node_s": payload / n / seconds,
-            "digests": len({r["global_digest"] for r in reports}), "dht_ops": dict(dht)}
+            "digests": len({r["global_digest"] for r in reports}), "dht_ops": dict(dht), "rpc_by_name": rpc}
+
+
+def background_once(src: Path, n: int, window: float, work: Path, seed: int, warm: float = 15.0) -> dict:
+    """Socket bytes per node per second of ``n`` nodes that train without merging (H far beyond
+    the run): the background, measured over ``window`` seconds once every node trains and
+    ``warm`` seconds more (start-up, the first DHT reads and stores, excluded), minus the RPC
+    payload sent meanwhile (none: no round, no catch-up)."""
+    values = {**c.settings(inner__total_steps=100_000, outer__sync_every=10_000_000, outer__wire_precision="int4",
+                           eval_every=1_000_000, seed=seed), **c.SWARM}
+    work.mkdir(parents=True, exist_ok=True)
+    with c.NetNS(f"bg{seed}") as ns, c.processes() as procs:
+        prefix = [*ns.prefix, "env", f"--chdir={src}", f"PYTHONPATH={src}"]
+        nodes = c.start_swarm(procs, work, n, values, prefix=prefix, duration=window + warm + 120)
+        paths = [d / "status.json" for _, d in nodes]
+        c.wait_training(paths, [p for p, _ in nodes], 180)
+        time.sleep(warm)
+        payload0 = sum(c.read_json(q)["bytes_out"] for q in paths)
+        before, t0 = ns.tx_bytes(), time.monotonic()
+        time.sleep(window)
+        sent, seconds = ns.tx_bytes() - before, time.monotonic() - t0
+        payload = sum(c.read_json(q)["bytes_out"] for q in paths) - payload0
+        rounds = sum(c.read_json(q)["rounds_committed"] for q in paths)
+    return {"bytes": sent, "payload": payload, "seconds": seconds, "rounds": rounds,
+            "background_per_node_s": (sent - payload) / n / seconds}
+
+
+def stream_cost(src: Path) -> dict:
+    """bench/stream_cost.py at ``src`` in a namespace of its own: socket bytes of one RPC."""
+    with c.NetNS("sc") as ns:
+        out = subprocess.run([*ns.prefix, "env", f"--chdir={src}", f"PYTHONPATH={src}", c.PY,
+                              str(Path(__file__).resolve().parent / "stream_cost.py")],
+                             check=True, capture_output=True, text=True, timeout=300).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description="control-plane bytes of real nodes, this commit against a baseline")
-    p.add_argument("--baseline", default="364f230", help="the commit to compare with (default: stop 25's main)")
+    p.add_argument("--baseline", default="74201dc", help="the commit to compare with (default: stop 27's main)")
     p.add_argument("--commit", default="HEAD")
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--duration", type=float, default=60.0, help="seconds each node trains")
     p.add_argument("--repeats", type=int, default=2, help="runs per commit (seeds 0, 1, ...)")
+    p.add_argument("--window", type=float, default=40.0, help="seconds of the background measurement")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
     c.install_signal_handlers()
@@ -91,21 +133,25 @@ def main() -> None:
     if not c.netns_available():
         raise SystemExit("control plane: needs network namespaces (ip netns) to count socket bytes")
     commits = [checkout(x, work) for x in (a.baseline, a.commit)]
+    cost = stream_cost(commits[-1][1])
+    print(f"control plane: one RPC costs {cost['header_0']['bytes_per_call']:.0f} socket bytes", flush=True)
     runs: list[dict] = []
     for seed in range(a.repeats):
         for short, src in commits:
             print(f"control plane: {short} seed {seed} ...", flush=True)
             r = run_once(src, a.nodes, a.duration, work / f"{short}-{seed}", seed)
-            runs.append({"commit": short, "seed": seed, **r})
+            b = background_once(src, a.nodes, a.window, work / f"{short}-{seed}-bg", seed)
+            runs.append({"commit": short, "seed": seed, **r, "background": b})
             print(f"control plane: {short} seed {seed}: {r['control_per_node_s'] / 1e3:.1f} kB/s and "
-                  f"{r['control_per_node_round'] / 1e3:.1f} kB/round of control per node", flush=True)
-    write(a, runs, [s for s, _ in commits], m, time.monotonic() - t0)
+                  f"{r['control_per_node_round'] / 1e3:.1f} kB/round of control per node; background "
+                  f"{b['background_per_node_s'] / 1e3:.2f} kB/s per node", flush=True)
+    write(a, runs, [s for s, _ in commits], m, time.monotonic() - t0, cost)
 
 
-def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, seconds: float) -> None:
+def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, seconds: float, cost: dict) -> None:
     base, new = commits
     doc = c.Doc("control_plane", "Control plane of real nodes", f"python bench/control_plane.py --baseline {a.baseline} "
-                f"--nodes {a.nodes} --duration {a.duration:g} --repeats {a.repeats}", intro=[__doc__.split("\n\n")[2]])
+                f"--nodes {a.nodes} --duration {a.duration:g} --repeats {a.repeats} --window {a.window:g}", intro=[__doc__.split("\n\n")[2]])
     doc.table(["commit", "seed", "wall s", "rounds", "catch-ups", "socket MB", "payload MB", "payload kB/s/node",
                "control kB/s/node", "control kB/round/node", "final states"],
               [[r["commit"], r["seed"], f"{r['seconds']:.0f}", r["rounds"], r["catchups"], f"{r['bytes'] / 1e6:.2f}",
@@ -114,11 +160,23 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
                for r in runs], caption=f"Every run ({a.nodes} nodes, {a.duration:g} s of training each):")
     mean = {k: {x: statistics.mean(r[x] for r in runs if r["commit"] == k)
                 for x in ("control_per_node_s", "control_per_node_round")} for k in commits}
+    for k in commits:
+        mean[k]["background"] = statistics.mean(r["background"]["background_per_node_s"] for r in runs
+                                                if r["commit"] == k)
+    doc.table(["commit", "seed", "window s", "socket kB", "payload kB", "rounds", "background B/s/node"],
+              [[r["commit"], r["seed"], f"{r['background']['seconds']:.0f}", f"{r['background']['bytes'] / 1e3:.1f}",
+                f"{r['background']['payload'] / 1e3:.1f}", r["background"]["rounds"],
+                f"{r['background']['background_per_node_s']:,.0f}"] for r in runs],
+              caption=f"Background: the same {a.nodes} nodes training without merging (H = 10^7), socket bytes over "
+                      f"a {a.window:g} s window that starts 15 s after every node trains:")
     doc.table(["figure", base, new, f"{new} / {base}", "goal"],
-              [["control bytes per node per second", f"{mean[base]['control_per_node_s']:,.0f}",
+              [["background bytes per node per second (no rounds)", f"{mean[base]['background']:,.0f}",
+                f"{mean[new]['background']:,.0f}", f"{mean[new]['background'] / mean[base]['background']:.2f}",
+                f"<= {GOAL_PER_S:,}: {c.verdict(mean[new]['background'] <= GOAL_PER_S)}"],
+               ["control bytes per node per second", f"{mean[base]['control_per_node_s']:,.0f}",
                 f"{mean[new]['control_per_node_s']:,.0f}",
                 f"{mean[new]['control_per_node_s'] / mean[base]['control_per_node_s']:.2f}",
-                f"<= {GOAL_PER_S:,} (background): {c.verdict(mean[new]['control_per_node_s'] <= GOAL_PER_S)}"],
+                "(background and rounds)"],
                ["control bytes per node per round", f"{mean[base]['control_per_node_round']:,.0f}",
                 f"{mean[new]['control_per_node_round']:,.0f}",
                 f"{mean[new]['control_per_node_round'] / mean[base]['control_per_node_round']:.2f}",
@@ -126,6 +184,21 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
               caption="Means over the seeds (the per-second figure holds every control byte, so it bounds "
                       "the background from above; the per-round one holds the background too):")
     for k in commits:
+        rpc: dict[str, list[float]] = {}
+        for r in runs:
+            if r["commit"] == k:
+                for name, (calls, header_bytes) in r.get("rpc_by_name", {}).items():
+                    got = rpc.setdefault(name, [0.0, 0.0, 0])
+                    got[0] += calls / max(1, r["rounds"])
+                    got[1] += header_bytes
+                    got[2] += calls
+        if rpc:
+            seeds = sum(r["commit"] == k for r in runs)
+            doc.table(["RPC", "calls per node per committed round", "header bytes per call"],
+                      [[name, f"{v[0] / seeds:.2f}", f"{v[1] / max(1, v[2]):.0f}"]
+                       for name, v in sorted(rpc.items(), key=lambda kv: -kv[1][0])],
+                      caption=f"{k}: the nodes' RPCs by name (report key rpc_by_name; each call is one libp2p "
+                              "stream: see the next table):")
         ops = Counter()
         for r in runs:
             if r["commit"] == k:
@@ -137,7 +210,13 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
                       caption=f"{k}: the nodes' DHT reads and stores per committed round (report key dht_ops; "
                               "each one a Kademlia traversal of the DHT, whose answers carry every record "
                               "under the key):")
-    path = doc.write(m, seconds, {"runs": runs, "commits": commits, "nodes": a.nodes, "duration": a.duration})
+    doc.table(["request header", "socket bytes per call", "packets per call"],
+              [[f"{size} B", f"{cost[f'header_{size}']['bytes_per_call']:.0f}",
+                f"{cost[f'header_{size}']['packets_per_call']:.1f}"] for size in (0, 300)],
+              caption=f"One RPC of {new} on loopback (bench/stream_cost.py: 200 calls of an empty handler, the "
+                      "daemons' idle traffic subtracted): opening the stream, its protocol negotiation, request, "
+                      "reply and closing, with TLS, yamux and TCP/IP headers:")
+    path = doc.write(m, seconds, {"stream_cost": cost, "runs": runs, "commits": commits, "nodes": a.nodes, "duration": a.duration})
     print(f"control plane: wrote {path}", flush=True)
 
 

@@ -27,7 +27,6 @@ from p2pdiloco.errors import ConfigError, NetworkError, P2PDilocoError
 from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.heads import is_behind, newest_heads
-from p2pdiloco.net.statesync import READ_EVERY_S
 from p2pdiloco.net.transport import Swarm
 from p2pdiloco.status import Status
 
@@ -95,7 +94,7 @@ class SwarmView:
     async def refresh_forever(self, node: Node, swarm: Swarm) -> None:
         while True:
             try:
-                self.records = await node.sync.records(READ_EVERY_S)
+                self.records = await node.sync.records(node.sync.read_age())
                 self.read_at = time.time()
             except P2PDilocoError as e:
                 log.debug("swarm view: %s", e)
@@ -171,6 +170,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "recent_rounds": [{**vars(r), "seconds": round(r.seconds, 2)} for r in st.recent[-10:]],
         "bytes_out": swarm.stats.bytes_out, "bytes_in": swarm.stats.bytes_in,
         "rpc_calls": swarm.stats.calls_out, "rpc_failed": swarm.stats.calls_failed, "dht_ops": dict(swarm.stats.dht),
+        "rpc_by_name": {k: [n, swarm.stats.header_bytes[k]] for k, n in sorted(swarm.stats.calls_by.items())},
         "gathering_pushes": dict(node.matchmaker.gatherings.stats),
         "record_pushes": dict(node.sync.pusher.stats + node.sync.pushes_received),
         "link_bytes_per_s": round(link) if (link := swarm.stats.link.estimate()) else None,

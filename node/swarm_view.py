@@ -13,7 +13,7 @@ import time
 
 from p2pdiloco.errors import NetworkError
 from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.statesync import READ_EVERY_S, StateSync
+from p2pdiloco.net.statesync import StateSync
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,12 @@ class SwarmView:
     async def read(self, max_age: float = 0.0, *, fresh: bool = False) -> dict[str, HeadsRecord]:
         """The records: the last read if it succeeded at most ``max_age`` seconds ago, else a
         new read ({} when the DHT cannot be read; never raises for it). ``fresh``: that read goes to
-        the DHT, not to the last one (``StateSync.records``'s reuse for ``READ_EVERY_S``)."""
+        the DHT, not to the last one (reused for ``StateSync.read_age`` seconds)."""
         started = time.monotonic()
         if self.read_ok and started - self._read_at <= max_age:
             return self.records
         try:
-            records = await self.sync.records(0.0 if fresh else READ_EVERY_S)  # pushes keep it current between
+            records = await self.sync.records(0.0 if fresh else self.sync.read_age())  # pushes keep it current
         except NetworkError as e:
             log.debug("records unavailable: %s", e)
             self.records, self.read_ok = {}, False

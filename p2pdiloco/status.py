@@ -75,6 +75,8 @@ class Status(Starting):
     bytes_in: Annotated[int, "RPC bytes received"]
     rpc_calls: Annotated[int, "RPCs it made"]
     rpc_failed: Annotated[int, "of those, failed"]
+    rpc_by_name: Annotated[dict[str, list[int]], "RPCs it made by name: [calls, bytes of their framed request and "
+                                                 "reply headers]"]
     dht_ops: Annotated[dict[str, int], "DHT reads and stores it made, by \"get:\" or \"store:\" and record kind "
                                        "(mm: matchmaking declarations, heads, ...)"]
     gathering_pushes: Annotated[dict[str, int], "gathering announcements pushed (net.gatherings): sent, failed, "

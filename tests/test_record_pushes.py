@@ -1,6 +1,6 @@
 """Heads records pushed to the learners a node knows (``st.heads``, net.statesync) over real
 sockets: pushes carry every publish, the DHT gets a store every ``STORE_EVERY_S`` only, a
-reader reuses a DHT read with the newer pushes merged in, and a hostile push is refused at the
+reader reuses a DHT read with the newer pushes merged in (longer while it receives pushes), and a hostile push is refused at the
 parsing boundary. Every swarm started here is shut down in ``finally`` (its p2pd with it)."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from conftest import swarms, until
 from p2pdiloco.core.fragments import Fragment, TensorSlot
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.errors import ProtocolError
+from p2pdiloco.net import clock as swarm_clock
+from p2pdiloco.net.pushes import Pusher
 from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.statesync import STORE_EVERY_S, StateSync
+from p2pdiloco.net.statesync import READ_EVERY_S, READ_QUIET_S, STORE_ALONE_S, STORE_EVERY_S, StateSync
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_daemon_left")]
 
@@ -37,6 +39,7 @@ async def test_records_are_pushed_on_every_publish_and_stored_every_few_seconds(
         sync_a.pusher.audience = lambda: [b.peer_id]
         pusher = asyncio.create_task(sync_a.pusher.push_forever())
         try:
+            assert sync_b.read_age() == READ_EVERY_S  # nobody pushed to b yet: it looks for the swarm in the DHT
             await sync_a.publish({"name": "a"})  # the first publish is stored
             await sync_b.publish({"name": "b"})
             assert a.stats.dht["store:heads"] == 1
@@ -50,6 +53,7 @@ async def test_records_are_pushed_on_every_publish_and_stored_every_few_seconds(
             assert a.stats.dht["store:heads"] == 1 and STORE_EVERY_S >= 4
             await until(lambda: sync_a.pusher.stats["sent"] >= 2 and sync_b.pushes_received["received"] >= 2,
                         10, "a's pushes at b", every=0.05)
+            assert sync_b.read_age() == READ_QUIET_S > READ_EVERY_S  # a pushes to b: b's DHT reads slow down
             now = await sync_b.records(max_dht_age=60.0)  # the DHT read above, the newer push merged in
             assert now[a.peer_id].fragments == ((2, state(2).digest),)
             assert b.stats.dht["get:heads"] == gets
@@ -91,3 +95,86 @@ async def test_the_newer_of_a_pushed_and_a_stored_record_counts_and_a_future_one
             await a.call(b.peer_id, "st.heads", {"r": future.to_wire(), "run": "run"}, timeout=5)
         assert b.drops.reasons["heads_future"] == 1 and a.peer_id not in b.bans
         assert (await sync_b.records(max_dht_age=60.0))[a.peer_id].fragments == ((4, state(4).digest),)
+
+
+@pytest.mark.asyncio
+async def test_a_newcomer_that_pushes_to_a_node_gets_its_newest_record_at_once(monkeypatch):
+    """A node that knows no other learner stores its record every ``STORE_ALONE_S``; once a
+    newcomer (which found it in the DHT) pushes to it, it pushes its newest record back at once,
+    outside its audience and before its next change, so the newcomer does not act on the stored
+    record, up to ``STORE_EVERY_S`` old; a peer that already holds the newest value gets nothing."""
+    async with swarms(2) as (a, b):
+        held = {a.peer_id: [state(0)], b.peer_id: [state(0)]}
+        sync_a = StateSync(a, "run", [FRAGMENT], lambda: held[a.peer_id])
+        sync_b = StateSync(b, "run", [FRAGMENT], lambda: held[b.peer_id])
+        for sync in (sync_a, sync_b):
+            await sync.start()
+        sync_b.pusher.audience = lambda: [a.peer_id]  # b found a in the DHT; a knows nobody
+        tasks = [asyncio.create_task(s.pusher.push_forever()) for s in (sync_a, sync_b)]
+        try:
+            await sync_a.publish({"name": "a"})
+            held[a.peer_id] = [state(1)]
+            skew = [0.0]
+            monotonic = swarm_clock.monotonic
+            monkeypatch.setattr(swarm_clock, "monotonic", lambda: monotonic() + skew[0])
+            skew[0] = STORE_ALONE_S  # a commits STORE_ALONE_S later: nobody to push to, so stored again
+            await sync_a.publish({"name": "a"})
+            assert a.stats.dht["store:heads"] == 2 and STORE_ALONE_S < STORE_EVERY_S
+            await sync_b.publish({"name": "b"})
+            await until(lambda: sync_b.pushes_received["received"] == 1, 10, "a's record pushed back to b",
+                        every=0.05)
+            assert (await sync_b.records(max_dht_age=60.0))[a.peer_id].fragments == ((1, state(1).digest),)
+            await sync_b.publish({"name": "b"})  # b publishes again: a pushes nothing more (b holds its newest)
+            await until(lambda: sync_a.pushes_received["received"] == 2, 10, "b's second push at a", every=0.05)
+            assert sync_a.pusher.stats["sent"] == 1 and sync_b.pushes_received["received"] == 1
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_change_its_peers_know_is_pushed_to_them_with_the_next_one_or_after_max_defer(monkeypatch):
+    """``Pusher.set``'s ``later``: the peers that took part in a change (a round's members) get
+    it with the next change they do not know, or at the first change ``max_defer`` seconds after
+    their last push; ``quiet``: nobody now. The others get every change at once."""
+    async with swarms(3) as (a, b, c):
+        got: dict[str, list[int]] = {b.peer_id: [], c.peer_id: []}
+        for s in (b, c):
+            async def on_push(peer, header, _, me=s.peer_id):
+                got[me].append(header["n"])
+                return {}, b""
+            await s.add_handler("t.push", on_push)
+        skew = [0.0]
+        monotonic = swarm_clock.monotonic
+        monkeypatch.setattr(swarm_clock, "monotonic", lambda: monotonic() + skew[0])
+        pusher = Pusher(a, "t.push", max_defer=10.0)
+        pusher.audience = lambda: [b.peer_id, c.peer_id]
+        task = asyncio.create_task(pusher.push_forever())
+
+        async def settled(n: int) -> None:  # c (never deferred here) holds n, and nothing is in flight
+            await until(lambda: got[c.peer_id][-1:] == [n] and not pusher._sending, 10, f"push {n}", every=0.02)
+
+        try:
+            pusher.set({"n": 1})
+            await settled(1)
+            assert got[b.peer_id] == [1]
+            pusher.set({"n": 2}, [b.peer_id])  # b took part in change 2
+            await settled(2)
+            pusher.set({"n": 3}, [b.peer_id])  # ... and in change 3
+            await settled(3)
+            assert got[b.peer_id] == [1]
+            pusher.set({"n": 4})  # a change b does not know: b gets the newest value, which holds all three
+            await settled(4)
+            assert got[b.peer_id] == [1, 4]
+            pusher.set({"n": 5}, [b.peer_id, c.peer_id])  # both know it: the pusher wakes and sends nothing
+            await until(lambda: not pusher._changed.is_set(), 10, "the pusher's wake", every=0.02)
+            assert not pusher._sending and got[c.peer_id][-1] == 4
+            pusher.set({"n": 6}, quiet=True)  # nobody hears of it now
+            assert not pusher._changed.is_set()
+            skew[0] = 10.0  # max_defer later, a change both know: they get the newest value all the same
+            pusher.set({"n": 7}, [b.peer_id, c.peer_id])
+            await settled(7)
+            assert got == {b.peer_id: [1, 4, 7], c.peer_id: [1, 2, 3, 4, 7]}
+            assert pusher.stats["sent"] == 8
+        finally:
+            task.cancel()

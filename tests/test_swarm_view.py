@@ -16,6 +16,9 @@ class _Sync:
     def __init__(self) -> None:
         self.reads: list[asyncio.Future] = []
 
+    def read_age(self) -> float:
+        return 5.0
+
     async def records(self, max_dht_age: float = 0.0) -> dict:
         fut = asyncio.get_running_loop().create_future()
         self.reads.append(fut)

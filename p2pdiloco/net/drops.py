@@ -74,7 +74,9 @@ def record_kind(key: str) -> str:
 
 @dataclass
 class TrafficStats:
-    """RPC payload bytes this peer sent and received (headers not counted), calls made, the
+    """RPC payload bytes this peer sent and received (headers not counted), calls made (also
+    by RPC name, with their framed request and reply headers' bytes: ``calls_by``,
+    ``header_bytes``), the
     bytes of both directions with ``relayed`` peers (reached only through a relay), and the
     link rate measured on inbound payloads (``link``), and DHT operations by kind (``dht``)."""
 
@@ -85,6 +87,8 @@ class TrafficStats:
     bytes_relayed: int = 0
     relayed: frozenset[str] = frozenset()
     dht: Counter[str] = field(default_factory=Counter)  # DHT operations by "get:" / "store:" and record kind
+    calls_by: Counter[str] = field(default_factory=Counter)  # calls made, by RPC name
+    header_bytes: Counter[str] = field(default_factory=Counter)  # framed request + reply header bytes, by RPC name
     link: LinkMeter = field(default_factory=LinkMeter)
 
     def add(self, peer: str, n_in: int = 0, n_out: int = 0, seconds: float = 0.0) -> None:

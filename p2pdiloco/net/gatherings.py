@@ -1,7 +1,7 @@
 """Gathering announcements: the fragments each learner is gathering a group for right now.
 
 A learner that leads a gathering (``Matchmaker.form_group``: joiners do not announce, so a
-round costs each node about two pushes sent and two received, whatever the swarm's size)
+round costs each node about one push sent and one received, whatever the swarm's size)
 announces the (fragment, version, digest) keys it gathers at, and withdraws them when its
 gathering ends or another learner leads it, so that learners at
 the same version pull that fragment's round in and join (``node.runtime``'s gathering watch)
@@ -13,8 +13,10 @@ version, digest], ...], "l": [[fragment, version, digest, time], ...], "t": swar
 the run's name (``run``, with its protocol tag: a push of another run is refused), is pushed
 (``mm.gather``, by a ``net.pushes.Pusher``) to the audience, the live learners of this
 node's last records read (``audience``, at most ``MAX_AUDIENCE``), by
-:meth:`Gatherings.push_forever` whenever it changes (the newest only; a learner that does not
-answer within ``PUSH_TIMEOUT_S`` gets no push for ``SKIP_S``, and every peer has a sender of
+:meth:`Gatherings.push_forever` whenever it changes (the newest only; a closed group's
+members and, for an outranked leader's withdrawal, everyone, get it with the author's next
+announcement instead; a learner that does not answer within ``PUSH_TIMEOUT_S`` gets no push
+for ``SKIP_S``, and every peer has a sender of
 its own, so that a peer that stalls delays no other's pushes; above ``MAX_AUDIENCE``, a random
 sample of the audience for each push). A receiver keeps each author's newest push
 (``MAX_PUSHED`` authors) and wakes its watch (:meth:`Gatherings.watch`).
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net import records as rec
@@ -85,11 +87,15 @@ class Gatherings:
     async def start(self) -> None:
         await self.swarm.add_handler("mm.gather", self._on_push, max_payload=0)
 
-    def announce(self, keys: list[list], left: list[list] = ()) -> None:
+    def announce(self, keys: list[list], left: list[list] = (), later: Collection[str] = (), *,
+                 quiet: bool = False) -> None:
         """Announce that we lead a gathering at ``keys`` ([[fragment, version, digest], ...]; []
         withdraws) and closed groups at ``left`` ([[fragment, version, digest, swarm time], ...]):
-        :meth:`push_forever` pushes it."""
-        self.pusher.set({"g": keys, "l": list(left), "t": self.swarm.clock.now(), "run": self.run_id})
+        :meth:`push_forever` pushes it, to the ``later`` peers (the group just closed, who need
+        not hear of it) with our next announcement they do not know, and to nobody now when
+        ``quiet`` (``Pusher.set``)."""
+        self.pusher.set({"g": keys, "l": list(left), "t": self.swarm.clock.now(), "run": self.run_id}, later,
+                        quiet=quiet)
 
     def open(self) -> dict[int, set[tuple[int, str]]]:
         """Fragments other learners gather a group for now, by their pushes: {fragment: every

@@ -15,10 +15,12 @@ traversal whose answers carry every declaration, about 9 kB among 5 peers):
 * **pushed**, when the node knows other learners (its records name some: the audience of
   ``Gatherings``): a learner that leads a gathering announces the key (``mm.gather``), and
   when it closes a group there it announces that key as closed, with the time
-  (``LEFT_KEEP_S``); joiners announce nothing and the DHT is neither read nor written. A
-  learner is open to the others while its announcement names the key, and in a group once
-  its closed keys do (``Gatherings.declarations``). A learner that outranks every leader it
-  has heard of leads and announces, so the lowest-ranked ready learner leads as before.
+  (``LEFT_KEEP_S``), to the group's members with its next announcement only; joiners announce
+  nothing, the DHT is neither read nor written. A learner is open to the others while its
+  announcement names the key, in a group once its closed keys do (``Gatherings.declarations``).
+  A learner that outranks every leader it has heard of leads and announces, so the lowest-ranked
+  ready learner leads; an outranked leader's withdrawal travels with its next announcement
+  (the new leader outranks it wherever both are heard).
 * **in the DHT**, by a node that knows no other learner yet: a record under the key (subkey:
   its peer ID) while open, and another when it leaves, saying whether in a group; a leader
   reads them at a wake-up (a join, a push, or ``POLL_SECONDS``) at most every
@@ -78,7 +80,7 @@ import logging
 import math
 import secrets
 from collections import Counter
-from collections.abc import Callable, Container
+from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -151,6 +153,7 @@ class _Gathering:
     leading: bool = False  # we lead it now: announced to the audience (net.gatherings)
     signatures: dict[str, bytes] = field(default_factory=dict)  # joiner -> its mm.join signature (ours too)
     member_signatures: tuple[bytes, ...] = ()  # the closed group's, in member order
+    members: tuple[str, ...] = ()  # the closed group's
 
 
 class Matchmaker:
@@ -198,15 +201,16 @@ class Matchmaker:
         announced for it), from their pushed announcements (``Gatherings.open``)."""
         return {p: {GroupKey(p, v, d) for v, d in keys} for p, keys in self.gatherings.open().items()}
 
-    def _announce(self) -> None:
+    def _announce(self, later: Collection[str] = (), *, quiet: bool = False) -> None:
         """Announce the fragments this learner leads an open gathering for, and the keys where
         it closed its last group of each fragment, ``LEFT_KEEP_S`` at most
-        (``Gatherings.announce``)."""
+        (``Gatherings.announce``; ``later``, ``quiet``: who hears of it with our next change)."""
         now = self.swarm.clock.now()
         self._left = {p: (k, t) for p, (k, t) in self._left.items() if now - t <= LEFT_KEEP_S}
         self.gatherings.announce([[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values()
                                   if g.leading and not g.closed],
-                                 [[k.fragment, k.version, k.digest, t] for k, t in self._left.values()])
+                                 [[k.fragment, k.version, k.digest, t] for k, t in self._left.values()], later,
+                                 quiet=quiet)
 
     async def _declarations(self, dht_key: str) -> dict[str, rec.Declaration]:
         """The parsed, non-banned declarations under ``dht_key``, by author."""
@@ -307,13 +311,11 @@ class Matchmaker:
         self.leader_failures.pop(group.leader, None)
         self.passed_over.pop(group.leader, None)
         for member in group.members:  # a peer we merged with is a real group member
-            self.empty_groups.pop(member, None)
-            self.ignored_groups.pop(member, None)
+            self.empty_groups.pop(member, None), self.ignored_groups.pop(member, None)
 
-    async def form_group(
-        self, key: GroupKey, *, grace: float, quorum_timeout: float, expected: int = 0,
-        max_grace: float | None = None, lone_wait: bool = True, round_time: float | None = None,
-    ) -> tuple[Outcome, Group | None]:
+    async def form_group(self, key: GroupKey, *, grace: float, quorum_timeout: float, expected: int = 0,
+                         max_grace: float | None = None, lone_wait: bool = True,
+                         round_time: float | None = None) -> tuple[Outcome, Group | None]:
         """Declare readiness under ``key`` and return the group this learner ends up in.
 
         Waits at most ``quorum_timeout`` seconds for K members, then at most ``grace`` more
@@ -384,7 +386,7 @@ class Matchmaker:
                 leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
                 if (leader == me) != gathering.leading:  # leaders announce, joiners do not: about two
                     gathering.leading = leader == me  # pushes a round for each node, whatever the swarm's size
-                    self._announce()
+                    self._announce(quiet=not gathering.leading)  # withdrawn: the new leader outranks us anyway
                 now = swarm_clock.monotonic()
                 if leader != me:
                     gathering.following = leader
@@ -427,8 +429,8 @@ class Matchmaker:
                 del self._gatherings[key.fragment]
             if gathering.leading and grouped:  # learners arriving at the key later are late
                 self._left[key.fragment] = (key, self.swarm.clock.now())
-            if gathering.leading:
-                self._announce()  # withdrawn
+            if gathering.leading:  # withdrawn; the group's members need not hear of it until our next change
+                self._announce(gathering.members if grouped else ())
             if not pushed:
                 try:
                     await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now(), "g": grouped},
@@ -476,6 +478,7 @@ class Matchmaker:
         group = Group(secrets.token_hex(8), gathering.key, members, swarm_clock.monotonic() - t0, me,
                       bandwidth_shares(rates), kib if any(kib) else ())
         gathering.member_signatures = tuple(gathering.signatures[m] for m in members)
+        gathering.members = members
         for peer in joined:
             fut = gathering.joiners[peer]
             if not fut.done():

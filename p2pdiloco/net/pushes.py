@@ -7,7 +7,16 @@ docs/benchmarks/control_plane.md); a push is one RPC of about 100-400 bytes to e
 (the live learners of the node's last records read; at most ``MAX_AUDIENCE``, a random sample
 above that), each peer by a sender of its own, so that a peer that stalls delays nothing but
 its own pushes. A learner that does not answer within ``PUSH_TIMEOUT_S`` gets no push for
-``SKIP_S``, unless it pushes to us meanwhile (:meth:`Pusher.heard_from`: it restarted, say). What a receiver
+``SKIP_S``, unless it pushes to us meanwhile (:meth:`Pusher.heard_from`: it restarted, say). A
+learner that pushes to us and has not had our newest value (a node that just joined and found
+us in the DHT) gets it at once, without waiting for our next change: the DHT holds our value as
+last stored, up to ``statesync.STORE_EVERY_S`` old, and the newcomer should not act on it
+longer than a round trip. A value can spare the peers that already know what changed
+(:meth:`Pusher.set`'s ``later``: the members of the group a leader just closed, or, ``quiet``,
+everyone, for a withdrawal that changes nothing a receiver does): they get it with the next
+change they do not know, or at the first change ``max_defer`` seconds after their last push
+(issue 13: every push is a libp2p stream of about 1 kB on the wire, docs/benchmarks/
+control_plane.md). What a receiver
 does with a push is its owner's business (``net.gatherings``, ``net.statesync``): the
 transport authenticates the pusher, so a pushed value is its author's own, like a DHT record
 under the author's peer ID.
@@ -18,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from p2pdiloco.errors import NetworkError, ProtocolError
@@ -41,26 +51,54 @@ class Pusher:
         stats: pushes "sent" and "failed" (the owner counts what it receives).
     """
 
-    def __init__(self, swarm: Swarm, method: str):
-        self.swarm, self.method = swarm, method
+    def __init__(self, swarm: Swarm, method: str, max_defer: float = math.inf):
+        self.swarm, self.method, self.max_defer = swarm, method, max_defer  # seconds (see set)
         self.audience: Callable[[], Iterable[str]] = tuple
         self.stats: Counter[str] = Counter()
         self._value: dict[str, Any] | None = None
         self._changed = asyncio.Event()
         self._skip: dict[str, float] = {}  # peer -> monotonic time until which it gets no push
         self._version = 0  # changes of the value so far
+        self._held: dict[str, int] = {}  # peer -> the version of our value it acknowledged last
+        self._greet: set[str] = set()  # peers that pushed to us and get our value outside the audience
         self._sending: set[str] = set()  # peers with a push in flight
+        self._defer: set[str] = set()  # peers that know what changed since the value they hold (set's later)
+        self._pushed_at: dict[str, float] = {}  # peer -> monotonic s of our last push it took
 
     def heard_from(self, peer: str) -> None:
         """``peer`` reached us (it pushed to us): if it was skipped after a failed push (it was
-        down, and restarted since), it gets our pushes again from now on."""
-        if self._skip.pop(peer, None) is not None:
-            self._changed.set()  # and the newest value now, not at our next change
+        down, and restarted since), it gets our pushes again from now on; if it does not hold
+        our newest value (it just joined), it gets that now, audience or not (at most
+        ``MAX_AUDIENCE`` such peers at a time)."""
+        skipped = self._skip.pop(peer, None) is not None
+        if peer == self.swarm.peer_id or peer in self.swarm.bans or self._value is None:
+            return
+        if skipped or (self._held.get(peer) != self._version and peer not in self._defer
+                       and len(self._greet) < MAX_AUDIENCE):
+            self._greet.add(peer)
+            self._changed.set()  # the newest value now, not at our next change
 
-    def set(self, value: dict[str, Any]) -> None:
-        """Push ``value`` (an RPC header) next; a value not pushed yet is replaced."""
+    def set(self, value: dict[str, Any], later: Collection[str] = (), *, quiet: bool = False) -> None:
+        """Push ``value`` (an RPC header) next; a value not pushed yet is replaced.
+
+        Args:
+            later: peers that know what changed since our last value (they took part in the
+                change): each gets this value with the next change it does not know, or at the
+                first change ``max_defer`` seconds after its last push, whichever comes first;
+                a peer still owed an earlier change gets it now.
+            quiet: every peer gets it later (nothing is pushed for this change).
+        """
+        knows = set(later) if not quiet else {p for p, v in self._held.items() if v == self._version} | self._defer
+        self._defer = {p for p in knows if p in self._defer or self._held.get(p) == self._version}
         self._value = value
-        self._changed.set()
+        self._version += 1
+        if not quiet:
+            self._changed.set()
+
+    def _due(self, peer: str, now: float) -> bool:
+        """Whether ``peer`` gets our newest value now (it lacks it and it is not deferred)."""
+        return self._held.get(peer) != self._version and (
+            peer not in self._defer or now - self._pushed_at.get(peer, -math.inf) >= self.max_defer)
 
     async def push_forever(self) -> None:
         """Push the newest value to the audience each time it changes, for the node's life (the
@@ -72,15 +110,18 @@ class Pusher:
             while True:
                 await self._changed.wait()
                 self._changed.clear()
-                self._version += 1
                 me, now = self.swarm.peer_id, swarm_clock.monotonic()
                 self._skip = {p: t for p, t in self._skip.items() if t > now}
                 peers = [p for p in dict.fromkeys(self.audience())
                          if p != me and p not in self.swarm.bans and p not in self._skip]
                 if len(peers) > MAX_AUDIENCE:
                     peers = random.sample(peers, MAX_AUDIENCE)
+                peers = list(dict.fromkeys([*peers, *(p for p in self._greet if p not in self.swarm.bans)]))
+                self._greet.clear()
+                self._held = {p: v for p, v in self._held.items() if p in self._sending or p in peers}
+                self._pushed_at = {p: t for p, t in self._pushed_at.items() if p in self._held}
                 for peer in peers:
-                    if peer not in self._sending:
+                    if peer not in self._sending and self._due(peer, now):
                         self._sending.add(peer)
                         tg.create_task(self._sender(peer))
 
@@ -88,16 +129,19 @@ class Pusher:
         """Push to ``peer`` until it holds the newest value, or a push fails."""
         try:
             sent = None
-            while sent != self._version and peer not in self._skip:
-                sent = self._version
-                await self._push(peer, self._value or {})
+            while sent != self._version and peer not in self._skip and self._due(peer, swarm_clock.monotonic()):
+                sent = self._version  # one try per version: a failure skips the peer (or, skips full, waits)
+                await self._push(peer, self._value or {}, sent)
         finally:
             self._sending.discard(peer)
 
-    async def _push(self, peer: str, value: dict[str, Any]) -> None:
+    async def _push(self, peer: str, value: dict[str, Any], version: int) -> None:
         try:
             await self.swarm.call(peer, self.method, value, timeout=PUSH_TIMEOUT_S)
             self.stats["sent"] += 1
+            self._held[peer], self._pushed_at[peer] = version, swarm_clock.monotonic()
+            if version == self._version:
+                self._defer.discard(peer)
         except (NetworkError, ProtocolError):  # skipped a while: a peer that stalls delays the others' pushes
             self.stats["failed"] += 1
             if len(self._skip) < 4 * MAX_AUDIENCE:

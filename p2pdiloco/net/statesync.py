@@ -9,9 +9,14 @@ two digests (two groups merged the same version: split brain, invariant I7) the 
 by more peers wins, ties to the smaller digest, so every node resolves it the same way and
 the losers re-sync. A node pushes its record to the learners it knows on every publish
 (``st.heads``, ``net.pushes``) and stores it in the DHT on a publish ``STORE_EVERY_S`` or more
-after its last store, for nodes that do not know it yet; readers that can (the node's ``SwarmView``) reuse a DHT read for
-``READ_EVERY_S`` with the newer pushes merged in (issue 13 of this project: every DHT read is a
-Kademlia traversal whose answers carry every node's record).
+after its last store (``STORE_ALONE_S`` while it knows no other learner), for nodes that do not
+know it yet; readers that can (the node's ``SwarmView``) reuse a DHT read
+with the newer pushes merged in, for ``READ_EVERY_S`` while no peer pushes to them (a node
+looking for the swarm) and for ``READ_QUIET_S`` while peers do (:meth:`StateSync.read_age`):
+issue 13 of this project, every DHT read and store is a Kademlia traversal whose answers carry
+every node's record, about 9-12 kB among 5 peers (docs/benchmarks/control_plane.md). A node
+that joins reads the DHT, pushes its record to every node it found there, and so enters their
+views (and their audiences) at once; the DHT is how it finds them, not how they follow it.
 
 Transfer: ``state.get`` returns a fragment's Θ and outer momentum (fp32) with its version
 and digest; the receiver recomputes the digest over the bytes it got and installs nothing
@@ -102,9 +107,12 @@ FIRST_REPLY_MIN_S = 0.5  # ... but never less than this (seconds), nor more than
 IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its first strike (doubling)
 IGNORE_MAX_S = 600.0
 STALE_S = 15.0  # seconds a record may go unchanged before its author counts as gone (nodes publish every <= 5 s)
-STORE_EVERY_S = 4.0  # seconds between DHT stores of our record (publishes come every <= 5 s: a store at most every
-# 9 s, so that a reader that gets no push from us, reusing its reads for READ_EVERY_S, sees it change within STALE_S)
-READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused by readers that take pushes in between
+STORE_EVERY_S = 25.0  # seconds between DHT stores of our record: well within HEAD_TTL, for nodes that do not
+# know us yet (they see a record for the first time as live); the learners we know get every publish pushed ...
+STORE_ALONE_S = 4.0  # ... but while we know none, every node is one that does not know us: stored this often
+READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused while no peer pushes to us ...
+READ_QUIET_S = 30.0  # ... and while peers do (STALE_S): a newcomer pushes to us first, so this only bounds
+# how late we find one that has not (it read the DHT before our record was there)
 
 
 class StateSync:
@@ -152,6 +160,7 @@ class StateSync:
         self._pushed: dict[str, HeadsRecord] = {}  # author -> its newest pushed record, oldest author first
         self._mine: HeadsRecord | None = None  # our last published record
         self._stored_at = -math.inf  # monotonic s of our last DHT store
+        self._pushed_at = -math.inf  # monotonic s of the last record pushed to us
         self._read: tuple[float, dict[str, HeadsRecord], set[str]] = (-math.inf, {}, set())  # last DHT read:
         # (monotonic s it began, parsed records, every author under the key)
 
@@ -180,7 +189,8 @@ class StateSync:
         """Publish this node's record: per-fragment [version, digest] plus ``extra`` figures
         (the other fields of :class:`HeadsRecord`). It is pushed to the learners we know
         (``pusher``, ``st.heads``) every time, and stored in the DHT, where nodes that do not
-        know us yet find it, when ``store`` or ``STORE_EVERY_S`` after the last store.
+        know us yet find it, when ``store`` or ``STORE_EVERY_S`` after the last store
+        (``STORE_ALONE_S`` while we know no other learner).
 
         Raises:
             NetworkError: the DHT store failed (the push is made all the same).
@@ -189,7 +199,8 @@ class StateSync:
                              tag=self.tag, **extra)
         self._mine = record
         self.pusher.set({"r": record.to_wire(), "run": self.run_id})
-        if store or swarm_clock.monotonic() - self._stored_at >= STORE_EVERY_S:
+        every = STORE_EVERY_S if any(True for _ in self.pusher.audience()) else STORE_ALONE_S
+        if store or swarm_clock.monotonic() - self._stored_at >= every:
             await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
             self._stored_at = swarm_clock.monotonic()
 
@@ -217,8 +228,15 @@ class StateSync:
         while len(self._pushed) > MAX_PUSHED:
             del self._pushed[next(iter(self._pushed))]
         self.pushes_received["received"] += 1
+        self._pushed_at = swarm_clock.monotonic()
         self.on_heard(peer)
         return {}, b""
+
+    def read_age(self) -> float:
+        """Seconds a DHT read of the records may be reused (:meth:`records`' ``max_dht_age``):
+        ``READ_QUIET_S`` while peers push their records to us (one did within ``STALE_S``),
+        else ``READ_EVERY_S`` (module docstring)."""
+        return READ_QUIET_S if swarm_clock.monotonic() - self._pushed_at <= STALE_S else READ_EVERY_S
 
     def ignoring(self) -> dict[str, str]:
         """Peers whose claims are ignored now, {peer ID: reason}."""

@@ -490,10 +490,11 @@ class Swarm:
                 malformed reply, or one over ``max_reply``.
         """
         self.stats.calls_out += 1
+        self.stats.calls_by[name] += 1
         if self.membership.private:
             header = dict(header, _cert=self.membership.own_certificate)
         try:
-            frame(header, len(payload))
+            self.stats.header_bytes[name] += len(frame(header, len(payload)))
         except (ProtocolError, TypeError, ValueError) as e:
             self.stats.calls_failed += 1
             raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
@@ -537,6 +538,7 @@ class Swarm:
             if writer is not None:
                 close_stream(writer)
         self.stats.add(peer_id, n_in=len(body), seconds=received)
+        self.stats.header_bytes[name] += len(frame(reply, n))  # as received (re-encoded: same size)
         if "error" in reply:
             if "denied" in reply:
                 raise AccessDenied(f"{peer_id[-8:]} refused {name}: {reply['error']}", str(reply["denied"]))
