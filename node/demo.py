@@ -74,6 +74,8 @@ def run_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-demo-"))
     work.mkdir(parents=True, exist_ok=True)
+    print(f"p2pdiloco demo: {args.nodes} nodes in {work} (watch one with: p2pdiloco node status --data-dir "
+          f"{work / 'node0'} --watch)", flush=True)
     children = Processes(parent_death=signal.SIGTERM)  # nodes leave gracefully if the demo dies
     py = sys.executable
     try:

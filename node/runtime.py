@@ -109,6 +109,7 @@ class Node:
             self.committed.resume(self.setup.learner.global_states)
             self._resumed = self._joined = True
             self.journal.record("resumed", step=self.setup.learner.step)
+        await self.sync.greet(self.record())  # the records of the learners found in the DHT, fresh from them
         await self._catch_up(initial=True)
         deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
         self.training = self.setup.training_loop(self._dispatch, deadline)
@@ -296,12 +297,12 @@ class Node:
         self.stats.rounds_alone += int(len(group.members) == 1)
         if len(group.members) > 1:
             self.solo.merged()
-        # tokens are counted per fragment: a fragment carries 1/P of every token
-        self.stats.tokens_merged += contrib.tokens / len(self.committed)
+        self.stats.tokens_merged += contrib.tokens / len(self.committed)  # per fragment: 1/P of every token
         self._record(RoundRecord(p, new.version, len(group.members), time.monotonic() - t0, True, digest=new.short(),
                                  fraction=fraction, share=group.share_of(self.swarm.peer_id)))
         log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version, len(group.members),
                  time.monotonic() - t0, new.short())
+        self.sync.known_by(group.members)  # they committed it too: pushed to them with our next change
         self._publish_now.set()
         self._keep_schedule()
         if self.cfg.trace_dir:
@@ -531,9 +532,8 @@ class Node:
             self.training.advance_to(swarm)
 
     async def _forever(self, name: str, step, period: float) -> None:
-        """Run ``step()`` every ``period`` seconds for the node's life. An exception in one
-        step is logged and counted (``NodeStats.internal_errors``), never fatal: whatever a peer
-        sends, no background task of the node's task group dies of it."""
+        """Run ``step()`` every ``period`` seconds for the node's life. An exception in one step is logged and
+        counted (``NodeStats.internal_errors``), never fatal: whatever a peer sends, no background task dies of it."""
         while True:
             await asyncio.sleep(period)
             try:

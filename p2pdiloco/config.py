@@ -372,8 +372,10 @@ def _build(cls: type, values: Mapping[str, Any], section: str, sources: Mapping[
     except Invalid as e:
         problems.extend(f"{where(name)}: {message}{origin(name)}" for name, message in e.problems)
         return None
-    except ValueError as e:  # sections that validate themselves (model, inner): one message
-        problems.append(f"{section or 'config'}: {e}")
+    except ValueError as e:  # sections that validate themselves (model, inner): one message, "field: ..." if it can
+        name, _, message = str(e).partition(": ")
+        problems.append(f"{where(name)}: {message}{origin(name)}" if name in fields and message
+                        else f"{section or 'config'}: {e}")
         return None
     return built if len(problems) == before else None
 

@@ -29,13 +29,14 @@ class ModelConfig:
     factory: str = ""
 
     def __post_init__(self) -> None:
-        if min(self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd) < 1:
-            raise ValueError(f"all model dimensions must be >= 1: {self}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name, most in MAX_SIZES.items():
             if getattr(self, name) > most:
-                raise ValueError(f"{name} must be at most {most}, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be at most {most}, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            raise ValueError(f"n_embd: {self.n_embd} must be divisible by n_head ({self.n_head})")
         n = self.num_parameters
         if n is not None and n > MAX_PARAMETERS:
             raise ValueError(f"this GPT would have {n:,} parameters, more than {MAX_PARAMETERS:,}")

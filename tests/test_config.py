@@ -215,12 +215,17 @@ def test_absurd_values_that_a_type_allows_are_refused_in_one_line(key: str, valu
 
 
 def test_sections_validated_by_their_own_class_report_the_section() -> None:
+    """A section's own check names its field and the value's source where it names a field
+    (a fresh user's finding: a negative model size printed the whole ModelConfig)."""
     with pytest.raises(ConfigError) as e:
         load_config(env={}, overrides={"inner.lr": "-1", "model.n_head": "3"})
     assert problems(e) == [
-        "model: n_embd (128) must be divisible by n_head (3)",
+        "model.n_embd: 128 must be divisible by n_head (3)",
         "inner: lr must be in (0, 10], got -1.0",
     ]
+    with pytest.raises(ConfigError) as e:
+        load_config(env={}, overrides={"model.n_layer": "-1"})
+    assert problems(e) == ["model.n_layer: must be >= 1, got -1 (from the command line)"]
 
 
 def test_swarm_and_path_checks(tmp_path: Path) -> None:

@@ -28,14 +28,19 @@ def state(version: int) -> FragmentState:
     return FragmentState.create(0, version, (torch.full((4,), float(version)),), (torch.zeros(4),))
 
 
+async def started_syncs(*peers) -> tuple[dict[str, list[FragmentState]], list[StateSync]]:
+    """A started StateSync on each transport, each holding state(0) until the test changes ``held``."""
+    held = {s.peer_id: [state(0)] for s in peers}
+    syncs = [StateSync(s, "run", [FRAGMENT], lambda p=s.peer_id: held[p]) for s in peers]
+    for sync in syncs:
+        await sync.start()
+    return held, syncs
+
+
 @pytest.mark.asyncio
 async def test_records_are_pushed_on_every_publish_and_stored_every_few_seconds():
     async with swarms(3) as (a, b, c):
-        held = {a.peer_id: [state(0)], b.peer_id: [state(0)]}
-        sync_a = StateSync(a, "run", [FRAGMENT], lambda: held[a.peer_id])
-        sync_b = StateSync(b, "run", [FRAGMENT], lambda: held[b.peer_id])
-        for sync in (sync_a, sync_b):
-            await sync.start()
+        held, (sync_a, sync_b) = await started_syncs(a, b)
         sync_a.pusher.audience = lambda: [b.peer_id]
         pusher = asyncio.create_task(sync_a.pusher.push_forever())
         try:
@@ -104,11 +109,7 @@ async def test_a_newcomer_that_pushes_to_a_node_gets_its_newest_record_at_once(m
     outside its audience and before its next change, so the newcomer does not act on the stored
     record, up to ``STORE_EVERY_S`` old; a peer that already holds the newest value gets nothing."""
     async with swarms(2) as (a, b):
-        held = {a.peer_id: [state(0)], b.peer_id: [state(0)]}
-        sync_a = StateSync(a, "run", [FRAGMENT], lambda: held[a.peer_id])
-        sync_b = StateSync(b, "run", [FRAGMENT], lambda: held[b.peer_id])
-        for sync in (sync_a, sync_b):
-            await sync.start()
+        held, (sync_a, sync_b) = await started_syncs(a, b)
         sync_b.pusher.audience = lambda: [a.peer_id]  # b found a in the DHT; a knows nobody
         tasks = [asyncio.create_task(s.pusher.push_forever()) for s in (sync_a, sync_b)]
         try:
@@ -136,7 +137,8 @@ async def test_a_newcomer_that_pushes_to_a_node_gets_its_newest_record_at_once(m
 async def test_a_change_its_peers_know_is_pushed_to_them_with_the_next_one_or_after_max_defer(monkeypatch):
     """``Pusher.set``'s ``later``: the peers that took part in a change (a round's members) get
     it with the next change they do not know, or at the first change ``max_defer`` seconds after
-    their last push; ``quiet``: nobody now. The others get every change at once."""
+    their last push, or when spared ``max_deferred`` changes in a row already; ``quiet``: nobody
+    now. The others get every change at once."""
     async with swarms(3) as (a, b, c):
         got: dict[str, list[int]] = {b.peer_id: [], c.peer_id: []}
         for s in (b, c):
@@ -176,5 +178,32 @@ async def test_a_change_its_peers_know_is_pushed_to_them_with_the_next_one_or_af
             await settled(7)
             assert got == {b.peer_id: [1, 4, 7], c.peer_id: [1, 2, 3, 4, 7]}
             assert pusher.stats["sent"] == 8
+            pusher.max_deferred = 1  # as heads records: at most one change a peer knows goes unpushed
+            pusher.set({"n": 8}, [b.peer_id])
+            await settled(8)
+            pusher.set({"n": 9}, [b.peer_id])  # b would be spared two in a row: it gets this one
+            await settled(9)
+            assert got[b.peer_id] == [1, 4, 7, 9]
+        finally:
+            task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_joining_node_greets_the_learners_it_found_and_has_their_fresh_records():
+    """``StateSync.greet``: a joiner pushes its record to every learner the DHT names and waits
+    for each to push its own back, so it does not choose its first states from a stored record
+    up to ``STORE_EVERY_S`` old (here a commits after its last store)."""
+    async with swarms(2) as (a, b):
+        held, (sync_a, sync_b) = await started_syncs(a, b)
+        sync_a.pusher.audience = lambda: [p for p in [b.peer_id] if p in sync_a._pushed]  # a knows who pushed to it
+        task = asyncio.create_task(sync_a.pusher.push_forever())
+        try:
+            await sync_a.publish({"name": "a"}, store=True)
+            held[a.peer_id] = [state(3)]
+            await sync_a.publish({"name": "a"})  # not stored: the DHT says v0
+            assert sync_a.pushes_received["received"] == 0
+            assert await sync_b.greet({"name": "b"}, timeout=10) == 1
+            assert sync_a.pushes_received["received"] == 1
+            assert (await sync_b.records(max_dht_age=60.0))[a.peer_id].fragments == ((3, state(3).digest),)
         finally:
             task.cancel()

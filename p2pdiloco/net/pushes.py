@@ -51,8 +51,9 @@ class Pusher:
         stats: pushes "sent" and "failed" (the owner counts what it receives).
     """
 
-    def __init__(self, swarm: Swarm, method: str, max_defer: float = math.inf):
+    def __init__(self, swarm: Swarm, method: str, max_defer: float = math.inf, max_deferred: int | None = None):
         self.swarm, self.method, self.max_defer = swarm, method, max_defer  # seconds (see set)
+        self.max_deferred = max_deferred  # changes in a row a peer may be spared (None: any number)
         self.audience: Callable[[], Iterable[str]] = tuple
         self.stats: Counter[str] = Counter()
         self._value: dict[str, Any] | None = None
@@ -62,7 +63,7 @@ class Pusher:
         self._held: dict[str, int] = {}  # peer -> the version of our value it acknowledged last
         self._greet: set[str] = set()  # peers that pushed to us and get our value outside the audience
         self._sending: set[str] = set()  # peers with a push in flight
-        self._defer: set[str] = set()  # peers that know what changed since the value they hold (set's later)
+        self._defer: dict[str, int] = {}  # peer -> changes since the value it holds, all of which it knows
         self._pushed_at: dict[str, float] = {}  # peer -> monotonic s of our last push it took
 
     def heard_from(self, peer: str) -> None:
@@ -84,12 +85,15 @@ class Pusher:
         Args:
             later: peers that know what changed since our last value (they took part in the
                 change): each gets this value with the next change it does not know, or at the
-                first change ``max_defer`` seconds after its last push, whichever comes first;
+                first change ``max_defer`` seconds after its last push, or once it would be spared
+                more than ``max_deferred`` changes in a row, whichever comes first;
                 a peer still owed an earlier change gets it now.
             quiet: every peer gets it later (nothing is pushed for this change).
         """
-        knows = set(later) if not quiet else {p for p, v in self._held.items() if v == self._version} | self._defer
-        self._defer = {p for p in knows if p in self._defer or self._held.get(p) == self._version}
+        knows = set(later) if not quiet else {p for p, v in self._held.items() if v == self._version} | set(self._defer)
+        most = math.inf if self.max_deferred is None else self.max_deferred
+        self._defer = {p: self._defer.get(p, 0) + 1 for p in knows
+                       if (p in self._defer or self._held.get(p) == self._version) and self._defer.get(p, 0) < most}
         self._value = value
         self._version += 1
         if not quiet:
@@ -125,6 +129,14 @@ class Pusher:
                         self._sending.add(peer)
                         tg.create_task(self._sender(peer))
 
+    async def push_now(self, peers: Iterable[str]) -> set[str]:
+        """Push the newest value to ``peers`` (at most ``MAX_AUDIENCE``) at once, outside
+        :meth:`push_forever` (a node joining, before its tasks run); returns those that took it."""
+        peers = [p for p in dict.fromkeys(peers) if p != self.swarm.peer_id and p not in self.swarm.bans]
+        version = self._version
+        await asyncio.gather(*(self._push(p, self._value or {}, version) for p in peers[:MAX_AUDIENCE]))
+        return {p for p in peers if self._held.get(p) == version}
+
     async def _sender(self, peer: str) -> None:
         """Push to ``peer`` until it holds the newest value, or a push fails."""
         try:
@@ -141,7 +153,7 @@ class Pusher:
             self.stats["sent"] += 1
             self._held[peer], self._pushed_at[peer] = version, swarm_clock.monotonic()
             if version == self._version:
-                self._defer.discard(peer)
+                self._defer.pop(peer, None)
         except (NetworkError, ProtocolError):  # skipped a while: a peer that stalls delays the others' pushes
             self.stats["failed"] += 1
             if len(self._skip) < 4 * MAX_AUDIENCE:

@@ -71,11 +71,12 @@ peer comes back, its claims count again afterwards and the heads rule (I7) settl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -110,6 +111,8 @@ STALE_S = 15.0  # seconds a record may go unchanged before its author counts as 
 STORE_EVERY_S = 25.0  # seconds between DHT stores of our record: well within HEAD_TTL, for nodes that do not
 # know us yet (they see a record for the first time as live); the learners we know get every publish pushed ...
 STORE_ALONE_S = 4.0  # ... but while we know none, every node is one that does not know us: stored this often
+GREET_WAIT_S = 3.0  # seconds a joining node waits for the learners it found to push their records back
+PUSH_DEFER_S = 5.0  # seconds a push waits at most for a peer that knows its change (STALE_S: 3 of them)
 READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused while no peer pushes to us ...
 READ_QUIET_S = 30.0  # ... and while peers do (STALE_S): a newcomer pushes to us first, so this only bounds
 # how late we find one that has not (it read the DHT before our record was there)
@@ -154,13 +157,15 @@ class StateSync:
         self._donors: dict[str, None] = {}  # holders that delivered a state to us (insertion-ordered set)
         self._took: deque[float] = deque(maxlen=FOLLOW_HISTORY)  # seconds of recent successful downloads
         self._changed: dict[str, tuple[float, float]] = {}  # peer -> (its record's t, monotonic s we first saw it)
-        self.pusher = Pusher(swarm, "st.heads")  # pushes our record to the learners we know (the node sets them)
+        self.pusher = Pusher(swarm, "st.heads", PUSH_DEFER_S, 1)  # pushes our record to the learners we know
+        self._known_by: set[str] | None = None  # peers that know what our next publish changes (known_by)
         self.pushes_received: Counter[str] = Counter()  # "received", "other_run" (refused)
         self.on_heard: Callable[[str], object] = self.pusher.heard_from  # a peer pushed to us (the node widens it)
         self._pushed: dict[str, HeadsRecord] = {}  # author -> its newest pushed record, oldest author first
         self._mine: HeadsRecord | None = None  # our last published record
         self._stored_at = -math.inf  # monotonic s of our last DHT store
         self._pushed_at = -math.inf  # monotonic s of the last record pushed to us
+        self._heard = asyncio.Event()  # set at every record pushed to us (greet waits on it)
         self._read: tuple[float, dict[str, HeadsRecord], set[str]] = (-math.inf, {}, set())  # last DHT read:
         # (monotonic s it began, parsed records, every author under the key)
 
@@ -185,10 +190,38 @@ class StateSync:
         shapes = [s.shape for s in self.fragments[fragment].slots]
         return wire.wire_nbytes(shapes + shapes, "fp32")
 
+    def known_by(self, peers: Iterable[str]) -> None:
+        """``peers`` know the change our next publish carries: they committed the same round
+        (the members of a group), so the push to them waits for our next change, at most
+        ``PUSH_DEFER_S`` (``Pusher.set``'s ``later``); one such change at a time, so that the
+        version they see us at is at most one behind, within ``heads.LEAD`` (a node more than
+        that ahead of the others' records falls back: ``heads.runaway_heads``). Several calls
+        before one publish: the peers in all of them."""
+        self._known_by = set(peers) if self._known_by is None else self._known_by & set(peers)
+
+    async def greet(self, extra: dict[str, Any], timeout: float = GREET_WAIT_S) -> int:
+        """Joining: publish our record (``extra`` as in :meth:`publish`), push it at once to every
+        live learner the DHT names, and wait until each that took it has pushed its own back
+        (``Pusher.heard_from``), at most ``timeout`` seconds: what the DHT holds of a learner is
+        up to ``STORE_EVERY_S`` old, and a joiner chooses its first states and donors from these
+        records. Returns how many learners pushed back. Never raises for a peer or the DHT."""
+        try:
+            await self.publish(extra, store=True)
+            stored = await self.records()
+        except NetworkError:
+            return 0
+        reached = await self.pusher.push_now(p for p in stored if p != self.swarm.peer_id)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while not reached <= self._pushed.keys():
+                    self._heard.clear()
+                    await self._heard.wait()
+        return len(reached & self._pushed.keys())
+
     async def publish(self, extra: dict[str, Any], *, store: bool = False) -> None:
         """Publish this node's record: per-fragment [version, digest] plus ``extra`` figures
         (the other fields of :class:`HeadsRecord`). It is pushed to the learners we know
-        (``pusher``, ``st.heads``) every time, and stored in the DHT, where nodes that do not
+        (``pusher``, ``st.heads``; to those it is :meth:`known_by` with our next change) every time, and stored in the DHT, where nodes that do not
         know us yet find it, when ``store`` or ``STORE_EVERY_S`` after the last store
         (``STORE_ALONE_S`` while we know no other learner).
 
@@ -198,7 +231,8 @@ class StateSync:
         record = HeadsRecord(tuple((s.version, s.digest) for s in self.committed()), t=self.swarm.clock.now(),
                              tag=self.tag, **extra)
         self._mine = record
-        self.pusher.set({"r": record.to_wire(), "run": self.run_id})
+        later, self._known_by = self._known_by or (), None
+        self.pusher.set({"r": record.to_wire(), "run": self.run_id}, later)
         every = STORE_EVERY_S if any(True for _ in self.pusher.audience()) else STORE_ALONE_S
         if store or swarm_clock.monotonic() - self._stored_at >= every:
             await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
@@ -229,6 +263,7 @@ class StateSync:
             del self._pushed[next(iter(self._pushed))]
         self.pushes_received["received"] += 1
         self._pushed_at = swarm_clock.monotonic()
+        self._heard.set()
         self.on_heard(peer)
         return {}, b""
 
