@@ -148,6 +148,7 @@ class Attacker:
         self.stats: Counter[str] = Counter()
         self.claims: set[str] = set()  # digests this attacker claimed (full hex)
         self.pushed: dict[str, dict] = {}  # honest records pushed to it (st.heads): it reads them as a node does
+        self.known: set[str] = set()  # honest nodes in its last read of the records
         self.max_claim = 0  # highest version it claimed
         self._handlers: set[str] = set()
         self._held: list[asyncio.StreamWriter] = []
@@ -184,7 +185,9 @@ class Attacker:
         for p, r in self.pushed.items():  # the newer of the stored and the pushed record, as a node reads them
             if not isinstance(recs.get(p), dict) or r.get("t", 0) > recs[p].get("t", 0):
                 recs[p] = r
-        return {p: r for p, r in recs.items() if p != self.peer_id and is_peer_id(p) and isinstance(r, dict)}
+        out = {p: r for p, r in recs.items() if p != self.peer_id and is_peer_id(p) and isinstance(r, dict)}
+        self.known = set(list(out)[:1024])  # the nodes it pushes its records to, as a node its audience
+        return out
 
     async def newest(self) -> list[tuple[int, str]]:
         """Per fragment, the highest (version, digest) any honest record holds ((0, "") if none)."""
@@ -230,7 +233,8 @@ class Attacker:
                     self.claims.add(item[1])
                     self.max_claim = max(self.max_claim, item[0])
         stored = await self.publish(self.world.heads_key, record)
-        for peer in list(self.pushed):  # and pushed to the nodes that push to it, as a node does (st.heads)
+        for peer in dict.fromkeys([*self.pushed, *self.known]):  # and pushed, as a node does (st.heads), to the
+            # nodes that push to it and those it read in the DHT (a joining node greets them: StateSync.greet)
             try:
                 await self.swarm.call(peer, "st.heads", {"r": record, "run": self.world.run_id}, timeout=1.0)
                 self.stats["pushed"] += 1
