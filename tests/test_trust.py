@@ -320,7 +320,8 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
     from p2pdiloco.core.outer import FragmentState
     from p2pdiloco.errors import StateSyncError
     from p2pdiloco.net.heads import newest_heads
-    from p2pdiloco.net.statesync import FOLLOW_FACTOR, StateSync
+    from p2pdiloco.net.bounded_moves import FOLLOW_FACTOR
+    from p2pdiloco.net.statesync import StateSync
 
     frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
     zeros = (torch.zeros(4),)
@@ -390,7 +391,8 @@ def test_two_lone_runs_are_as_far_apart_as_both_together() -> None:
     from p2pdiloco.core.fragments import Fragment, TensorSlot
     from p2pdiloco.core.outer import FragmentState
     from p2pdiloco.errors import StateSyncError
-    from p2pdiloco.net.statesync import FOLLOW_FACTOR, StateSync
+    from p2pdiloco.net.bounded_moves import FOLLOW_FACTOR
+    from p2pdiloco.net.statesync import StateSync
 
     frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
     zeros = (torch.zeros(4),)

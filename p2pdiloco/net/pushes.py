@@ -12,12 +12,12 @@ learner that pushes to us and has not had our newest value (a node that just joi
 us in the DHT) gets it at once, without waiting for our next change: the DHT holds our value as
 last stored, up to ``statesync.STORE_EVERY_S`` old, and the newcomer should not act on it
 longer than a round trip. A value can spare the peers that already know what changed
-(:meth:`Pusher.set`'s ``later``: the members of the group a leader just closed, or, ``quiet``,
-everyone, for a withdrawal that changes nothing a receiver does): they get it with the next
-change they do not know, or at the first change ``max_defer`` seconds after their last push
-(issue 13: every push is a libp2p stream of about 1 kB on the wire, docs/benchmarks/
-control_plane.md). What a receiver
-does with a push is its owner's business (``net.gatherings``, ``net.statesync``): the
+(:meth:`Pusher.set`'s ``later``: the members of a round just committed, or of the group a
+leader just closed; ``quiet``: everyone, for a withdrawal that changes nothing a receiver
+does): they get it with the next change they do not know, at the first change ``max_defer``
+seconds after their last push, or once spared ``max_deferred`` changes in a row (issue 13:
+every push is a libp2p stream of about 0.9 kB on the wire, docs/benchmarks/control_plane.md).
+What a receiver does with a push is its owner's business (``net.gatherings``, ``net.statesync``): the
 transport authenticates the pusher, so a pushed value is its author's own, like a DHT record
 under the author's peer ID.
 """

@@ -29,25 +29,10 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
 * **Earned heads** (:mod:`p2pdiloco.net.heads`): corroborated versions (a claim counts only
   up to ``LEAD`` versions above what two other peers hold), the fallback of a node ahead alone,
   and two holders for a node joining a fragment.
-* **Bounded moves.** A downloaded state is refused (``StateSyncError``; counted in
-  ``refused_states``) when it is not finite, or moves Θ away from this node's committed
-  state by more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖ (before a step was seen,
-  when larger: ``FOLLOW_FACTOR`` × the outer step of this node's own last contribution to
-  that fragment, :meth:`StateSync.own_step`, at most ``OWN_RELATIVE`` × ‖Θ‖, per version:
-  early with a large H one honest step moves Θ by several ‖Θ‖), or, once this node has
-  seen a step of that fragment, more than ``FOLLOW_FACTOR`` × (versions apart) × the largest
-  of the last ``FOLLOW_HISTORY`` per-version steps it saw. Versions apart count both paths
-  from the last state this node knows another peer held too (a group formed at it, or a
-  download: :meth:`StateSync.shared`): two honest nodes that both merged alone for a while
-  are as far apart as the sum of their lone runs, not as their version gap. The claimed
-  versions are capped by the corroboration rule above, so no claimed gap widens the bound
-  beyond ``LEAD``. The state's momentum buffer b is held to one version's bound too: its
-  next outer step moves Θ by at least lr·μ²·‖b‖ (``outer`` given to :class:`StateSync`), so a
-  state that leaves Θ in place with a huge b is refused. Every peer whose signed record claims
-  a refused state gets a strike (a bound on sizes is evidence, not proof: an honest peer must
-  be able to come back).
-  Source: the same median-norm bound as the robust merge (``core.merge.robust_merge``;
-  Yin et al., arXiv 1803.01498), applied to outer steps.
+* **Bounded moves** (:mod:`p2pdiloco.net.bounded_moves`): a downloaded state that moves Θ (or
+  whose momentum would move it) further than recent steps, or this node's own, allow for the
+  versions apart is refused (``StateSyncError``; counted in ``refused_states``), and every
+  peer whose signed record claims it gets a strike.
 * **Deliver or be ignored.** A holder that does not deliver the state it claims (no answer
   within the deadline: ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``, or over this node's own
   measured link rate when slower, ``LinkMeter.held_to``) gets a strike; one that
@@ -79,14 +64,13 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
-
 from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FragmentState, fragment_digest
 from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, ProtocolError, StateSyncError
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
+from p2pdiloco.net.bounded_moves import FOLLOW_HISTORY, distance, implausible
 from p2pdiloco.net.gatherings import FUTURE_SLACK_S
 from p2pdiloco.net.heads import LEAD, ROLLBACK_MAX, Head, claim_ceiling
 from p2pdiloco.net.pushes import MAX_PUSHED, Pusher
@@ -96,10 +80,6 @@ from p2pdiloco.net.transport import Header, Swarm
 log = logging.getLogger(__name__)
 
 HEAD_TTL = 60.0  # seconds a heartbeat record lives without refresh
-FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the largest recent step per version
-FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
-FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
-OWN_RELATIVE = 16.0  # ... or, before any step was seen, FOLLOW_FACTOR x our own step, up to this many times ‖Θ‖
 STATE_TIMEOUT_S = 3.0  # seconds of a state download's deadline, plus its size over MIN_RATE
 MIN_RATE = 256 * 1024  # bytes/s: the slowest donor link a download waits for
 FIRST_REPLY_S = 1.0  # seconds a holder has to begin its answer once the stream is open, before any download...
@@ -391,7 +371,7 @@ class StateSync:
         for p, state in enumerate(self.committed()):
             prev = self._seen.get(p)
             if prev is not None and state.version > prev.version and p in self._steps:
-                step = _distance(prev, state) / (state.version - prev.version)
+                step = distance(prev, state) / (state.version - prev.version)
                 if math.isfinite(step):
                     self._steps[p].append(step)
             self._seen[p] = state
@@ -419,47 +399,15 @@ class StateSync:
         return bool(self._steps.get(fragment))
 
     def _check_plausible(self, state: FragmentState) -> None:
-        """Raise StateSyncError when ``state`` is not a plausible successor of ours."""
+        """Raise StateSyncError when ``state`` is not a plausible successor of ours
+        (:func:`p2pdiloco.net.bounded_moves.implausible`)."""
         self._observe()
         p = state.index
-        if not all(bool(torch.isfinite(t).all()) for t in (*state.theta, *state.momentum)):
-            reason = "it is not finite"
-        else:
-            mine, steps = self.committed()[p], self._steps.get(p, ())
-            # versions between the two states through their last common one (lone rounds on
-            # either side since: both paths count, not only the claimed lead)
-            common = min(state.version, self._shared.get(p, mine.version), mine.version)
-            k = max(1, (state.version - common) + (mine.version - common))
-            jump = _distance(mine, state)
-            size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
-            own = min(FOLLOW_FACTOR * self._own.get(p, 0.0), OWN_RELATIVE * size) if not steps else 0.0
-            largest = max(steps) if steps else 0.0
-
-            def bounds(n: int) -> list[tuple[float, str]]:  # what n versions may move Θ by
-                if own > FOLLOW_RELATIVE * size:  # no step seen yet, but progress of our own: its size
-                    out = [(n * own, f"{n} version(s) x {FOLLOW_FACTOR:g} x this node's own step (at most "
-                                     f"{OWN_RELATIVE:g} x |theta| {size:.3g})")]
-                else:
-                    out = [(FOLLOW_RELATIVE * n * size, f"{FOLLOW_RELATIVE:g} x {n} version(s) x |theta| {size:.3g}")]
-                # the largest, not the median: a round for a small fraction of a period (a flush, a
-                # sub-group's share: core.outer.round_fraction) makes a small step by design
-                if largest > 0:
-                    out.append((FOLLOW_FACTOR * n * largest,
-                                f"{FOLLOW_FACTOR:g} x {n} version(s) x the largest recent step {largest:.3g}"))
-                return out
-
-            # the buffer b moves Θ by at least lr·μ²·‖b‖ in the state's next outer step
-            # (core.outer.nesterov_outer_step): one version's bound holds it too, or a state that
-            # leaves Θ in place with a huge b would pass and wreck the step after it
-            kick = self.outer_lr * self.outer_momentum ** 2 * math.sqrt(
-                sum(float(torch.linalg.vector_norm(t)) ** 2 for t in state.momentum))
-            over = [text for bound, text in bounds(k) if jump > bound]
-            kicks = [text for bound, text in bounds(1) if kick > bound]
-            if not over and not kicks:
-                return
-            reason = (f"it moves the parameters by {jump:.3g}, over {over[-1]}" if over else
-                      f"its momentum buffer moves the parameters by {kick:.3g} in the next outer step, "
-                      f"over {kicks[-1]}")
+        mine = self.committed()[p]
+        reason = implausible(state, mine, self._shared.get(p, mine.version), self._steps.get(p, ()),
+                             self._own.get(p, 0.0), self.outer_lr, self.outer_momentum)
+        if reason is None:
+            return
         self._refused.add((p, state.version, state.digest))
         self.refused_states += 1
         log.warning("not following fragment %d v%d (%s): %s", p, state.version, state.short(), reason)
@@ -621,7 +569,3 @@ class StateSync:
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
         return {"v": state.version, "d": state.digest, "l": state.ledger.to_list()}, body
 
-
-def _distance(a: FragmentState, b: FragmentState) -> float:
-    """L2 distance between two states' Θ (over all tensors of the fragment)."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(x - y)) ** 2 for x, y in zip(a.theta, b.theta)))

@@ -1,0 +1,92 @@
+"""Bounded moves: whether a downloaded fragment state is a plausible successor of this node's
+(``StateSync`` refuses it otherwise; docs/trust.md, "Earned claims").
+
+A state is refused when it is not finite, or moves Θ away from this node's committed state by
+more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖ (before a step was seen, when larger:
+``FOLLOW_FACTOR`` × the outer step of this node's own last contribution to that fragment,
+``StateSync.own_step``, at most ``OWN_RELATIVE`` × ‖Θ‖, per version: early with a large H one
+honest step moves Θ by several ‖Θ‖), or, once this node has seen a step of that fragment, more
+than ``FOLLOW_FACTOR`` × (versions apart) × the largest of the last ``FOLLOW_HISTORY``
+per-version steps it saw. Versions apart count both paths from the last state this node knows
+another peer held too (a group formed at it, or a download: ``StateSync.shared``): two honest
+nodes that both merged alone for a while are as far apart as the sum of their lone runs, not
+as their version gap. The claimed versions are capped by the corroboration rule
+(``net.heads``), so no claimed gap widens the bound beyond ``heads.LEAD``. The state's
+momentum buffer b is held to one version's bound too: its next outer step moves Θ by at least
+lr·μ²·‖b‖ (``core.outer.nesterov_outer_step``), so a state that leaves Θ in place with a huge b
+is refused. A bound on sizes is evidence, not proof: the claimers get strikes, not bans.
+
+Source: the same median-norm bound as the robust merge (``core.merge.robust_merge``; Yin et
+al., arXiv 1803.01498), applied to outer steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from p2pdiloco.core.outer import FragmentState
+
+__all__ = ["FOLLOW_FACTOR", "FOLLOW_HISTORY", "FOLLOW_RELATIVE", "OWN_RELATIVE", "distance", "implausible"]
+
+FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the largest recent step per version
+FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
+FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
+OWN_RELATIVE = 16.0  # ... or, before any step was seen, FOLLOW_FACTOR x our own step, up to this many times ‖Θ‖
+
+
+def distance(a: FragmentState, b: FragmentState) -> float:
+    """L2 distance between two states' Θ (over all tensors of the fragment, fp32)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(x - y)) ** 2 for x, y in zip(a.theta, b.theta)))
+
+
+def implausible(state: FragmentState, mine: FragmentState, shared_version: int, steps: Iterable[float],
+                own_step: float, outer_lr: float, outer_momentum: float) -> str | None:
+    """Why ``state`` is not a plausible successor of ``mine`` (this node's committed state of
+    the same fragment), or None (module docstring).
+
+    Args:
+        shared_version: the last version of the fragment another peer held too.
+        steps: the per-version steps (L2 norms of Θ moves) seen lately, FOLLOW_HISTORY at most.
+        own_step: the outer step this node's own last contribution would make (0: none yet).
+        outer_lr, outer_momentum: the run's outer lr and μ (the momentum buffer's bound).
+    """
+    if not all(bool(torch.isfinite(t).all()) for t in (*state.theta, *state.momentum)):
+        return "it is not finite"
+    steps = tuple(steps)
+    # versions between the two states through their last common one (lone rounds on
+    # either side since: both paths count, not only the claimed lead)
+    common = min(state.version, shared_version, mine.version)
+    k = max(1, (state.version - common) + (mine.version - common))
+    jump = distance(mine, state)
+    size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
+    own = min(FOLLOW_FACTOR * own_step, OWN_RELATIVE * size) if not steps else 0.0
+    largest = max(steps) if steps else 0.0
+
+    def bounds(n: int) -> list[tuple[float, str]]:  # what n versions may move Θ by
+        if own > FOLLOW_RELATIVE * size:  # no step seen yet, but progress of our own: its size
+            out = [(n * own, f"{n} version(s) x {FOLLOW_FACTOR:g} x this node's own step (at most "
+                             f"{OWN_RELATIVE:g} x |theta| {size:.3g})")]
+        else:
+            out = [(FOLLOW_RELATIVE * n * size, f"{FOLLOW_RELATIVE:g} x {n} version(s) x |theta| {size:.3g}")]
+        # the largest, not the median: a round for a small fraction of a period (a flush, a
+        # sub-group's share: core.outer.round_fraction) makes a small step by design
+        if largest > 0:
+            out.append((FOLLOW_FACTOR * n * largest,
+                        f"{FOLLOW_FACTOR:g} x {n} version(s) x the largest recent step {largest:.3g}"))
+        return out
+
+    # the buffer b moves Θ by at least lr·μ²·‖b‖ in the state's next outer step
+    # (core.outer.nesterov_outer_step): one version's bound holds it too, or a state that
+    # leaves Θ in place with a huge b would pass and wreck the step after it
+    kick = outer_lr * outer_momentum ** 2 * math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2
+                                                          for t in state.momentum))
+    over = [text for bound, text in bounds(k) if jump > bound]
+    kicks = [text for bound, text in bounds(1) if kick > bound]
+    if over:
+        return f"it moves the parameters by {jump:.3g}, over {over[-1]}"
+    if kicks:
+        return f"its momentum buffer moves the parameters by {kick:.3g} in the next outer step, over {kicks[-1]}"
+    return None
