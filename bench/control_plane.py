@@ -97,14 +97,19 @@ def background_once(src: Path, n: int, window: float, work: Path, seed: int, war
         paths = [d / "status.json" for _, d in nodes]
         c.wait_training(paths, [p for p, _ in nodes], 180)
         time.sleep(warm)
-        payload0 = sum(c.read_json(q)["bytes_out"] for q in paths)
+        start = [c.read_json(q) for q in paths]
         before, t0 = ns.tx_bytes(), time.monotonic()
         time.sleep(window)
         sent, seconds = ns.tx_bytes() - before, time.monotonic() - t0
-        payload = sum(c.read_json(q)["bytes_out"] for q in paths) - payload0
-        rounds = sum(c.read_json(q)["rounds_committed"] for q in paths)
-    return {"bytes": sent, "payload": payload, "seconds": seconds, "rounds": rounds,
-            "background_per_node_s": (sent - payload) / n / seconds}
+        end = [c.read_json(q) for q in paths]
+    payload = sum(b["bytes_out"] - a["bytes_out"] for a, b in zip(start, end))
+    calls: Counter[str] = Counter()  # what the nodes did in the window: RPCs by name, DHT operations
+    for a, b in zip(start, end):
+        calls.update({f"rpc {k}": v[0] - a.get("rpc_by_name", {}).get(k, [0])[0] for k, v in b.get("rpc_by_name", {}).items()})
+        calls.update({f"dht {k}": v - a.get("dht_ops", {}).get(k, 0) for k, v in b.get("dht_ops", {}).items()})
+    return {"bytes": sent, "payload": payload, "seconds": seconds, "rounds": sum(b["rounds_committed"] for b in end),
+            "background_per_node_s": (sent - payload) / n / seconds,
+            "per_node_minute": {k: v / n / seconds * 60 for k, v in calls.items() if v}}
 
 
 def stream_cost(src: Path) -> dict:
@@ -183,6 +188,17 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
                 f"<= {GOAL_PER_ROUND:,}: {c.verdict(mean[new]['control_per_node_round'] <= GOAL_PER_ROUND)}"]],
               caption="Means over the seeds (the per-second figure holds every control byte, so it bounds "
                       "the background from above; the per-round one holds the background too):")
+    for k in commits:
+        bg: Counter[str] = Counter()
+        for r in runs:
+            if r["commit"] == k:
+                bg.update(r["background"].get("per_node_minute", {}))  # absent before 2026-12-03
+        if bg:
+            seeds = sum(r["commit"] == k for r in runs)
+            doc.table(["RPC or DHT operation", "per node per minute"],
+                      [[op, f"{n / seeds:.1f}"] for op, n in sorted(bg.items(), key=lambda kv: -kv[1])],
+                      caption=f"{k}: what the nodes did in the background window (status keys rpc_by_name and "
+                              "dht_ops, differences over the window):")
     for k in commits:
         rpc: dict[str, list[float]] = {}
         for r in runs:

@@ -5,6 +5,11 @@ A checkpoint is written to a temporary file in the data dir, fsynced, then renam
 the new checkpoint, never a torn one. A checkpoint that still fails to load (disk error,
 other version) is set aside as ``checkpoint.pt.corrupt`` and the node starts fresh; the
 swarm's state then wins anyway.
+
+What a resumed node does with the checkpoint's local progress (θ − Θ per fragment) is decided
+here too (``kept_progress``): progress that never left the node is kept, rebased on the
+swarm's newer state like any follow's (invariant I3 in docs/architecture.md); progress that
+may be inside a state the swarm merged is dropped, never merged twice (I2).
 """
 
 from __future__ import annotations
@@ -12,12 +17,16 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from p2pdiloco.core.learner import Learner
+
+from node.journal import FILE as JOURNAL_FILE, read_journals
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +82,56 @@ def load_checkpoint(data_dir: Path, learner: Learner) -> dict[str, Any] | None:
         return None
     log.info("resumed from %s at inner step %d", path, learner.step)
     return blob.get("extra", {})
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A checkpoint loaded: the fragments whose progress is kept, the send counters to go on from."""
+
+    kept: frozenset[int]
+    sends: list[int]
+
+
+def resume(data_dir: Path, learner: Learner) -> Resumed | None:
+    """``load_checkpoint`` into ``learner``, then ``kept_progress`` with the data dir's journal;
+    None when there is no usable checkpoint."""
+    extra = load_checkpoint(data_dir, learner)
+    if extra is None:
+        return None
+    kept, sends = kept_progress(extra, read_journals(data_dir / JOURNAL_FILE), len(learner.fragments))
+    return Resumed(frozenset(kept), sends)
+
+
+def kept_progress(extra: dict[str, Any], journal: Sequence[dict[str, Any]], fragments: int) -> tuple[set[int], list[int]]:
+    """Which fragments' checkpointed progress a resumed node keeps, and its send counters.
+
+    Args:
+        extra: the checkpoint's ``extra``: ``sends`` (rounds started per fragment when it was
+            written, ``TrainingLoop.sends``) and ``unsent`` (fragments whose progress had not left
+            the node then, ``TrainingLoop.unsent``).
+        journal: the data dir's journal events (``node.journal.read_journals``), whose ``send``
+            events (``fragment``, ``n``) are written and synced before a round sends anything.
+        fragments: the number of fragments P.
+
+    Returns:
+        (kept, sends): the fragments p whose progress had not left the node when the checkpoint
+        was written and whose last ``send`` in the journal is the checkpoint's own count (no round
+        of p started after it: a previous incarnation may have sent that progress since, into a
+        state the swarm merged; an empty or missing journal proves nothing, so nothing is kept);
+        and the send counters to go on from (per fragment, the larger of the checkpoint's and the
+        journal's, so that a later checkpoint is judged right). A
+        checkpoint without these fields, or fields of the wrong type, keeps nothing: lost
+        progress costs work, progress merged twice counts twice (docs/architecture.md, I2).
+    """
+    sends, unsent = extra.get("sends"), extra.get("unsent")
+    last = [0] * fragments
+    for e in journal:
+        p, n = e.get("fragment"), e.get("n")
+        if e.get("event") == "send" and type(p) is int and type(n) is int and 0 <= p < fragments:
+            last[p] = max(last[p], n)
+    if not (isinstance(sends, list) and len(sends) == fragments and all(type(n) is int and n >= 0 for n in sends)):
+        return set(), last
+    counts = [max(a, b) for a, b in zip(sends, last)]
+    if not journal or not (isinstance(unsent, list) and all(type(p) is int for p in unsent)):
+        return set(), counts
+    return {p for p in unsent if 0 <= p < fragments and last[p] == sends[p]}, counts

@@ -12,7 +12,11 @@ it instead of on log wording. Every line is ``{"t": unix seconds, "event": KIND,
   inside it after all: overwritten, not rebased), ``excluded`` (present, true, when it is the
   result of our own round that merged without our contribution, taken without a download);
 * ``download_failed``: ``fragment``, ``version``, ``donor`` (peer ID), ``reason``;
-* ``resumed``: the local checkpoint was loaded: ``step``;
+* ``send``: a round of ``fragment`` starts with our progress, the ``n``-th of that fragment
+  over the data dir's life (written before anything is sent, and synced to disk: a resumed node
+  reads it to tell which checkpointed progress never left, ``node.checkpoint.kept_progress``);
+* ``resumed``: the local checkpoint was loaded: ``step``, ``kept`` (fragments whose checkpointed
+  progress is kept on top of the swarm's state);
 * ``joined``: the node took the swarm's inner step with the first state it downloaded:
   ``step``, ``lr``.
 
@@ -45,8 +49,10 @@ class Journal:
         self._size = path.stat().st_size if path is not None and path.exists() else 0
         self._torn = self._size > 0 and _last_byte(path) != b"\n"  # a previous process died mid-line
 
-    def record(self, event: str, **fields: Any) -> None:
-        """Append one event (fields JSON-able). Never raises: a full disk costs the journal, not the run."""
+    def record(self, event: str, *, sync: bool = False, **fields: Any) -> None:
+        """Append one event (fields JSON-able); sync: on disk before returning (fsync), not only
+        in the page cache, which a killed process keeps but a crashed machine loses. Never
+        raises: a full disk costs the journal, not the run."""
         if self.path is None:
             return
         line = (json.dumps({"t": round(time.time(), 3), "event": event, **fields}, separators=(",", ":")) + "\n").encode()
@@ -58,6 +64,8 @@ class Journal:
                 self._size = 0
             with open(self.path, "ab", buffering=0) as f:
                 f.write(line)
+                if sync:
+                    os.fsync(f.fileno())
             self._size += len(line)
         except OSError as e:
             log.warning("journal %s: %s", self.path, e)
@@ -67,6 +75,11 @@ def _last_byte(path: Path) -> bytes:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1)
+
+
+def read_journals(path: Path) -> list[dict[str, Any]]:
+    """Every complete event in ``path`` and in the file it rotated to (``path.1``), oldest first."""
+    return read_journal(path.with_name(path.name + ".1")) + read_journal(path)
 
 
 def read_journal(path: Path) -> list[dict[str, Any]]:

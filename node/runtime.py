@@ -33,13 +33,14 @@ from p2pdiloco.net.statesync import StateSync
 from p2pdiloco.net.transport import Swarm
 
 from node.alone import AloneWatch
-from node.checkpoint import load_checkpoint, save_checkpoint
+from node.checkpoint import Resumed, resume, save_checkpoint
 from node.committed import CommittedStates
+from node.expected import ExpectedPeers
 from node.journal import FILE as JOURNAL_FILE, Journal, save_round_trace
 from node.setup import Setup, protocol_tag
 from node.stats import NodeStats, RoundRecord
 from node.swarm_view import SwarmView
-from node.training import TrainingLoop
+from node.training import Delivery, TrainingLoop
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ CATCHUP_SECONDS, PUBLISH_SECONDS, ALONE_POLL_SECONDS = 2.0, 5.0, 2.0
 EXCLUDED_HOLD_S = 60.0  # seconds after our contribution was left out that a fragment merges with peers only
 LEAVE_S = 2.5  # seconds from a stop request (SIGINT/SIGTERM) for rounds in flight to finish; then abandoned
 SETTLE_CONFIRM_S = 2.0  # seconds the swarm must stay done and agreed before a settling node leaves
-NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
 
 
 class Node:
@@ -85,10 +85,10 @@ class Node:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._publish_now = asyncio.Event()
         self._excluded_until: dict[int, float] = {}  # fragment -> no lone round until (monotonic s): EXCLUDED_HOLD_S
-        self._no_shows: dict[str, int] = {}  # peer -> our groups in a row it was expected in but missed
+        self.expected = ExpectedPeers(swarm.peer_id)  # whom a round waits for
         self._interrupted = False
         self._stopped_at = 0.0  # time.monotonic() of the stop request
-        self._resumed = False
+        self._resumed: Resumed | None = None  # from a local checkpoint
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self._stepped: set[int] = set()  # fragments with an own outer step from a round of ours (StateSync.own_step)
         self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag)  # no silent solo
@@ -105,14 +105,16 @@ class Node:
             await service.start()
         self.stats.state = "joining"
         data_dir = Path(self.cfg.data_dir) if self.cfg.data_dir else None
-        if data_dir is not None and await asyncio.to_thread(load_checkpoint, data_dir, self.setup.learner) is not None:
+        if data_dir is not None and (resumed := await asyncio.to_thread(resume, data_dir, self.setup.learner)):
             self.committed.resume(self.setup.learner.global_states)
-            self._resumed = self._joined = True
-            self.journal.record("resumed", step=self.setup.learner.step)
+            self._resumed, self._joined = resumed, True
+            self.journal.record("resumed", step=self.setup.learner.step, kept=sorted(resumed.kept))
         await self.sync.greet(self.record())  # the records of the learners found in the DHT, fresh from them
         await self._catch_up(initial=True)
         deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
         self.training = self.setup.training_loop(self._dispatch, deadline)
+        if self._resumed:
+            self.training.sends = list(self._resumed.sends)
         if self._joined and not self._resumed:  # joined in the initial catch-up: first sends on the swarm's grid
             self.training.align()
         if data_dir is not None and self.cfg.checkpoint_every:
@@ -155,8 +157,9 @@ class Node:
                 for task in background:
                     task.cancel()
 
-    def _checkpoint(self, data_dir: Path) -> None:
-        save_checkpoint(data_dir, self.setup.learner, {"name": self.setup.name, "peer_id": self.swarm.peer_id})
+    def _checkpoint(self, data_dir: Path) -> None:  # in the training thread, or once it ended
+        save_checkpoint(data_dir, self.setup.learner, {"name": self.setup.name, "peer_id": self.swarm.peer_id,
+                                                       "sends": list(self.training.sends), "unsent": self.training.unsent()})
 
     def stop(self) -> None:
         """Ask the node to leave gracefully (thread-safe); a second call ends the process (p2pd with it)."""
@@ -188,13 +191,14 @@ class Node:
 
     # ---- rounds ---------------------------------------------------------------------------
     def _dispatch(self, p: int, contrib: Contribution, anchor: FragmentState) -> None:
-        """Called from the training thread when fragment p is due."""
+        """Called from the training thread when fragment p is due (its ``sends[p]``-th round)."""
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._start_round, p, contrib, anchor)
+        self._loop.call_soon_threadsafe(self._start_round, p, contrib, anchor, self.training.sends[p])
 
-    def _start_round(self, p: int, contrib: Contribution, anchor: FragmentState) -> None:
+    def _start_round(self, p: int, contrib: Contribution, anchor: FragmentState, n: int) -> None:
+        self.journal.record("send", sync=True, fragment=p, n=n)  # before anything leaves: checkpoint.kept_progress
         if self._rounds is None or self.done:
-            self.training.deliver((p, None, False))
+            self.training.deliver(Delivery(p, None, False))
             return
         self.committed.begin_round(p)
         task = self._rounds.create_task(self._round(p, contrib, anchor))
@@ -206,6 +210,7 @@ class Node:
         self.grace.t_step.value = self.training.stats.t_step.value
         out = self.cfg.outer
         result: FragmentState | None = None
+        left = False  # our contribution went to peers: their state may hold it (Delivery.left)
         # the step H steps of our own progress would make: a reference for the states we may follow (StateSync.own_step)
         self.sync.own_step(p, out.lr * (1 + out.momentum) * math.sqrt(sum(float(d.norm()) ** 2 for d in contrib.delta))
                            * out.sync_every / max(contrib.steps, out.sync_every))
@@ -215,7 +220,7 @@ class Node:
             if ours:  # the state followed holds this progress already (made by a round of ours we lost): not twice
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "merged already"))
                 return
-            expected = self._expected(p, anchor, records)
+            expected = self.expected.expected(p, anchor.version, records)
             key = GroupKey(p, anchor.version, anchor.digest)
             # synchronous: the "grace" is the whole quorum timeout (close once all joined); no lone wait in the
             # end-of-budget flush (peers are leaving); a closed group's result is due within round_time (ar's wait)
@@ -228,7 +233,7 @@ class Node:
                 # our last Δ was left out by the swarm's merge: alone, we would commit what it refused; kept
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "alone after excluded"))
             elif outcome == "group":
-                self._count_no_shows(expected, group)
+                self.expected.formed(expected, group.members)
                 self.grace.t_quorum.update(group.formed_in)
                 t1 = time.monotonic()
                 if len(group.members) > 1:  # every member held the anchor: a common ancestor
@@ -236,6 +241,7 @@ class Node:
                 residual = self.committed.residual(p)  # error feedback: what lossy wire coding left out last time
                 if residual is not None:
                     contrib = dataclasses.replace(contrib, delta=tuple(d + e for d, e in zip(contrib.delta, residual)))
+                left = len(group.members) > 1
                 merged = await self.allreducer.run(group, contrib)
                 self.grace.t_sync.update(time.monotonic() - t1)
                 result = await self._commit(p, anchor, group, merged, contrib, t0)
@@ -248,6 +254,7 @@ class Node:
         except ContributionExcluded as e:
             # the others merged without our progress: kept, rebased on their state (not ours: _follow)
             self.stats.rounds_excluded += 1
+            left = False  # merged without it
             self._excluded_until[p] = time.monotonic() + EXCLUDED_HOLD_S
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "excluded"))
             log.warning("round f%d v%d: our contribution was left out (%s); kept for the next round",
@@ -271,7 +278,7 @@ class Node:
             raise
         finally:
             self.committed.end_round(p)
-            self.training.deliver((p, result, False))
+            self.training.deliver(Delivery(p, result, False, left and result is None))
         if result is None:
             await self._catch_up(only=p)  # a group may have merged without us: follow it
 
@@ -327,7 +334,7 @@ class Node:
         self.journal.record("follow", fragment=p, from_version=anchor.version, version=new.version,
                             digest=new.short(), ours=False, excluded=True)
         log.info("fragment %d: took v%d (%s), merged without us", p, new.version, new.short())
-        self.training.deliver((p, new, True))
+        self.training.deliver(Delivery(p, new, True))
         self._publish_now.set()
         self._keep_schedule()
 
@@ -343,25 +350,6 @@ class Node:
         if self.solo.alone is not None and self.stats.state in ("training", "catching up"):
             return "alone"
         return self.stats.state
-
-    def _expected(self, p: int, anchor: FragmentState, records: dict[str, HeadsRecord]) -> set[str]:
-        """The other learners expected in a round of fragment p at ``anchor``: not done, at
-        its version or one behind (about to catch up), and not absent from our last
-        ``NO_SHOWS_MAX`` groups while expected. A peer that publishes a record but never joins
-        (a free rider, or an attacker inflating the count) would otherwise make every leader
-        wait its whole grace window."""
-        me, v = self.swarm.peer_id, anchor.version
-        return {peer for peer, r in records.items()
-                if peer != me and not r.done and r.fragments[p] is not None and v - 1 <= r.fragments[p][0] <= v
-                and self._no_shows.get(peer, 0) < NO_SHOWS_MAX}
-
-    def _count_no_shows(self, expected: set[str], group) -> None:
-        for peer in expected - set(group.members):
-            self._no_shows[peer] = self._no_shows.get(peer, 0) + 1
-        for peer in group.members:
-            self._no_shows.pop(peer, None)
-        if len(self._no_shows) > 4096:  # bounded: keep the most frequent absentees
-            self._no_shows = dict(sorted(self._no_shows.items(), key=lambda kv: -kv[1])[:1024])
 
     async def _rebase_if_behind(self, p: int) -> tuple[FragmentState, dict[str, HeadsRecord], bool]:
         """Before matchmaking: the state fragment p's round goes on at. Δ is this learner's
@@ -481,7 +469,8 @@ class Node:
         round that made it but could not tell it completed (invariant I2). Then we overwrite,
         as the members that completed did, instead of contributing the same progress twice.
         On joining after a resume from a local checkpoint, progress is rebased only when the
-        swarm is still at the checkpoint's version of p; otherwise it is overwritten."""
+        swarm is still at the checkpoint's version of p or it never left the node
+        (``node.checkpoint.kept_progress``); otherwise it is overwritten."""
         async with self.committed.lock(p):
             if (self.committed[p].version, self.committed[p].digest) == (head.version, head.digest):
                 return self.committed[p], False  # another follow of the same head installed (and delivered) it
@@ -504,15 +493,15 @@ class Node:
         log.info("followed fragment %d: v%d -> v%d (%s)%s", p, old.version, state.version, state.short(),
                  " with our contribution inside" if ours else "")
         if self.training is None:
-            # resumed from a checkpoint: if the swarm moved past its anchor's version, the previous
-            # incarnation may have sent that progress since; dropped rather than merged twice (I2)
-            rebase = self._resumed and state.version <= old.version
+            # resumed: if the swarm moved past the checkpoint's anchor, the previous incarnation may have
+            # sent that progress since; dropped rather than merged twice (I2), unless it never left
+            rebase = bool(self._resumed) and (state.version <= old.version or p in self._resumed.kept)
             if self._resumed and not rebase and self.setup.learner.counters(p)[1]:
                 log.info("fragment %d: checkpoint progress (%d steps at v%d) dropped, the swarm moved to v%d",
                          p, self.setup.learner.counters(p)[1], old.version, state.version)
             self.setup.learner.install(state, rebase=rebase)
         else:
-            self.training.deliver((p, state, not ours))
+            self.training.deliver(Delivery(p, state, not ours))
             self._keep_schedule()
         return state, ours
 

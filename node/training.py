@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from p2pdiloco.core.learner import Learner
 from p2pdiloco.core.fragments import StaggeredSchedule
@@ -24,9 +25,18 @@ from p2pdiloco.net.allreduce import Contribution
 log = logging.getLogger(__name__)
 
 RISING = 0.05  # held-out loss this far above its best so far is warned about (once)
+CHECKPOINT_COST = 20  # a checkpoint waits at least this many times the last one's duration (<= 5% of the time)
 
-# (fragment, new global state or None when the round produced nothing, rebase local progress?)
-Delivery = tuple[int, FragmentState | None, bool]
+
+class Delivery(NamedTuple):
+    """A round's or a follow's answer for one fragment (``TrainingLoop.deliver``)."""
+
+    fragment: int
+    state: FragmentState | None  # the new global state; None: the round produced nothing
+    rebase: bool  # keep the local progress on top (a state made without it); False: answers our round
+    left: bool = False  # state None: our contribution left this node, so another state may hold it
+
+
 Dispatch = Callable[[int, Contribution, FragmentState], None]
 
 
@@ -71,6 +81,9 @@ class TrainingLoop:
         self._sent: dict[int, Contribution] = {}  # what each pending fragment's round carries
         self.checkpoint: Callable[[], None] | None = None  # called from this thread
         self.checkpoint_every = 0.0  # seconds
+        self.checkpoint_s = 0.0  # how long the last checkpoint took (seconds)
+        self.sends = [0] * schedule.P  # rounds started per fragment, over the data dir's life (node.checkpoint)
+        self._maybe_merged: set[int] = set()  # progress holds a contribution that left and may be merged
         self.blocked_s = 0.0  # seconds the inner loop waited for rounds (synchronous mode only)
         self.stop = threading.Event()
         self.stats = TrainingStats()
@@ -127,9 +140,13 @@ class TrainingLoop:
             self.learner.step = advance
         while True:
             try:
-                p, state, rebase = self._inbox.get_nowait()
+                p, state, rebase, left = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if state is not None and not rebase:
+                self._maybe_merged.discard(p)  # overwritten: what is left was made after sending
+            elif state is None and left:
+                self._maybe_merged.add(p)
             sent = None if rebase else self._sent.pop(p, None)
             if state is not None and sent is not None and self.keep_flight:
                 self.learner.install_keeping_flight(state, sent.delta, sent.tokens, sent.steps)
@@ -140,6 +157,13 @@ class TrainingLoop:
                 self.stats.rebases += int(rebase)
             if not rebase:
                 self.pending.discard(p)
+
+    def unsent(self) -> list[int]:
+        """Fragments whose local progress never left this node: no round of them in flight,
+        none that failed after sending since the last overwrite (``Delivery.left``). Their
+        progress in a checkpoint written now can be kept by a resumed node
+        (``node.checkpoint.kept_progress``). Call from the training thread."""
+        return [p for p in range(self.schedule.P) if p not in self.pending and p not in self._maybe_merged]
 
     def evaluate(self) -> float:
         """Held-out loss of the local model (nats/byte), recorded in ``stats``. Warns once when
@@ -195,9 +219,12 @@ class TrainingLoop:
                 self.blocked_s += time.monotonic() - t0
             if self.learner.step % self.eval_every == 0:
                 self.evaluate()
-            if self.checkpoint and self.checkpoint_every and now - last_checkpoint >= self.checkpoint_every:
+            if self.checkpoint and self.checkpoint_every and \
+                    now - last_checkpoint >= max(self.checkpoint_every, CHECKPOINT_COST * self.checkpoint_s):
+                t0 = time.monotonic()
                 self.checkpoint()
                 last_checkpoint = time.monotonic()
+                self.checkpoint_s = last_checkpoint - t0
         self._drain()
         if not self.stop.is_set():
             # budget spent: send every fragment's unsent progress once more, so the end of a
@@ -216,6 +243,7 @@ class TrainingLoop:
         contrib = Contribution(tuple(self.learner.pseudo_gradient(p)), tokens, steps, self.learner.span(p),
                                self.learner.step)
         self.pending.add(p)
+        self.sends[p] += 1
         self._sent[p] = contrib
         self.dispatch(p, contrib, self.learner.global_states[p])
 

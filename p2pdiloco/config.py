@@ -226,7 +226,7 @@ class NodeConfig:
     trace_dir: str = ""  # when set, every committed round's inputs and result are saved here
     metrics_port: int = 0  # Prometheus endpoint on http://metrics_host:PORT/metrics; 0: off
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 exposes the metrics to the network
-    checkpoint_every: float = 60.0  # seconds between local checkpoints (needs data_dir; 0: off)
+    checkpoint_every: float = 10.0  # seconds between local checkpoints, at least 20x the last one's duration (needs data_dir; 0: off)
     settle: float = 10.0  # seconds a node that spent its budget keeps serving until peers agree
     alone_after: float = 180.0  # seconds of training without merging with another node before it says it is alone
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -7,8 +7,9 @@ import torch
 
 from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError
-from node.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from node.checkpoint import checkpoint_path, kept_progress, load_checkpoint, save_checkpoint
 from node.setup import Setup
+from node.training import Delivery
 
 from tests.conftest import TINY
 
@@ -77,6 +78,52 @@ def test_journal_appends_rotates_and_skips_a_torn_line(tmp_path):
     assert [e["event"] for e in read_journal(path)] == ["joined", "resumed"]
     Journal(None).record("round")  # no data dir: nothing kept, nothing raised
     assert read_journal(tmp_path / "missing.jsonl") == []
+
+
+def _send(p: int, n: int) -> dict:
+    return {"t": 1.0, "event": "send", "fragment": p, "n": n}
+
+
+def test_a_resumed_node_keeps_only_checkpointed_progress_that_never_left_it():
+    """4 fragments; a checkpoint written after 2, 1, 0 and 3 rounds of them, with fragments 0, 1
+    and 2 unsent (3 in flight). The journal shows rounds of fragment 1 started after it (n = 2):
+    its progress may be inside a state the swarm merged, so it is dropped; 0 and 2 are kept, 3
+    is not (its round left). The send counters go on from the journal's where it is ahead."""
+    extra = {"sends": [2, 1, 0, 3], "unsent": [0, 1, 2]}
+    journal = [_send(0, 1), _send(1, 1), _send(0, 2), {"t": 2.0, "event": "round"}, _send(3, 3), _send(1, 2)]
+    assert kept_progress(extra, journal, 4) == ({0, 2}, [2, 2, 0, 3])
+    # an empty journal (deleted, or another data dir) proves nothing: nothing kept
+    assert kept_progress(extra, [], 4) == (set(), [2, 1, 0, 3])
+    # a checkpoint from before these fields, or with fields of the wrong shape: nothing kept
+    assert kept_progress({}, journal, 4) == (set(), [2, 2, 0, 3])
+    assert kept_progress({"sends": [2, 1, 0], "unsent": [0]}, journal, 4) == (set(), [2, 2, 0, 3])
+    assert kept_progress({"sends": [2, 1, "0", 3], "unsent": [2]}, journal, 4) == (set(), [2, 2, 0, 3])
+    assert kept_progress({"sends": [2, 1, 0, 3], "unsent": "0"}, journal, 4) == (set(), [2, 2, 0, 3])
+    # malformed journal lines are skipped; an unsent index out of range is ignored
+    odd = [*journal, {"event": "send", "fragment": 9, "n": 5}, {"event": "send", "fragment": 2, "n": "3"}]
+    assert kept_progress({"sends": [2, 1, 0, 3], "unsent": [0, 2, 7]}, odd, 4) == ({0, 2}, [2, 2, 0, 3])
+
+
+def test_the_training_loop_knows_which_progress_never_left_the_node():
+    """``TrainingLoop.unsent``: a fragment with a round in flight is not unsent; after a round
+    that failed before anything was sent it is again; after one that failed once its
+    contribution had gone to peers it is not (their state may hold it), through a rebase too,
+    until an overwrite (the merge that holds it, or ours) leaves only progress made since."""
+    s = Setup.build(load_config(overrides={**TINY, "data.max_bytes": "50000", "max_steps": "3"}), "a", "QmPeer")
+    loop = s.training_loop(lambda p, contrib, anchor: None)
+    assert loop.unsent() == [0, 1] and loop.sends == [0, 0]
+    loop.run()  # 3 steps, then the end-of-budget rounds of both fragments
+    assert loop.unsent() == [] and loop.sends == [1, 1]
+    loop.deliver(Delivery(0, None, False, left=False))  # late: no group, nothing sent
+    loop.deliver(Delivery(1, None, False, left=True))  # failed during its all-reduce
+    loop.finish(timeout=0)
+    assert loop.unsent() == [0]
+    loop.deliver(Delivery(1, s.learner.global_states[1], True))  # a follow of others' state: rebased, still held
+    loop.finish(timeout=0)
+    assert loop.unsent() == [0]
+    loop.deliver(Delivery(1, s.learner.global_states[1], False))  # overwritten: nothing sent is left
+    loop.finish(timeout=0)
+    assert loop.unsent() == [0, 1]
 
 
 def test_a_joiner_takes_the_swarms_inner_step_at_a_boundary_and_never_goes_back():

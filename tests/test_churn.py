@@ -129,6 +129,7 @@ def test_killed_node_restarts_with_same_identity_and_port_and_catches_up(harness
     assert peer_before == r1["peer_id"]  # same identity
     journal = read_journal(d1 / JOURNAL_FILE)  # the restarted process's (a new data dir)
     assert journal[0]["event"] == "resumed" and journal[0]["step"] > 0, journal[:3]
+    assert journal[0]["kept"] == []  # without the old journal nothing shows what was sent: nothing kept
     # caught up at once: a bounded number of downloads before its first committed round (the
     # checkpoint's gap, plus the versions n0 merges alone meanwhile, one a second or so)
     first = next(i for i, e in enumerate(journal) if e["event"] == "round" and e["committed"])

@@ -332,7 +332,7 @@ class Matchmaker:
         group at the same version forks, and the loser downloads its state again (invariant
         I7). Training goes on meanwhile (the round is in flight), so the wait costs staleness,
         not compute; a peer expected but absent stops being expected after a few groups
-        (``node.runtime.NO_SHOWS_MAX``). ``lone_wait`` False: no longer wait (a node's
+        (``node.expected.NO_SHOWS_MAX``). ``lone_wait`` False: no longer wait (a node's
         end-of-budget flush, when the peers it expects are finishing too and may leave before
         a late result reaches them).
 
