@@ -9,8 +9,10 @@ it instead of on log wording. Every line is ``{"t": unix seconds, "event": KIND,
   ``fraction`` (of an outer period, the step the round applied; committed only);
 * ``follow``: a state made without our progress in it was installed, our progress rebased on
   it: ``fragment``, ``from_version``, ``version``, ``digest``, ``ours`` (our contribution was
-  inside it after all: overwritten, not rebased), ``excluded`` (present, true, when it is the
-  result of our own round that merged without our contribution, taken without a download);
+  inside it after all: overwritten, not rebased), ``bytes`` and ``rounds`` (the payload of its
+  download: the state's, with rounds 0, or that of the rounds it was computed from,
+  ``net.deltas``), ``excluded`` (present, true, when it is the result of our own round that
+  merged without our contribution, taken without a download);
 * ``download_failed``: ``fragment``, ``version``, ``donor`` (peer ID), ``reason``;
 * ``send``: a round of ``fragment`` starts with our progress, the ``n``-th of that fragment
   over the data dir's life (written before anything is sent, and synced to disk: a resumed node
@@ -49,12 +51,12 @@ class Journal:
         self._size = path.stat().st_size if path is not None and path.exists() else 0
         self._torn = self._size > 0 and _last_byte(path) != b"\n"  # a previous process died mid-line
 
-    def record(self, event: str, *, sync: bool = False, **fields: Any) -> None:
+    def record(self, event: str, *, sync: bool = False, **fields: Any) -> bool:
         """Append one event (fields JSON-able); sync: on disk before returning (fsync), not only
-        in the page cache, which a killed process keeps but a crashed machine loses. Never
-        raises: a full disk costs the journal, not the run."""
+        in the page cache, which a killed process keeps but a crashed machine loses. Returns
+        whether it was written. Never raises: a full disk costs the journal, not the run."""
         if self.path is None:
-            return
+            return False
         line = (json.dumps({"t": round(time.time(), 3), "event": event, **fields}, separators=(",", ":")) + "\n").encode()
         if self._torn:  # end the torn line first, so that this one stays whole
             line, self._torn = b"\n" + line, False
@@ -69,6 +71,8 @@ class Journal:
             self._size += len(line)
         except OSError as e:
             log.warning("journal %s: %s", self.path, e)
+            return False
+        return True
 
 
 def _last_byte(path: Path) -> bytes:

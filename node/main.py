@@ -164,7 +164,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "rounds_superseded": node.committed.superseded,
         "rounds_late": st.rounds_late, "rounds_alone": st.rounds_alone, "rounds_excluded": st.rounds_excluded,
         "rounds_with_peers": st.rounds_committed - st.rounds_alone,
-        "catchups": st.catchups,
+        "catchups": st.catchups, "delta_catchups": node.sync.deltas.catchups if node.sync.deltas else 0,
         "resyncs": st.resyncs, "tokens_merged": st.tokens_merged,
         "last_round": vars(st.recent[-1]) if st.recent else None,
         "recent_rounds": [{**vars(r), "seconds": round(r.seconds, 2)} for r in st.recent[-10:]],

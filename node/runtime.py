@@ -25,6 +25,7 @@ from p2pdiloco.core.learner import lr_at
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, run_tokens
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
+from p2pdiloco.net.deltas import logged
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.revocation import RevocationWatch
@@ -33,7 +34,7 @@ from p2pdiloco.net.statesync import StateSync
 from p2pdiloco.net.transport import Swarm
 
 from node.alone import AloneWatch
-from node.checkpoint import Resumed, resume, save_checkpoint
+from node.checkpoint import Resumed, checkpoint_path, resume, save_checkpoint
 from node.committed import CommittedStates
 from node.expected import ExpectedPeers
 from node.journal import FILE as JOURNAL_FILE, Journal, save_round_trace
@@ -70,7 +71,8 @@ class Node:
                                      sync_every=out.sync_every, run_id=f"{self.cfg.swarm.run_id}/{tag}",
                                      outliers=trust.outliers, outlier_factor=trust.outlier_factor)
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, self.committed.states,
-                              on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum))
+                              on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum),
+                              rounds=(out.sync_every, out.wire_precision))
         self.matchmaker.listed_in = self.allreducer.expect  # our reducer part serves each group we are listed in
         self.view = SwarmView(self.sync, swarm.peer_id)  # the swarm's records, as last read
         pushers = (self.matchmaker.gatherings.pusher, self.sync.pusher)  # announcements, records: to the learners
@@ -196,7 +198,9 @@ class Node:
         self._loop.call_soon_threadsafe(self._start_round, p, contrib, anchor, self.training.sends[p])
 
     def _start_round(self, p: int, contrib: Contribution, anchor: FragmentState, n: int) -> None:
-        self.journal.record("send", sync=True, fragment=p, n=n)  # before anything leaves: checkpoint.kept_progress
+        if not self.journal.record("send", sync=True, fragment=p, n=n) and self.cfg.data_dir:  # before anything leaves
+            # the checkpoint may say this progress never left: without the journal's word, no checkpoint (kept_progress)
+            checkpoint_path(Path(self.cfg.data_dir)).unlink(missing_ok=True)
         if self._rounds is None or self.done:
             self.training.deliver(Delivery(p, None, False))
             return
@@ -260,7 +264,7 @@ class Node:
             log.warning("round f%d v%d: our contribution was left out (%s); kept for the next round",
                         p, anchor.version + 1, e)
             if e.result is not None:
-                await self._take_excluded(p, anchor, e.result, group.round_id)
+                await self._take_excluded(p, anchor, e.result, group)
         except RoundFailed as e:
             self.stats.rounds_failed += 1
             self.matchmaker.group_failed(group)
@@ -300,6 +304,7 @@ class Node:
             log.warning("round f%d v%d merged, but fragment %d moved to v%d meanwhile: result dropped",
                         p, new.version, p, self.committed[p].version)
             return None
+        self.sync.deltas.log.add(p, logged(anchor, new, merged, len(group.members), out.wire_precision))  # net.deltas
         self.stats.rounds_committed += 1
         self.stats.rounds_alone += int(len(group.members) == 1)
         if len(group.members) > 1:
@@ -318,7 +323,7 @@ class Node:
                                     new, [s.is_embedding for s in self.setup.fragments[p].slots])
         return new
 
-    async def _take_excluded(self, p: int, anchor: FragmentState, merged: RoundResult, round_id: str) -> None:
+    async def _take_excluded(self, p: int, anchor: FragmentState, merged: RoundResult, group: Group) -> None:
         """Commit the result of a round that merged without our contribution, as its included
         members do (same merged Δ and counters, so the same state, bit for bit), with our
         progress rebased on it (``TrainingLoop.deliver`` with rebase): a member left out (an
@@ -330,7 +335,8 @@ class Node:
         async with self.committed.lock(p):
             if not self.committed.holds(p, anchor):
                 return  # another state was installed meanwhile: the records decide
-            self.committed.install(p, new, round_id)  # our residual stays: what it corrects was not merged
+            self.committed.install(p, new, group.round_id)  # our residual stays: what it corrects was not merged
+        self.sync.deltas.log.add(p, logged(anchor, new, merged, len(group.members), out.wire_precision))
         self.journal.record("follow", fragment=p, from_version=anchor.version, version=new.version,
                             digest=new.short(), ours=False, excluded=True)
         log.info("fragment %d: took v%d (%s), merged without us", p, new.version, new.short())
@@ -488,8 +494,9 @@ class Node:
             old = self.committed.install(p, state, made_by)
         self.stats.catchups += 1
         self.stats.resyncs += state.version == old.version
+        nbytes, rounds = self.sync.fetched.get(p, (0, 0))  # this download's, by the state or its rounds (net.deltas)
         self.journal.record("follow", fragment=p, from_version=old.version, version=state.version,
-                            digest=state.short(), ours=ours)
+                            digest=state.short(), ours=ours, bytes=nbytes, rounds=rounds)
         log.info("followed fragment %d: v%d -> v%d (%s)%s", p, old.version, state.version, state.short(),
                  " with our contribution inside" if ours else "")
         if self.training is None:

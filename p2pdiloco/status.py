@@ -66,6 +66,7 @@ class Status(Starting):
     rounds_excluded: Annotated[int, "rounds merged without its contribution (an outlier): kept, offered again"]
     rounds_with_peers: Annotated[int, "committed rounds with at least one other member"]
     catchups: Annotated[int, "fragment states downloaded from peers"]
+    delta_catchups: Annotated[int, "of those, states computed from the rounds missed (their merged slices), not downloaded"]
     resyncs: Annotated[int, "downloads at the version already held (another digest won a split brain)"]
     tokens_merged: Annotated[float, "tokens of its contributions that went into merges"]
     last_round: Annotated[dict[str, Any] | None, "the last round as in recent_rounds, null before any"]

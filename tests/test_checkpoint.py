@@ -76,7 +76,9 @@ def test_journal_appends_rotates_and_skips_a_torn_line(tmp_path):
     assert [e["event"] for e in read_journal(path)] == ["joined"]
     Journal(path).record("resumed", step=7)  # the next process ends the torn line first
     assert [e["event"] for e in read_journal(path)] == ["joined", "resumed"]
-    Journal(None).record("round")  # no data dir: nothing kept, nothing raised
+    assert not Journal(None).record("round")  # no data dir: nothing kept, nothing raised
+    assert not Journal(tmp_path / "gone" / "events.jsonl").record("send", sync=True, fragment=0, n=1)  # said, not raised
+    assert Journal(path).record("send", sync=True, fragment=0, n=1)
     assert read_journal(tmp_path / "missing.jsonl") == []
 
 

@@ -51,6 +51,8 @@ VALID: dict[str, Any] = {
     "final_request": {"round": "abcd", "r": 0, "st": [[0, [0, 1], [2048, 120, 1024], b"h" * 32, b"s" * 64]]},
     "dialback_request": {"ports": [31337, 4001]},
     "dialback_answer": {"observed": "203.0.113.21", "reachable": [31337]},
+    "delta_request": {"f": 1, "v": 3, "d": D, "tv": 5, "td": D, "max": 4096},
+    "delta_answer": {"s": [[D, 2048, 120, 512, 3, "int4", [[[0, 2], 100], [[1], 60]]]]},
 }
 DECODERS: dict[str, Callable[[Any], Any]] = {
     "heads": lambda v: rec.parse_heads(v, P),
@@ -66,6 +68,8 @@ DECODERS: dict[str, Callable[[Any], Any]] = {
     "final_request": rec.parse_final_request,
     "dialback_request": rec.parse_dialback_request,
     "dialback_answer": rec.parse_dialback_answer,
+    "delta_request": lambda v: rec.parse_delta_request(v, P, 8),
+    "delta_answer": lambda v: rec.parse_delta_answer(v, 1, 3, frozenset({"int4", "fp32"})),
 }
 NASTY: list[Any] = [None, True, False, 0, -1, 1, 2**31, 2**48 + 1, 2**63, -(2**63), 2**64 - 1, 1.5, -0.0,
                     math.inf, -math.inf, math.nan, 1e308, "", "x" * 10_000, D, D.upper(), "12D3KooW", b"", b"\x00" * 64,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,9 +13,16 @@ import torch
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import round_fraction, span_fraction
 
-from tests.conftest import TINY, read_report
+from tests.conftest import TINY, read_report, wait_for
 
 pytestmark = pytest.mark.integration
+
+
+def status(d: Path) -> dict | None:
+    try:
+        return json.loads((d / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _traces(d: Path) -> dict[str, dict]:
@@ -88,3 +98,31 @@ def test_lone_node_applies_its_own_outer_step(harness):
         assert t["fraction"] == fraction > 0
         assert any(x.abs().sum() > 0 for x in t["delta"])
         assert t["digest"] != t["anchor_digest"]
+
+
+@pytest.mark.timeout(240)
+def test_a_node_frozen_for_a_few_rounds_catches_up_from_the_rounds_it_missed(harness):
+    """Three nodes with int4 on the wire; n2's process is stopped (SIGSTOP: its p2pd stays up,
+    it answers nothing) while the others merge two rounds each without it. Thawed, it
+    computes the states it missed from their rounds' merged slices (net.deltas: an eighth of a
+    state's bytes a round, digest checked) rather than downloading them, and every node ends at
+    the same global state."""
+    maddr = harness.bootstrap()
+    settings = {**TINY, "data.num_shards": "3", "outer.wire_precision": "int4"}
+    nodes = [harness.node(maddr, f"n{i}", {**settings, "data.shard_index": str(i)}, "--duration", "16",
+                          "--set", "settle=30") for i in range(3)]
+    proc, d = nodes[2]
+    wait_for(lambda: (status(d) or {}).get("rounds_with_peers", 0) >= 2, 120, "n2 merging with the others",
+             tick=harness.track_daemons)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        others = [(status(x) or {}).get("rounds_committed", 0) for _, x in nodes[:2]]
+        wait_for(lambda: all((status(x) or {}).get("rounds_committed", 0) >= n + 2
+                             for (_, x), n in zip(nodes[:2], others)), 60, "the others merging without n2")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    for p, x in nodes:
+        assert harness.wait(p, 200, x / "node.log") == 0, (x / "node.log").read_text()[-3000:]
+    reports = [read_report(x) for _, x in nodes]
+    assert len({r["global_digest"] for r in reports}) == 1, [r["fragments"] for r in reports]
+    assert reports[2]["delta_catchups"] >= 1, (reports[2]["catchups"], (d / "node.log").read_text()[-3000:])

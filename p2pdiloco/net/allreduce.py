@@ -343,7 +343,8 @@ class AllReducer:
                 merged[i] = t
         tokens, position, first = stated.pop()
         return RoundResult([t for t in merged if t is not None], tokens, position, first / FRACTION_GRID,
-                           tuple(members[i] for i in common))
+                           tuple(members[i] for i in common),
+                           wire=tuple((parts[r], answers[r][3]) for r in sorted(answers)))
 
     async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
         """Ask every reducer to merge over ``common``, proving the sets with their statements."""

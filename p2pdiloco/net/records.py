@@ -390,6 +390,69 @@ def parse_state_answer(header: Any) -> StateAnswer:
 
 
 @dataclass(frozen=True)
+class DeltaRequest:
+    """``state.deltas`` (``net.deltas``): the rounds of ``fragment`` from the state the caller holds
+    to the one it asks for (``to_version`` > ``version``), in at most ``max_bytes`` of slices."""
+
+    fragment: int
+    version: int
+    digest: str
+    to_version: int
+    to_digest: str
+    max_bytes: int
+
+
+def parse_delta_request(header: Any, num_fragments: int, max_steps: int) -> DeltaRequest:
+    h = _map(header, "delta request")
+    v, to = version(h.get("v")), version(h.get("tv"), "to version")
+    if not v < to <= v + max_steps:
+        raise ProtocolError(f"delta request: from v{v} to v{to}, not 1 to {max_steps} rounds ahead")
+    return DeltaRequest(fragment(h.get("f"), num_fragments), v, digest(h.get("d")), to,
+                        digest(h.get("td"), "to digest"), _int(h.get("max"), "max bytes"))
+
+
+@dataclass(frozen=True)
+class DeltaStep:
+    """One round of a ``state.deltas`` answer: the digest of the state it makes, the round's
+    counters (``RoundResult``: tokens, position, span fraction in 1/FRACTION_GRID units), its
+    group's size, the precision of its merged slices, and per reducer (slot indices, bytes)."""
+
+    digest: str
+    tokens: int
+    position: int
+    first: int
+    members: int
+    precision: str
+    parts: tuple[tuple[tuple[int, ...], int], ...]
+
+
+def parse_delta_answer(header: Any, steps: int, num_slots: int, precisions: frozenset[str]) -> tuple[DeltaStep, ...] | None:
+    """The ``steps`` rounds of a ``state.deltas`` answer, their parts' slots covering the
+    fragment's ``num_slots`` once; None when the holder has no such chain (``{"none": why}``)."""
+    h = _map(header, "delta answer")
+    if "none" in h:
+        _text(h["none"], "reason", 200)
+        return None
+    raw = h.get("s")
+    if not isinstance(raw, list) or len(raw) != steps:
+        raise ProtocolError(f"delta answer: expected {steps} rounds")
+    out = []
+    for st in raw:
+        if not (isinstance(st, list) and len(st) == 7 and isinstance(st[5], str) and st[5] in precisions
+                and isinstance(st[6], list) and 1 <= len(st[6]) <= num_slots):
+            raise ProtocolError("delta answer: a round is not [digest, tokens, position, first, members, precision, parts]")
+        if not all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], list) and 1 <= len(x[0]) <= num_slots
+                   for x in st[6]):
+            raise ProtocolError("delta answer: a part is not [slot indices, bytes]")
+        pp = [(tuple(_int(i, "slot", 0, num_slots - 1) for i in slots), _int(n, "part bytes")) for slots, n in st[6]]
+        if sorted(i for slots, _ in pp for i in slots) != list(range(num_slots)):
+            raise ProtocolError("delta answer: the parts do not cover every slot once")
+        tokens, position, first = round_counters(st[1:4])
+        out.append(DeltaStep(digest(st[0]), tokens, position, first, _int(st[4], "members", 1, MAX_GROUP), st[5], tuple(pp)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class ReduceRequest:
     """``ar.reduce``: one member's signed slice of its pseudo-gradient for one reducer.
 

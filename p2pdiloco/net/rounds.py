@@ -111,6 +111,9 @@ class RoundResult:
             minus what the reducers decoded from its slices (None when nothing was lost: fp32
             on the wire, or a lone round). The caller keeps it and adds it to its next Δ of
             the fragment (error feedback, as in SparseLoCo, arXiv 2508.15706).
+        wire: the merged slices as the reducers sent them, (slot indices, bytes in the run's
+            wire precision) per reducer: what a node behind is sent to compute the same
+            state (``net.deltas``); () for a lone round (its Δ never went through the codec).
     """
 
     delta: list[torch.Tensor]
@@ -119,6 +122,7 @@ class RoundResult:
     first: float
     contributors: tuple[str, ...]
     residual: list[torch.Tensor] | None = None
+    wire: tuple[tuple[tuple[int, ...], bytes], ...] = ()
 
 
 @dataclass

@@ -68,6 +68,7 @@ from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FragmentState, fragment_digest
 from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, ProtocolError, StateSyncError
+from p2pdiloco.net import deltas
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
 from p2pdiloco.net.bounded_moves import FOLLOW_HISTORY, distance, implausible
@@ -114,15 +115,18 @@ class StateSync:
 
     def __init__(self, swarm: Swarm, run_id: str, fragments: Sequence[Fragment],
                  committed: Callable[[], Sequence[FragmentState]], on_event: Callable[..., None] | None = None,
-                 tag: str = "", outer: tuple[float, float] = (0.0, 0.0)):
+                 tag: str = "", outer: tuple[float, float] = (0.0, 0.0), rounds: tuple[int, str] | None = None):
         self.swarm, self.run_id, self.fragments, self.committed = swarm, run_id, tuple(fragments), committed
         self.outer_lr, self.outer_momentum = outer  # the run's outer lr and μ: the momentum bound (_check_plausible)
+        # catch-ups as deltas (net.deltas), given (H, wire precision); None: full states only
+        self.deltas = None if rounds is None else deltas.Deltas(swarm, self.fragments, self.state_bytes, *rounds, outer)
         self.on_event = on_event
         self.tag = tag  # our protocol tag, published in our record; records with another are not ours to follow
         # peer -> (its settings: protocol tag, or "other fragment count"; monotonic s last seen):
         # nodes of this run that cannot merge with us (``other_settings``)
         self._other_settings: dict[str, tuple[str, float]] = {}
         self.downloads = 0
+        self.fetched: dict[int, tuple[int, int]] = {}  # fragment -> (payload bytes, rounds: 0 for the state) of its last download
         self.failed_downloads = 0
         self.refused_states = 0  # downloads refused as implausible (see the module docstring)
         self._seen: dict[int, FragmentState] = {}  # last committed state observed, per fragment
@@ -162,6 +166,8 @@ class StateSync:
                 certificate); the message carries their reason.
         """
         await self.swarm.add_handler("state.get", self._on_get, max_payload=0)
+        if self.deltas is not None:
+            await self.swarm.add_handler("state.deltas", self.deltas.serve, max_payload=0)
         await self.swarm.add_handler("st.heads", self._on_heads, max_payload=0)
         await self.swarm.check_admission(self.heads_key)
 
@@ -495,8 +501,15 @@ class StateSync:
             start = (int.from_bytes(hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "big") + fragment) % len(donors)
             donors = donors[start:] + donors[:start]
         last = "no other holder"
+        donors = [d for d in donors if d not in self.swarm.bans and d not in self.ignoring()]
+        if self.deltas is not None and donors:  # the rounds missed, if a holder has them and they cost less
+            t0 = swarm_clock.monotonic()
+            mine = self.committed()[fragment]
+            got = await self.deltas.fetch(donors[0], mine, head, timeout, self.first_reply_s())
+            if got is not None:
+                return self._accept(fragment, head, donors[0], got[0], t0, got[1], head.version - mine.version)
         for donor in donors:
-            if donor in self.swarm.bans or donor in self.ignoring():
+            if donor in self.swarm.bans:  # its rounds just did not compute
                 continue
             t0 = swarm_clock.monotonic()
             try:
@@ -512,24 +525,32 @@ class StateSync:
                 self._failed(fragment, head.version, donor, e)
                 continue
             if (state.version, state.digest) == (head.version, head.digest):
-                self._delivered(donor)
-                self._took.append(swarm_clock.monotonic() - t0)
-                try:
-                    self._check_plausible(state)  # same bytes from every holder: no other donor to try
-                except StateSyncError as e:
-                    # a statistical bound, not a proof: every holder is ignored for a while
-                    # (strikes double), none is banned for the rest of the run
-                    for holder in head.holders:
-                        self._strike(holder, str(e), hard=True)
-                    raise
-                self.downloads += 1
-                self._shared[fragment] = state.version
-                return state
+                return self._accept(fragment, head, donor, state, t0, self.state_bytes(fragment), 0)
             if state.version <= head.version:  # a holder that moved on since its record is honest
                 self._strike(donor, f"served v{state.version} of fragment {fragment}, not the v{head.version} "
                                     "it claims", hard=False)
             last = f"{donor[-8:]} now holds v{state.version}, not v{head.version}"
         raise StateSyncError(f"fragment {fragment} v{head.version}: {last}")
+
+    def _accept(self, fragment: int, head: Head, donor: str, state: FragmentState, t0: float, nbytes: int,
+                rounds: int) -> FragmentState:
+        """A download of ``head`` that matches its digest, from ``donor`` (started at ``t0``; ``nbytes``
+        of payload, the state's or those of ``rounds`` rounds): checked for plausibility
+        (``StateSyncError`` if not), counted (``fetched``), returned."""
+        self._delivered(donor)
+        self._took.append(swarm_clock.monotonic() - t0)
+        try:
+            self._check_plausible(state)  # same bytes from every holder: no other donor to try
+        except StateSyncError as e:
+            # a statistical bound, not a proof: every holder is ignored for a while
+            # (strikes double), none is banned for the rest of the run
+            for holder in head.holders:
+                self._strike(holder, str(e), hard=True)
+            raise
+        self.downloads += 1
+        self.fetched[fragment] = (nbytes, rounds)
+        self._shared[fragment] = state.version
+        return state
 
     def _failed(self, fragment: int, version: int, donor: str, e: Exception) -> None:
         log.info("state download of fragment %d from %s failed: %s", fragment, donor[-8:], e)
