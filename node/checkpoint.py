@@ -94,11 +94,18 @@ class Resumed:
 
 def resume(data_dir: Path, learner: Learner) -> Resumed | None:
     """``load_checkpoint`` into ``learner``, then ``kept_progress`` with the data dir's journal;
-    None when there is no usable checkpoint."""
+    the progress of every other fragment is dropped here, before any download (θ_p ← Θ_p, its
+    counters reset), so that no later follow can rebase it. None when there is no usable
+    checkpoint."""
     extra = load_checkpoint(data_dir, learner)
     if extra is None:
         return None
     kept, sends = kept_progress(extra, read_journals(data_dir / JOURNAL_FILE), len(learner.fragments))
+    for p, state in enumerate(learner.global_states):
+        if p not in kept and learner.counters(p)[1]:
+            log.info("fragment %d: checkpointed progress (%d steps at v%d) dropped: it may have been sent since",
+                     p, learner.counters(p)[1], state.version)
+            learner.install(state, rebase=False)
     return Resumed(frozenset(kept), sends)
 
 

@@ -65,10 +65,13 @@ class Journal:
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
                 self._size = 0
             with open(self.path, "ab", buffering=0) as f:
-                f.write(line)
+                written = f.write(line) or 0
+                self._size += written
+                if written != len(line):  # a short write (full disk): the line is torn, not written
+                    self._torn = True
+                    raise OSError(f"wrote {written} of {len(line)} bytes")
                 if sync:
                     os.fsync(f.fileno())
-            self._size += len(line)
         except OSError as e:
             log.warning("journal %s: %s", self.path, e)
             return False

@@ -200,16 +200,17 @@ class Node:
     def _start_round(self, p: int, contrib: Contribution, anchor: FragmentState, n: int) -> None:
         if not self.journal.record("send", sync=True, fragment=p, n=n) and self.cfg.data_dir:  # before anything leaves
             # the checkpoint may say this progress never left: without the journal's word, no checkpoint (kept_progress)
-            checkpoint_path(Path(self.cfg.data_dir)).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                checkpoint_path(Path(self.cfg.data_dir)).unlink(missing_ok=True)
         if self._rounds is None or self.done:
-            self.training.deliver(Delivery(p, None, False))
+            self.training.deliver(Delivery(p, None, False, round=n))
             return
         self.committed.begin_round(p)
-        task = self._rounds.create_task(self._round(p, contrib, anchor))
+        task = self._rounds.create_task(self._round(p, contrib, anchor, n))
         self._round_tasks.add(task)
         task.add_done_callback(self._round_tasks.discard)
 
-    async def _round(self, p: int, contrib: Contribution, anchor: FragmentState) -> None:
+    async def _round(self, p: int, contrib: Contribution, anchor: FragmentState, n: int) -> None:
         t0 = time.monotonic()
         self.grace.t_step.value = self.training.stats.t_step.value
         out = self.cfg.outer
@@ -282,7 +283,7 @@ class Node:
             raise
         finally:
             self.committed.end_round(p)
-            self.training.deliver(Delivery(p, result, False, left and result is None))
+            self.training.deliver(Delivery(p, result, False, left and result is None, round=n))
         if result is None:
             await self._catch_up(only=p)  # a group may have merged without us: follow it
 
@@ -304,7 +305,7 @@ class Node:
             log.warning("round f%d v%d merged, but fragment %d moved to v%d meanwhile: result dropped",
                         p, new.version, p, self.committed[p].version)
             return None
-        self.sync.deltas.log.add(p, logged(anchor, new, merged, len(group.members), out.wire_precision))  # net.deltas
+        self._log_round(p, anchor, new, merged, len(group.members))
         self.stats.rounds_committed += 1
         self.stats.rounds_alone += int(len(group.members) == 1)
         if len(group.members) > 1:
@@ -336,13 +337,20 @@ class Node:
             if not self.committed.holds(p, anchor):
                 return  # another state was installed meanwhile: the records decide
             self.committed.install(p, new, group.round_id)  # our residual stays: what it corrects was not merged
-        self.sync.deltas.log.add(p, logged(anchor, new, merged, len(group.members), out.wire_precision))
+        self._log_round(p, anchor, new, merged, len(group.members))
         self.journal.record("follow", fragment=p, from_version=anchor.version, version=new.version,
                             digest=new.short(), ours=False, excluded=True)
         log.info("fragment %d: took v%d (%s), merged without us", p, new.version, new.short())
         self.training.deliver(Delivery(p, new, True))
         self._publish_now.set()
         self._keep_schedule()
+
+    def _log_round(self, p: int, anchor: FragmentState, new: FragmentState, merged: RoundResult, members: int) -> None:
+        """Keep a committed round to serve nodes behind (net.deltas); never fails the commit it follows."""
+        try:
+            self.sync.deltas.log.add(p, logged(anchor, new, merged, members, self.cfg.outer.wire_precision))
+        except Exception:  # MemoryError, say: the round is committed all the same
+            log.exception("round f%d v%d not kept for catch-ups", p, new.version)
 
     async def _alone_step(self) -> None:
         if self.training is not None and not self.done:
@@ -474,9 +482,8 @@ class Node:
         when our own contribution is already inside the new state: we were a member of the
         round that made it but could not tell it completed (invariant I2). Then we overwrite,
         as the members that completed did, instead of contributing the same progress twice.
-        On joining after a resume from a local checkpoint, progress is rebased only when the
-        swarm is still at the checkpoint's version of p or it never left the node
-        (``node.checkpoint.kept_progress``); otherwise it is overwritten."""
+        On joining after a resume from a local checkpoint, the progress left is what never left
+        the node (``node.checkpoint.resume`` dropped the rest), and it is rebased."""
         async with self.committed.lock(p):
             if (self.committed[p].version, self.committed[p].digest) == (head.version, head.digest):
                 return self.committed[p], False  # another follow of the same head installed (and delivered) it
@@ -499,14 +506,8 @@ class Node:
                             digest=state.short(), ours=ours, bytes=nbytes, rounds=rounds)
         log.info("followed fragment %d: v%d -> v%d (%s)%s", p, old.version, state.version, state.short(),
                  " with our contribution inside" if ours else "")
-        if self.training is None:
-            # resumed: if the swarm moved past the checkpoint's anchor, the previous incarnation may have
-            # sent that progress since; dropped rather than merged twice (I2), unless it never left
-            rebase = bool(self._resumed) and (state.version <= old.version or p in self._resumed.kept)
-            if self._resumed and not rebase and self.setup.learner.counters(p)[1]:
-                log.info("fragment %d: checkpoint progress (%d steps at v%d) dropped, the swarm moved to v%d",
-                         p, self.setup.learner.counters(p)[1], old.version, state.version)
-            self.setup.learner.install(state, rebase=rebase)
+        if self.training is None:  # joining: a resumed node's checkpointed progress that never left, rebased
+            self.setup.learner.install(state, rebase=bool(self._resumed))  # (the rest is dropped: checkpoint.resume)
         else:
             self.training.deliver(Delivery(p, state, not ours))
             self._keep_schedule()

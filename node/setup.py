@@ -23,7 +23,7 @@ from node.training import Dispatch, TrainingLoop
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 6  # bump on any change of the RPC formats (6: signed mm.join, st.heads pushes, topk2)
+WIRE_VERSION = 7  # bump on any change of the RPC formats (6: signed mm.join, st.heads pushes, topk2; 7: state.deltas)
 
 
 def protocol_tag(cfg, fragments) -> str:

@@ -33,8 +33,9 @@ class Delivery(NamedTuple):
 
     fragment: int
     state: FragmentState | None  # the new global state; None: the round produced nothing
-    rebase: bool  # keep the local progress on top (a state made without it); False: answers our round
+    rebase: bool  # keep the local progress on top (a state made without it); False: holds our contribution
     left: bool = False  # state None: our contribution left this node, so another state may hold it
+    round: int = 0  # the send it ends (``TrainingLoop.sends``: the n-th round of the fragment); 0: none (a follow)
 
 
 Dispatch = Callable[[int, Contribution, FragmentState], None]
@@ -140,7 +141,7 @@ class TrainingLoop:
             self.learner.step = advance
         while True:
             try:
-                p, state, rebase, left = self._inbox.get_nowait()
+                p, state, rebase, left, n = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if state is not None and not rebase:
@@ -155,7 +156,7 @@ class TrainingLoop:
             if state is not None:
                 self.stats.installs += 1
                 self.stats.rebases += int(rebase)
-            if not rebase:
+            if n and n == self.sends[p]:  # the round in flight ended (not an earlier one's late word)
                 self.pending.discard(p)
 
     def unsent(self) -> list[int]:

@@ -110,14 +110,18 @@ def test_the_training_loop_knows_which_progress_never_left_the_node():
     """``TrainingLoop.unsent``: a fragment with a round in flight is not unsent; after a round
     that failed before anything was sent it is again; after one that failed once its
     contribution had gone to peers it is not (their state may hold it), through a rebase too,
-    until an overwrite (the merge that holds it, or ours) leaves only progress made since."""
+    until an overwrite (the merge that holds it, or ours) leaves only progress made since. A
+    round's end clears its fragment's round in flight only if it is that round (its send number)."""
     s = Setup.build(load_config(overrides={**TINY, "data.max_bytes": "50000", "max_steps": "3"}), "a", "QmPeer")
     loop = s.training_loop(lambda p, contrib, anchor: None)
     assert loop.unsent() == [0, 1] and loop.sends == [0, 0]
     loop.run()  # 3 steps, then the end-of-budget rounds of both fragments
     assert loop.unsent() == [] and loop.sends == [1, 1]
-    loop.deliver(Delivery(0, None, False, left=False))  # late: no group, nothing sent
-    loop.deliver(Delivery(1, None, False, left=True))  # failed during its all-reduce
+    loop.deliver(Delivery(0, None, False, round=7))  # not the round in flight: it stays in flight
+    loop.finish(timeout=0)
+    assert loop.unsent() == [] and loop.pending == {0, 1}
+    loop.deliver(Delivery(0, None, False, left=False, round=1))  # late: no group, nothing sent
+    loop.deliver(Delivery(1, None, False, left=True, round=1))  # failed during its all-reduce
     loop.finish(timeout=0)
     assert loop.unsent() == [0]
     loop.deliver(Delivery(1, s.learner.global_states[1], True))  # a follow of others' state: rebased, still held

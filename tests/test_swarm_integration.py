@@ -102,14 +102,17 @@ def test_lone_node_applies_its_own_outer_step(harness):
 
 @pytest.mark.timeout(240)
 def test_a_node_frozen_for_a_few_rounds_catches_up_from_the_rounds_it_missed(harness):
-    """Three nodes with int4 on the wire; n2's process is stopped (SIGSTOP: its p2pd stays up,
-    it answers nothing) while the others merge two rounds each without it. Thawed, it
-    computes the states it missed from their rounds' merged slices (net.deltas: an eighth of a
+    """Three nodes with int4 on the wire and a quorum of 2 (no lone rounds, whose fp32 Δ would
+    cost half a state); n2's process is stopped (SIGSTOP: its p2pd stays up, it answers
+    nothing) while the others commit two more rounds each without it. Thawed, it computes the
+    states it missed from their rounds' merged slices (net.deltas: about a sixteenth of a
     state's bytes a round, digest checked) rather than downloading them, and every node ends at
     the same global state."""
     maddr = harness.bootstrap()
-    settings = {**TINY, "data.num_shards": "3", "outer.wire_precision": "int4"}
-    nodes = [harness.node(maddr, f"n{i}", {**settings, "data.shard_index": str(i)}, "--duration", "16",
+    # H = 200: a version of a fragment every few seconds, so the freeze costs a few (net.deltas.MAX_STEPS: 8)
+    settings = {**TINY, "data.num_shards": "3", "outer.wire_precision": "int4", "outer.min_quorum": "2",
+                "outer.sync_every": "200"}
+    nodes = [harness.node(maddr, f"n{i}", {**settings, "data.shard_index": str(i)}, "--duration", "24",
                           "--set", "settle=30") for i in range(3)]
     proc, d = nodes[2]
     wait_for(lambda: (status(d) or {}).get("rounds_with_peers", 0) >= 2, 120, "n2 merging with the others",

@@ -29,7 +29,7 @@ import torch
 
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FRACTION_GRID, FragmentState, nesterov_outer_step, round_fraction
-from p2pdiloco.errors import NetworkError, ProtocolError
+from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
 from p2pdiloco.net.heads import Head
@@ -193,18 +193,19 @@ class Deltas:
                     first_reply: float) -> tuple[FragmentState, int] | None:
         """The state at ``head`` computed from ``mine`` and the rounds between them, asked of
         ``donor``, and the bytes of their slices; None where they are more than ``MAX_STEPS`` or would cost more than
-        ``DELTA_SHARE`` of the state, the donor has no such rounds, or the call fails (the
-        caller downloads the state). An answer that does not compute to the digests it
-        states bans the donor (an honest one computes what every member of those rounds did)."""
+        ``DELTA_SHARE`` of the state, the donor has no such rounds or refuses (the caller
+        downloads the state). An answer that does not compute to the digests it states bans the
+        donor (an honest one computes what every member of those rounds did). Raises
+        NetworkError when the donor does not answer within ``timeout`` seconds or is unreachable."""
         p, n = mine.index, head.version - mine.version
         frag = self.fragments[p]
         if not 0 < n <= MAX_STEPS or n * wire.wire_nbytes([s.shape for s in frag.slots], self.precision) > self.most[p]:
             return None
         request = {"f": p, "v": mine.version, "d": mine.digest, "tv": head.version, "td": head.digest, "max": self.most[p]}
-        try:
+        try:  # a NetworkError (no answer in time, unreachable) is the caller's to count
             reply, body = await self.swarm.call(donor, "state.deltas", request, timeout=timeout, max_reply=self.most[p],
                                                 first_reply=first_reply)
-        except (NetworkError, ProtocolError) as e:
+        except ProtocolError as e:  # refused: a peer without state.deltas, busy, an answer over max_reply
             log.debug("rounds of fragment %d from %s: %s", p, donor[-8:], e)
             return None
 

@@ -503,9 +503,14 @@ class StateSync:
         last = "no other holder"
         donors = [d for d in donors if d not in self.swarm.bans and d not in self.ignoring()]
         if self.deltas is not None and donors:  # the rounds missed, if a holder has them and they cost less
-            t0 = swarm_clock.monotonic()
-            mine = self.committed()[fragment]
-            got = await self.deltas.fetch(donors[0], mine, head, timeout, self.first_reply_s())
+            t0, mine = swarm_clock.monotonic(), self.committed()[fragment]
+            try:
+                got = await self.deltas.fetch(donors[0], mine, head, STATE_TIMEOUT_S + self.deltas.most[fragment]
+                                              / self.swarm.stats.link.held_to(MIN_RATE), self.first_reply_s())
+            except NetworkError as e:  # struck as a failed download; the state from the others first
+                self._strike(donors[0], f"did not deliver the rounds of fragment {fragment}: {e}",
+                             hard=isinstance(e, PeerTimeout))
+                donors, got = donors[1:] + donors[:1], None
             if got is not None:
                 return self._accept(fragment, head, donors[0], got[0], t0, got[1], head.version - mine.version)
         for donor in donors:
@@ -538,7 +543,8 @@ class StateSync:
         of payload, the state's or those of ``rounds`` rounds): checked for plausibility
         (``StateSyncError`` if not), counted (``fetched``), returned."""
         self._delivered(donor)
-        self._took.append(swarm_clock.monotonic() - t0)
+        if not rounds:  # whole states only: first_reply_s bounds the first reply of a state download
+            self._took.append(swarm_clock.monotonic() - t0)
         try:
             self._check_plausible(state)  # same bytes from every holder: no other donor to try
         except StateSyncError as e:
