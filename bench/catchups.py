@@ -26,7 +26,6 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -97,12 +96,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=60.0, help="seconds each node trains")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
-    c.install_signal_handlers()
-    c.cleanup_stale()
-    if not c.netns_available():
-        raise SystemExit("catch-ups: needs network namespaces (ip netns)")
-    work = a.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-bench-cu-"))
-    m, t0 = c.machine(), time.monotonic()
+    work, m, t0 = c.begin("catch-ups", a.workdir, "p2pdiloco-bench-cu-")
     commits = [checkout(x, work) for x in (a.baseline, a.commit)]
     runs = []
     for seed in range(a.repeats):

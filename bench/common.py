@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -281,6 +282,17 @@ def processes():
                 pass
         if left:
             print(f"bench: killed {len(left)} leftover processes: {left}", file=sys.stderr)
+
+
+def begin(what: str, workdir: Path | None, prefix: str) -> tuple[Path, dict[str, Any], float]:
+    """Start of a benchmark that counts socket bytes in network namespaces: signal handlers,
+    leftovers of earlier runs removed, namespaces required (else exits with one line);
+    returns (work directory: ``workdir`` or a new temporary one, :func:`machine`, start time)."""
+    install_signal_handlers()
+    cleanup_stale()
+    if not netns_available():
+        raise SystemExit(f"{what}: needs network namespaces (ip netns) to count socket bytes")
+    return workdir or Path(tempfile.mkdtemp(prefix=prefix)), machine(), time.monotonic()
 
 
 def install_signal_handlers() -> None:

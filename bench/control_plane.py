@@ -14,7 +14,9 @@ bootstrap peer's start to the last node's exit (TCP/IP headers, TLS, yamux, the 
 bootstrap peer included); *payload*: the nodes' RPC payload bytes (their reports'
 ``bytes_out``: slices, merged slices, state downloads; headers not counted); *control* =
 bytes − payload. Per node per second (over the run's wall time) and per node per committed
-round (all control bytes over the rounds: background included). Then the background: the same
+round (all control bytes over the rounds: background, start-up and settling included), and in
+the steady state: over a window that starts 5 s after every node trains and ends 20 s before
+the run's end (start-up and settling excluded). Then the background: the same
 nodes training without merging (H beyond the run), socket bytes per node per second over a
 ``--window`` that starts once every node trains (start-up excluded). The runs alternate
 between the commits (A B A B ...), so drifts in the machine's load fall on both. The nodes'
@@ -32,7 +34,6 @@ import statistics
 from collections import Counter
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def run_once(src: Path, n: int, duration: float, work: Path, seed: int, sync_eve
         prefix = [*ns.prefix, "env", f"--chdir={src}", f"PYTHONPATH={src}"]
         before, t0 = ns.tx_bytes(), time.monotonic()
         nodes = c.start_swarm(procs, work, n, values, prefix=prefix, duration=duration)
+        steady = steady_window(ns, nodes, duration - 20.0)
         c.wait_all([p for p, _ in nodes], duration + 300, "control plane")
         sent, seconds = ns.tx_bytes() - before, time.monotonic() - t0
         reports = [c.read_json(d / "report.json") for _, d in nodes]
@@ -80,7 +82,29 @@ def run_once(src: Path, n: int, duration: float, work: Path, seed: int, sync_eve
             "tokens": sum(r["tokens"] for r in reports), "catchups": sum(r["catchups"] for r in reports),
             "control_per_node_s": (sent - payload) / n / seconds,
             "control_per_node_round": (sent - payload) / max(1, rounds), "payload_per_node_s": payload / n / seconds,
-            "digests": len({r["global_digest"] for r in reports}), "dht_ops": dict(dht), "rpc_by_name": rpc}
+            "digests": len({r["global_digest"] for r in reports}), "dht_ops": dict(dht), "rpc_by_name": rpc,
+            "steady": steady}
+
+
+def steady_window(ns: c.NetNS, nodes: list, window: float, warm: float = 5.0) -> dict:
+    """The rounds' steady state: control bytes per node per round over ``window`` seconds that
+    start ``warm`` seconds after every node trains and end before the first could stop (start-up
+    and settling excluded), from the namespace's counter and the nodes' status files."""
+    paths = [d / "status.json" for _, d in nodes]
+    c.wait_training(paths, [p for p, _ in nodes], 180)
+    time.sleep(warm)
+    start, before, t0 = [c.read_json(q) for q in paths], ns.tx_bytes(), time.monotonic()
+    time.sleep(max(10.0, window - warm))
+    end, sent, seconds = [c.read_json(q) for q in paths], ns.tx_bytes() - before, time.monotonic() - t0
+    rounds = sum(b["rounds_committed"] - a["rounds_committed"] for a, b in zip(start, end))
+    payload = sum(b["bytes_out"] - a["bytes_out"] for a, b in zip(start, end))
+    calls: Counter[str] = Counter()
+    for a, b in zip(start, end):
+        calls.update({k: v[0] - a.get("rpc_by_name", {}).get(k, [0])[0] for k, v in b.get("rpc_by_name", {}).items()})
+    return {"seconds": seconds, "bytes": sent, "payload": payload, "rounds": rounds,
+            "control_per_node_round": (sent - payload) / max(1, rounds),
+            "control_per_node_s": (sent - payload) / len(nodes) / seconds,
+            "rpc_per_round": {k: v / max(1, rounds) for k, v in calls.items() if v}}
 
 
 def background_once(src: Path, n: int, window: float, work: Path, seed: int, warm: float = 15.0) -> dict:
@@ -93,7 +117,7 @@ def background_once(src: Path, n: int, window: float, work: Path, seed: int, war
     work.mkdir(parents=True, exist_ok=True)
     with c.NetNS(f"bg{seed}") as ns, c.processes() as procs:
         prefix = [*ns.prefix, "env", f"--chdir={src}", f"PYTHONPATH={src}"]
-        nodes = c.start_swarm(procs, work, n, values, prefix=prefix, duration=window + warm + 120)
+        nodes = c.start_swarm(procs, work, n, values, prefix=prefix, duration=window + warm + 300)
         paths = [d / "status.json" for _, d in nodes]
         c.wait_training(paths, [p for p, _ in nodes], 180)
         time.sleep(warm)
@@ -131,12 +155,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=40.0, help="seconds of the background measurement")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
-    c.install_signal_handlers()
-    c.cleanup_stale()
-    work = a.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-bench-cp-"))
-    m, t0 = c.machine(), time.monotonic()
-    if not c.netns_available():
-        raise SystemExit("control plane: needs network namespaces (ip netns) to count socket bytes")
+    work, m, t0 = c.begin("control plane", a.workdir, "p2pdiloco-bench-cp-")
     commits = [checkout(x, work) for x in (a.baseline, a.commit)]
     cost = stream_cost(commits[-1][1])
     print(f"control plane: one RPC costs {cost['header_0']['bytes_per_call']:.0f} socket bytes", flush=True)
@@ -168,6 +187,13 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
     for k in commits:
         mean[k]["background"] = statistics.mean(r["background"]["background_per_node_s"] for r in runs
                                                 if r["commit"] == k)
+        mean[k]["steady"] = statistics.mean(r["steady"]["control_per_node_round"] for r in runs if r["commit"] == k)
+    doc.table(["commit", "seed", "window s", "rounds", "socket MB", "payload MB", "control kB/s/node",
+               "control kB/round/node"],
+              [[r["commit"], r["seed"], f"{r['steady']['seconds']:.0f}", r["steady"]["rounds"],
+                f"{r['steady']['bytes'] / 1e6:.2f}", f"{r['steady']['payload'] / 1e6:.2f}",
+                f"{r['steady']['control_per_node_s'] / 1e3:.2f}", f"{r['steady']['control_per_node_round'] / 1e3:.1f}"]
+               for r in runs], caption="The same runs' steady state (start-up and settling excluded):")
     doc.table(["commit", "seed", "window s", "socket kB", "payload kB", "rounds", "background B/s/node"],
               [[r["commit"], r["seed"], f"{r['background']['seconds']:.0f}", f"{r['background']['bytes'] / 1e3:.1f}",
                 f"{r['background']['payload'] / 1e3:.1f}", r["background"]["rounds"],
@@ -185,9 +211,12 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
                ["control bytes per node per round", f"{mean[base]['control_per_node_round']:,.0f}",
                 f"{mean[new]['control_per_node_round']:,.0f}",
                 f"{mean[new]['control_per_node_round'] / mean[base]['control_per_node_round']:.2f}",
-                f"<= {GOAL_PER_ROUND:,}: {c.verdict(mean[new]['control_per_node_round'] <= GOAL_PER_ROUND)}"]],
+                f"<= {GOAL_PER_ROUND:,}: {c.verdict(mean[new]['control_per_node_round'] <= GOAL_PER_ROUND)}"],
+               ["control bytes per node per round, steady state", f"{mean[base]['steady']:,.0f}",
+                f"{mean[new]['steady']:,.0f}", f"{mean[new]['steady'] / mean[base]['steady']:.2f}",
+                f"<= {GOAL_PER_ROUND:,}: {c.verdict(mean[new]['steady'] <= GOAL_PER_ROUND)}"]],
               caption="Means over the seeds (the per-second figure holds every control byte, so it bounds "
-                      "the background from above; the per-round one holds the background too):")
+                      "the background from above; the per-round ones hold the background too):")
     for k in commits:
         bg: Counter[str] = Counter()
         for r in runs:
@@ -210,8 +239,12 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
                     got[2] += calls
         if rpc:
             seeds = sum(r["commit"] == k for r in runs)
-            doc.table(["RPC", "calls per node per committed round", "header bytes per call"],
-                      [[name, f"{v[0] / seeds:.2f}", f"{v[1] / max(1, v[2]):.0f}"]
+            steady: Counter[str] = Counter()
+            for r in runs:
+                if r["commit"] == k:
+                    steady.update(r["steady"]["rpc_per_round"])
+            doc.table(["RPC", "calls per node per committed round", "in the steady state", "header bytes per call"],
+                      [[name, f"{v[0] / seeds:.2f}", f"{steady[name] / seeds:.2f}", f"{v[1] / max(1, v[2]):.0f}"]
                        for name, v in sorted(rpc.items(), key=lambda kv: -kv[1][0])],
                       caption=f"{k}: the nodes' RPCs by name (report key rpc_by_name; each call is one libp2p "
                               "stream: see the next table):")

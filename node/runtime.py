@@ -30,7 +30,7 @@ from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.revocation import RevocationWatch
 from p2pdiloco.net.heads import is_behind, newest_heads, runaway_heads
-from p2pdiloco.net.statesync import StateSync
+from p2pdiloco.net.statesync import READ_EVERY_S, StateSync
 from p2pdiloco.net.transport import Swarm
 
 from node.alone import AloneWatch
@@ -77,7 +77,7 @@ class Node:
         self.view = SwarmView(self.sync, swarm.peer_id)  # the swarm's records, as last read
         pushers = (self.matchmaker.gatherings.pusher, self.sync.pusher)  # announcements, records: to the learners
         self.matchmaker.gatherings.audience = self.sync.pusher.audience = lambda: self.view.others  # we know
-        self.matchmaker.gatherings.on_heard = self.sync.on_heard = lambda peer: [p.heard_from(peer) for p in pushers]
+        self.matchmaker.gatherings.on_heard = self.sync.on_heard = lambda peer, hello=False: [p.heard_from(peer, hello) for p in pushers]
         self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
@@ -175,11 +175,14 @@ class Node:
 
     async def _settle(self, timeout: float) -> None:
         """Serve and catch up until every node we see is done and holds our state for ``SETTLE_CONFIRM_S``
-        (or ``timeout``) seconds, so a node that still needs to download finds a donor."""
-        end, agreed_at = time.monotonic() + timeout, math.inf
+        (or ``timeout``) seconds, so a node that still needs to download finds a donor. Records come
+        by push (``done`` and versions go at once); the DHT is read every ``READ_EVERY_S`` for a lost
+        push (issue 13: a read and a store every second cost as much as the minute before)."""
+        end, agreed_at, read_at = time.monotonic() + timeout, math.inf, -math.inf
         while time.monotonic() < end:
-            await self._publish(store=True)  # settling: stored and read every time, as nodes leave one by one
-            records = await self.view.read(fresh=True)
+            await self._publish(store=read_at == -math.inf)  # our record says done: stored once
+            fresh, now = time.monotonic() - read_at >= READ_EVERY_S, time.monotonic()
+            records, read_at = await self.view.read(fresh=fresh), now if fresh else read_at
             await self._catch_up_often()
             mine = tuple((st.version, st.digest) for st in self.committed)
             if all(r.done and r.fragments == mine for r in records.values()) and not self.committed.in_flight():

@@ -125,12 +125,28 @@ async def test_a_newcomer_that_pushes_to_a_node_gets_its_newest_record_at_once(m
             await until(lambda: sync_b.pushes_received["received"] == 1, 10, "a's record pushed back to b",
                         every=0.05)
             assert (await sync_b.records(max_dht_age=60.0))[a.peer_id].fragments == ((1, state(1).digest),)
-            await sync_b.publish({"name": "b"})  # b publishes again: a pushes nothing more (b holds its newest)
+            held[b.peer_id] = [state(1)]  # b follows a and publishes it: a pushes nothing more (b holds its newest)
+            await sync_b.publish({"name": "b"})
             await until(lambda: sync_a.pushes_received["received"] == 2, 10, "b's second push at a", every=0.05)
             assert sync_a.pusher.stats["sent"] == 1 and sync_b.pushes_received["received"] == 1
         finally:
             for task in tasks:
                 task.cancel()
+
+
+async def receivers(monkeypatch, *peers) -> tuple[dict[str, list[int]], list[float]]:
+    """A ``t.push`` handler on each of ``peers`` recording the pushed ``n`` ({peer ID: [n, ...]}),
+    and a skew (seconds) added to this process's ``clock.monotonic``."""
+    got: dict[str, list[int]] = {s.peer_id: [] for s in peers}
+    for s in peers:
+        async def on_push(peer, header, _, me=s.peer_id):
+            got[me].append(header["n"])
+            return {}, b""
+        await s.add_handler("t.push", on_push)
+    skew = [0.0]
+    monotonic = swarm_clock.monotonic
+    monkeypatch.setattr(swarm_clock, "monotonic", lambda: monotonic() + skew[0])
+    return got, skew
 
 
 @pytest.mark.asyncio
@@ -140,15 +156,7 @@ async def test_a_change_its_peers_know_is_pushed_to_them_with_the_next_one_or_af
     their last push, or when spared ``max_deferred`` changes in a row already; ``quiet``: nobody
     now. The others get every change at once."""
     async with swarms(3) as (a, b, c):
-        got: dict[str, list[int]] = {b.peer_id: [], c.peer_id: []}
-        for s in (b, c):
-            async def on_push(peer, header, _, me=s.peer_id):
-                got[me].append(header["n"])
-                return {}, b""
-            await s.add_handler("t.push", on_push)
-        skew = [0.0]
-        monotonic = swarm_clock.monotonic
-        monkeypatch.setattr(swarm_clock, "monotonic", lambda: monotonic() + skew[0])
+        got, skew = await receivers(monkeypatch, b, c)
         pusher = Pusher(a, "t.push", max_defer=10.0)
         pusher.audience = lambda: [b.peer_id, c.peer_id]
         task = asyncio.create_task(pusher.push_forever())
@@ -189,10 +197,54 @@ async def test_a_change_its_peers_know_is_pushed_to_them_with_the_next_one_or_af
 
 
 @pytest.mark.asyncio
+async def test_a_heartbeat_reaches_each_peer_once_per_beat_every_and_a_change_at_once(monkeypatch):
+    """``Pusher.set``'s ``beat``: a value that only refreshes figures reaches a peer holding the
+    last substantive change at the first change ``beat_every`` seconds after its last push; a
+    substantive change reaches everyone at once; a peer that pushes to us gets our newest
+    value only if it lacks the last substantive change (a newcomer) or says hello (restarted),
+    not for a heartbeat."""
+    async with swarms(3) as (a, b, c):
+        got, skew = await receivers(monkeypatch, b, c)
+        pusher = Pusher(a, "t.push", beat_every=20.0)
+        pusher.audience = lambda: [b.peer_id]
+        task = asyncio.create_task(pusher.push_forever())
+
+        async def quiet() -> None:  # the pusher has woken and nothing is in flight
+            await until(lambda: not pusher._changed.is_set() and not pusher._sending, 10, "the pusher", every=0.02)
+
+        try:
+            pusher.set({"n": 1})
+            await until(lambda: got[b.peer_id] == [1], 10, "push 1", every=0.02)
+            for n in (2, 3):  # heartbeats within beat_every of the last push: nothing is sent
+                skew[0] += 5.0
+                pusher.set({"n": n}, beat=True)
+                await quiet()
+            assert got[b.peer_id] == [1] and pusher.stats["sent"] == 1
+            pusher.heard_from(b.peer_id)  # b holds our last substantive change: no greeting for a heartbeat
+            await quiet()
+            assert got[b.peer_id] == [1]
+            pusher.heard_from(b.peer_id, hello=True)  # b says it just started (restarted): it gets our newest
+            await until(lambda: got[b.peer_id] == [1, 3], 10, "the answer to b's hello", every=0.02)
+            skew[0] += 20.0  # 20 s after the last push
+            pusher.set({"n": 4}, beat=True)
+            await until(lambda: got[b.peer_id] == [1, 3, 4], 10, "heartbeat 4", every=0.02)
+            pusher.set({"n": 5})  # a substantive change goes at once
+            await until(lambda: got[b.peer_id] == [1, 3, 4, 5], 10, "change 5", every=0.02)
+            pusher.set({"n": 6}, beat=True)
+            await quiet()
+            pusher.heard_from(c.peer_id)  # c never had our value (it just joined): it gets the newest now
+            await until(lambda: got[c.peer_id] == [6], 10, "greeting c", every=0.02)
+            assert got[b.peer_id] == [1, 3, 4, 5] and pusher.stats["sent"] == 5
+        finally:
+            task.cancel()
+
+
+@pytest.mark.asyncio
 async def test_a_joining_node_greets_the_learners_it_found_and_has_their_fresh_records():
     """``StateSync.greet``: a joiner pushes its record to every learner the DHT names and waits
     for each to push its own back, so it does not choose its first states from a stored record
-    up to ``STORE_EVERY_S`` old (here a commits after its last store)."""
+    up to ``STORE_EVERY_S`` old (here a commits after its last store); a node that greets again
+    (restarted with its peer ID) has the record pushed back again."""
     async with swarms(2) as (a, b):
         held, (sync_a, sync_b) = await started_syncs(a, b)
         sync_a.pusher.audience = lambda: [p for p in [b.peer_id] if p in sync_a._pushed]  # a knows who pushed to it
@@ -205,5 +257,10 @@ async def test_a_joining_node_greets_the_learners_it_found_and_has_their_fresh_r
             assert await sync_b.greet({"name": "b"}, timeout=10) == 1
             assert sync_a.pushes_received["received"] == 1
             assert (await sync_b.records(max_dht_age=60.0))[a.peer_id].fragments == ((3, state(3).digest),)
+            # b greets again as a restarted node would (same peer ID): a pushed it its record already
+            # and has not changed since, but the hello makes it push again
+            got = sync_b.pushes_received["received"]
+            assert await sync_b.greet({"name": "b"}, timeout=10) == 1
+            await until(lambda: sync_b.pushes_received["received"] == got + 1, 10, "a's answer to the hello", every=0.05)
         finally:
             task.cancel()

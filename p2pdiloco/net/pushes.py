@@ -17,6 +17,11 @@ leader just closed; ``quiet``: everyone, for a withdrawal that changes nothing a
 does): they get it with the next change they do not know, at the first change ``max_defer``
 seconds after their last push, or once spared ``max_deferred`` changes in a row (issue 13:
 every push is a libp2p stream of about 0.9 kB on the wire, docs/benchmarks/control_plane.md).
+A change that only refreshes figures (``set``'s ``beat``: a heads record whose versions,
+digests and settings are those of the last substantive change) is a heartbeat: a peer that
+holds the last substantive change gets it only ``beat_every`` seconds after its last push, so
+a node training between rounds costs each peer one push per ``beat_every``, not one per
+publish (``statesync.STALE_S`` allows for it).
 What a receiver does with a push is its owner's business (``net.gatherings``, ``net.statesync``): the
 transport authenticates the pusher, so a pushed value is its author's own, like a DHT record
 under the author's peer ID.
@@ -51,8 +56,10 @@ class Pusher:
         stats: pushes "sent" and "failed" (the owner counts what it receives).
     """
 
-    def __init__(self, swarm: Swarm, method: str, max_defer: float = math.inf, max_deferred: int | None = None):
+    def __init__(self, swarm: Swarm, method: str, max_defer: float = math.inf, max_deferred: int | None = None,
+                 beat_every: float = 0.0):
         self.swarm, self.method, self.max_defer = swarm, method, max_defer  # seconds (see set)
+        self.beat_every = beat_every  # seconds between two pushes of heartbeat-only changes to one peer
         self.max_deferred = max_deferred  # changes in a row a peer may be spared (None: any number)
         self.audience: Callable[[], Iterable[str]] = tuple
         self.stats: Counter[str] = Counter()
@@ -60,26 +67,33 @@ class Pusher:
         self._changed = asyncio.Event()
         self._skip: dict[str, float] = {}  # peer -> monotonic time until which it gets no push
         self._version = 0  # changes of the value so far
+        self._substance = 0  # ... of which were not heartbeats (set's beat)
         self._held: dict[str, int] = {}  # peer -> the version of our value it acknowledged last
+        self._held_substance: dict[str, int] = {}  # peer -> the substantive change that value held
         self._greet: set[str] = set()  # peers that pushed to us and get our value outside the audience
         self._sending: set[str] = set()  # peers with a push in flight
         self._defer: dict[str, int] = {}  # peer -> changes since the value it holds, all of which it knows
         self._pushed_at: dict[str, float] = {}  # peer -> monotonic s of our last push it took
 
-    def heard_from(self, peer: str) -> None:
+    def heard_from(self, peer: str, hello: bool = False) -> None:
         """``peer`` reached us (it pushed to us): if it was skipped after a failed push (it was
         down, and restarted since), it gets our pushes again from now on; if it does not hold
-        our newest value (it just joined), it gets that now, audience or not (at most
-        ``MAX_AUDIENCE`` such peers at a time)."""
+        our last substantive change (it just joined), it gets our newest value now, audience or
+        not (at most ``MAX_AUDIENCE`` such peers at a time). ``hello``: the peer says it just
+        started (``push_now``'s ``hello``), so whatever we pushed to it before is forgotten (it
+        may be the same peer ID restarted)."""
         skipped = self._skip.pop(peer, None) is not None
         if peer == self.swarm.peer_id or peer in self.swarm.bans or self._value is None:
             return
-        if skipped or (self._held.get(peer) != self._version and peer not in self._defer
+        if hello:
+            self._held.pop(peer, None), self._held_substance.pop(peer, None), self._defer.pop(peer, None)
+        if skipped or (self._held_substance.get(peer) != self._substance and peer not in self._defer
                        and len(self._greet) < MAX_AUDIENCE):
             self._greet.add(peer)
             self._changed.set()  # the newest value now, not at our next change
 
-    def set(self, value: dict[str, Any], later: Collection[str] = (), *, quiet: bool = False) -> None:
+    def set(self, value: dict[str, Any], later: Collection[str] = (), *, quiet: bool = False,
+            beat: bool = False) -> None:
         """Push ``value`` (an RPC header) next; a value not pushed yet is replaced.
 
         Args:
@@ -89,6 +103,9 @@ class Pusher:
                 more than ``max_deferred`` changes in a row, whichever comes first;
                 a peer still owed an earlier change gets it now.
             quiet: every peer gets it later (nothing is pushed for this change).
+            beat: the change only refreshes figures: a peer that holds the last change made
+                without ``beat`` gets it at the first change ``beat_every`` seconds after its
+                last push (a peer that lacks that change gets it as any other change).
         """
         knows = set(later) if not quiet else {p for p, v in self._held.items() if v == self._version} | set(self._defer)
         most = math.inf if self.max_deferred is None else self.max_deferred
@@ -96,13 +113,17 @@ class Pusher:
                        if (p in self._defer or self._held.get(p) == self._version) and self._defer.get(p, 0) < most}
         self._value = value
         self._version += 1
+        self._substance += 0 if beat else 1
         if not quiet:
             self._changed.set()
 
     def _due(self, peer: str, now: float) -> bool:
-        """Whether ``peer`` gets our newest value now (it lacks it and it is not deferred)."""
-        return self._held.get(peer) != self._version and (
-            peer not in self._defer or now - self._pushed_at.get(peer, -math.inf) >= self.max_defer)
+        """Whether ``peer`` gets our newest value now (it lacks it, and it is neither deferred
+        nor owed only heartbeats within ``beat_every`` of its last push)."""
+        since = now - self._pushed_at.get(peer, -math.inf)
+        if self._held_substance.get(peer) == self._substance and since < self.beat_every:
+            return False
+        return self._held.get(peer) != self._version and (peer not in self._defer or since >= self.max_defer)
 
     async def push_forever(self) -> None:
         """Push the newest value to the audience each time it changes, for the node's life (the
@@ -123,18 +144,21 @@ class Pusher:
                 peers = list(dict.fromkeys([*peers, *(p for p in self._greet if p not in self.swarm.bans)]))
                 self._greet.clear()
                 self._held = {p: v for p, v in self._held.items() if p in self._sending or p in peers}
+                self._held_substance = {p: v for p, v in self._held_substance.items() if p in self._held}
                 self._pushed_at = {p: t for p, t in self._pushed_at.items() if p in self._held}
                 for peer in peers:
                     if peer not in self._sending and self._due(peer, now):
                         self._sending.add(peer)
                         tg.create_task(self._sender(peer))
 
-    async def push_now(self, peers: Iterable[str]) -> set[str]:
+    async def push_now(self, peers: Iterable[str], hello: bool = False) -> set[str]:
         """Push the newest value to ``peers`` (at most ``MAX_AUDIENCE``) at once, outside
-        :meth:`push_forever` (a node joining, before its tasks run); returns those that took it."""
+        :meth:`push_forever` (a node joining, before its tasks run); returns those that took it.
+        ``hello``: the value carries ``"hello": True`` (we just started: receivers push theirs back)."""
         peers = [p for p in dict.fromkeys(peers) if p != self.swarm.peer_id and p not in self.swarm.bans]
-        version = self._version
-        await asyncio.gather(*(self._push(p, self._value or {}, version) for p in peers[:MAX_AUDIENCE]))
+        version, substance = self._version, self._substance
+        value = {**(self._value or {}), **({"hello": True} if hello else {})}
+        await asyncio.gather(*(self._push(p, value, version, substance) for p in peers[:MAX_AUDIENCE]))
         return {p for p in peers if self._held.get(p) == version}
 
     async def _sender(self, peer: str) -> None:
@@ -143,15 +167,16 @@ class Pusher:
             sent = None
             while sent != self._version and peer not in self._skip and self._due(peer, swarm_clock.monotonic()):
                 sent = self._version  # one try per version: a failure skips the peer (or, skips full, waits)
-                await self._push(peer, self._value or {}, sent)
+                await self._push(peer, self._value or {}, sent, self._substance)
         finally:
             self._sending.discard(peer)
 
-    async def _push(self, peer: str, value: dict[str, Any], version: int) -> None:
+    async def _push(self, peer: str, value: dict[str, Any], version: int, substance: int) -> None:
         try:
             await self.swarm.call(peer, self.method, value, timeout=PUSH_TIMEOUT_S)
             self.stats["sent"] += 1
             self._held[peer], self._pushed_at[peer] = version, swarm_clock.monotonic()
+            self._held_substance[peer] = substance
             if version == self._version:
                 self._defer.pop(peer, None)
         except (NetworkError, ProtocolError):  # skipped a while: a peer that stalls delays the others' pushes

@@ -7,14 +7,15 @@ at the one boundary in :mod:`p2pdiloco.net.records` (malformed records are dropp
 counted per peer). Readers pick, per fragment, the newest version; at a version held with
 two digests (two groups merged the same version: split brain, invariant I7) the digest held
 by more peers wins, ties to the smaller digest, so every node resolves it the same way and
-the losers re-sync. A node pushes its record to the learners it knows on every publish
-(``st.heads``, ``net.pushes``) and stores it in the DHT on a publish ``STORE_EVERY_S`` or more
-after its last store (``STORE_ALONE_S`` while it knows no other learner), for nodes that do not
-know it yet; readers that can (the node's ``SwarmView``) reuse a DHT read
-with the newer pushes merged in, for ``READ_EVERY_S`` while no peer pushes to them (a node
-looking for the swarm) and for ``READ_QUIET_S`` while peers do (:meth:`StateSync.read_age`):
-issue 13 of this project, every DHT read and store is a Kademlia traversal whose answers carry
-every node's record, about 9-12 kB among 5 peers (docs/benchmarks/control_plane.md). A node
+the losers re-sync. A node pushes its record to the learners it knows on every publish that
+changes a version, digest or setting, and at most every ``BEAT_S`` to each otherwise (a
+heartbeat: ``st.heads``, ``net.pushes``), and stores it in the DHT on a publish
+``STORE_EVERY_S`` or more after its last store (``STORE_ALONE_S`` while it knows no other
+learner), for nodes that do not know it yet; readers that can (the node's ``SwarmView``)
+reuse a DHT read with the newer pushes merged in, for ``READ_EVERY_S`` while no peer pushes
+to them and for ``READ_QUIET_S`` while peers do (:meth:`StateSync.read_age`): issue 13 of this
+project, every DHT read and store is a Kademlia traversal whose answers carry every node's
+record, about 9-12 kB among 5 peers (docs/benchmarks/control_plane.md). A node
 that joins reads the DHT, pushes its record to every node it found there, and so enters their
 views (and their audiences) at once; the DHT is how it finds them, not how they follow it.
 
@@ -62,6 +63,7 @@ import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from p2pdiloco.net import clock as swarm_clock
@@ -80,7 +82,7 @@ from p2pdiloco.net.transport import Header, Swarm
 
 log = logging.getLogger(__name__)
 
-HEAD_TTL = 60.0  # seconds a heartbeat record lives without refresh
+HEAD_TTL = 120.0  # seconds a record lives in the DHT without a store (STORE_EVERY_S: 2 of them)
 STATE_TIMEOUT_S = 3.0  # seconds of a state download's deadline, plus its size over MIN_RATE
 MIN_RATE = 256 * 1024  # bytes/s: the slowest donor link a download waits for
 FIRST_REPLY_S = 1.0  # seconds a holder has to begin its answer once the stream is open, before any download...
@@ -88,15 +90,16 @@ FIRST_REPLY_FACTOR = 4.0  # ... then this many times the slowest recent download
 FIRST_REPLY_MIN_S = 0.5  # ... but never less than this (seconds), nor more than STATE_TIMEOUT_S
 IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its first strike (doubling)
 IGNORE_MAX_S = 600.0
-STALE_S = 15.0  # seconds a record may go unchanged before its author counts as gone (nodes publish every <= 5 s)
-STORE_EVERY_S = 25.0  # seconds between DHT stores of our record: well within HEAD_TTL, for nodes that do not
-# know us yet (they see a record for the first time as live); the learners we know get every publish pushed ...
+BEAT_S = 20.0  # seconds between pushes to a peer of a record that changed only these (a heartbeat):
+_FIGURES = {"t": 0.0, "step": 0, "tps": 0.0, "loss": None, "merged": 0, "mine": 0}
+STALE_S = 65.0  # seconds a record may go unchanged before its author counts as gone: one heartbeat may fail
+# (it comes BEAT_S + a publish period, 5 s, after the last; the next after net.pushes.SKIP_S, 30 s)
+STORE_EVERY_S = 50.0  # seconds between DHT stores of our record, for nodes that do not know us yet ...
 STORE_ALONE_S = 4.0  # ... but while we know none, every node is one that does not know us: stored this often
 GREET_WAIT_S = 3.0  # seconds a joining node waits for the learners it found to push their records back
-PUSH_DEFER_S = 5.0  # seconds a push waits at most for a peer that knows its change (STALE_S: 3 of them)
+PUSH_DEFER_S = 5.0  # seconds a push waits at most for a peer that knows its change
 READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused while no peer pushes to us ...
-READ_QUIET_S = 30.0  # ... and while peers do (STALE_S): a newcomer pushes to us first, so this only bounds
-# how late we find one that has not (it read the DHT before our record was there)
+READ_QUIET_S = 120.0  # ... and while peers do (STALE_S): a newcomer pushes to us first (greet)
 
 
 class StateSync:
@@ -120,14 +123,11 @@ class StateSync:
         self.outer_lr, self.outer_momentum = outer  # the run's outer lr and μ: the momentum bound (_check_plausible)
         # catch-ups as deltas (net.deltas), given (H, wire precision); None: full states only
         self.deltas = None if rounds is None else deltas.Deltas(swarm, self.fragments, self.state_bytes, *rounds, outer)
-        self.on_event = on_event
-        self.tag = tag  # our protocol tag, published in our record; records with another are not ours to follow
-        # peer -> (its settings: protocol tag, or "other fragment count"; monotonic s last seen):
-        # nodes of this run that cannot merge with us (``other_settings``)
+        self.on_event, self.tag = on_event, tag  # tag: our protocol tag (records with another are not ours to follow)
+        # nodes of this run that cannot merge with us (``other_settings``): peer -> (tag or "other fragment count", seen at)
         self._other_settings: dict[str, tuple[str, float]] = {}
-        self.downloads = 0
+        self.downloads = self.failed_downloads = 0
         self.fetched: dict[int, tuple[int, int]] = {}  # fragment -> (payload bytes, rounds: 0 for the state) of its last download
-        self.failed_downloads = 0
         self.refused_states = 0  # downloads refused as implausible (see the module docstring)
         self._seen: dict[int, FragmentState] = {}  # last committed state observed, per fragment
         self._shared: dict[int, int] = {}  # fragment -> version of the last state another peer held too
@@ -141,10 +141,10 @@ class StateSync:
         self._donors: dict[str, None] = {}  # holders that delivered a state to us (insertion-ordered set)
         self._took: deque[float] = deque(maxlen=FOLLOW_HISTORY)  # seconds of recent successful downloads
         self._changed: dict[str, tuple[float, float]] = {}  # peer -> (its record's t, monotonic s we first saw it)
-        self.pusher = Pusher(swarm, "st.heads", PUSH_DEFER_S, 1)  # pushes our record to the learners we know
+        self.pusher = Pusher(swarm, "st.heads", PUSH_DEFER_S, 1, BEAT_S)  # pushes our record to the learners we know
         self._known_by: set[str] | None = None  # peers that know what our next publish changes (known_by)
         self.pushes_received: Counter[str] = Counter()  # "received", "other_run" (refused)
-        self.on_heard: Callable[[str], object] = self.pusher.heard_from  # a peer pushed to us (the node widens it)
+        self.on_heard: Callable[[str, bool], object] = self.pusher.heard_from  # a peer pushed (hello?): the node widens it
         self._pushed: dict[str, HeadsRecord] = {}  # author -> its newest pushed record, oldest author first
         self._mine: HeadsRecord | None = None  # our last published record
         self._stored_at = -math.inf  # monotonic s of our last DHT store
@@ -196,7 +196,7 @@ class StateSync:
             stored = await self.records()
         except NetworkError:
             return 0
-        reached = await self.pusher.push_now(p for p in stored if p != self.swarm.peer_id)
+        reached = await self.pusher.push_now((p for p in stored if p != self.swarm.peer_id), hello=True)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 while not reached <= self._pushed.keys():
@@ -207,18 +207,20 @@ class StateSync:
     async def publish(self, extra: dict[str, Any], *, store: bool = False) -> None:
         """Publish this node's record: per-fragment [version, digest] plus ``extra`` figures
         (the other fields of :class:`HeadsRecord`). It is pushed to the learners we know
-        (``pusher``, ``st.heads``; to those it is :meth:`known_by` with our next change) every time, and stored in the DHT, where nodes that do not
-        know us yet find it, when ``store`` or ``STORE_EVERY_S`` after the last store
-        (``STORE_ALONE_S`` while we know no other learner).
+        (``pusher``, ``st.heads``; to those it is :meth:`known_by` with our next change; a record
+        that changed only its ``_FIGURES`` at most every ``BEAT_S``), and stored in the DHT, where
+        nodes that do not know us yet find it, when ``store`` or ``STORE_EVERY_S`` after the last
+        store (``STORE_ALONE_S`` while we know no other learner).
 
         Raises:
             NetworkError: the DHT store failed (the push is made all the same).
         """
         record = HeadsRecord(tuple((s.version, s.digest) for s in self.committed()), t=self.swarm.clock.now(),
                              tag=self.tag, **extra)
+        beat = self._mine is not None and replace(record, **_FIGURES) == replace(self._mine, **_FIGURES)
         self._mine = record
         later, self._known_by = self._known_by or (), None
-        self.pusher.set({"r": record.to_wire(), "run": self.run_id}, later)
+        self.pusher.set({"r": record.to_wire(), "run": self.run_id}, later, beat=beat)
         every = STORE_EVERY_S if any(True for _ in self.pusher.audience()) else STORE_ALONE_S
         if store or swarm_clock.monotonic() - self._stored_at >= every:
             await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
@@ -250,7 +252,7 @@ class StateSync:
         self.pushes_received["received"] += 1
         self._pushed_at = swarm_clock.monotonic()
         self._heard.set()
-        self.on_heard(peer)
+        self.on_heard(peer, header.get("hello") is True)  # a node that just started gets our record back
         return {}, b""
 
     def read_age(self) -> float:
