@@ -233,14 +233,19 @@ class Attacker:
                     self.claims.add(item[1])
                     self.max_claim = max(self.max_claim, item[0])
         stored = await self.publish(self.world.heads_key, record)
-        for peer in dict.fromkeys([*self.pushed, *self.known]):  # and pushed, as a node does (st.heads), to the
-            # nodes that push to it and those it read in the DHT (a joining node greets them: StateSync.greet)
+        await self.push_heads(record)
+        return stored
+
+    async def push_heads(self, record: Any, also: Sequence[str] = ()) -> None:
+        """Push ``record`` as a node does (st.heads) to the nodes that push to it and those it read
+        in the DHT (a joining node greets them: StateSync.greet): nodes that receive pushes read
+        the DHT every ``statesync.READ_QUIET_S`` only; ``also``: more peer IDs."""
+        for peer in dict.fromkeys([*self.pushed, *self.known, *also]):
             try:
                 await self.swarm.call(peer, "st.heads", {"r": record, "run": self.world.run_id}, timeout=1.0)
                 self.stats["pushed"] += 1
-            except (NetworkError, ProtocolError):
+            except (NetworkError, ProtocolError, TypeError, ValueError, OverflowError):
                 self.stats["push_failed"] += 1
-        return stored
 
     def zero_state(self, p: int, version: int) -> tuple[str, bytes]:
         """Digest and wire bytes of a fragment state whose Θ and momentum are all zero."""
@@ -349,7 +354,8 @@ async def gathering_crash(atk: Attacker, targets: Sequence[str], until: float) -
 
 
 async def heads_garbage(atk: Attacker, targets: Sequence[str], until: float) -> None:
-    """Heads records of the wrong types, unbounded numbers and huge lists (no state served)."""
+    """Heads records of the wrong types, unbounded numbers and huge lists (no state served),
+    stored in the DHT and pushed."""
     P = atk.world.fragments
     d = "cd" * 32
     records = [
@@ -366,10 +372,9 @@ async def heads_garbage(atk: Attacker, targets: Sequence[str], until: float) -> 
     i = 0
     async for _ in _every(0.7, until):
         item = (records + values)[i % (len(records) + len(values))]
-        if isinstance(item, dict):
-            await atk.publish(atk.world.heads_key, {"t": time.time(), **item})
-        else:
-            await atk.publish(atk.world.heads_key, item)
+        item = {"t": time.time(), **item} if isinstance(item, dict) else item
+        await atk.publish(atk.world.heads_key, item)
+        await atk.push_heads(item, targets)  # and pushed: a node that receives pushes reads the DHT seldom
         atk.stats["heads_records"] += 1
         i += 1
 
