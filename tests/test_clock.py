@@ -122,16 +122,17 @@ def test_gathering_announcements_older_than_the_runs_gathering_window_are_left_o
 
 def test_swarm_status_leaves_out_records_older_than_a_heartbeat() -> None:
     from node.status_view import summarize_swarm  # noqa: PLC0415
-    from p2pdiloco.net.statesync import HEAD_TTL  # noqa: PLC0415
+    from p2pdiloco.net.statesync import STORE_EVERY_S  # noqa: PLC0415
     from p2pdiloco.trust.identity import Identity  # noqa: PLC0415
 
-    live, dead = Identity.generate().peer_id, Identity.generate().peer_id
+    live, stored, dead = (Identity.generate().peer_id for _ in range(3))
     now = 2000.0
     records = {live: {"f": [[3, "a" * 64]], "t": now - 2.0, "name": "live"},
-               dead: {"f": [[5, "a" * 64]], "t": now - HEAD_TTL - 1.0, "name": "dead"},  # kept by the slack
+               stored: {"f": [[3, "a" * 64]], "t": now - STORE_EVERY_S - 5.0, "name": "stored"},  # stores that seldom
+               dead: {"f": [[5, "a" * 64]], "t": now - STORE_EVERY_S - 21.0, "name": "dead"},  # kept by the DHT
                "junk": "not a record"}
     view = summarize_swarm("r", records, now)
-    assert [p["name"] for p in view["peers"]] == ["live"] and view["newest"] == [3]
+    assert [p["name"] for p in view["peers"]] == ["live", "stored"] and view["newest"] == [3]
     assert view["gone"] == 1 and view["malformed"] == 1 and view["peers"][0]["last_seen_s"] == 2.0
 
 

@@ -82,7 +82,7 @@ from p2pdiloco.net.transport import Header, Swarm
 
 log = logging.getLogger(__name__)
 
-HEAD_TTL = 120.0  # seconds a record lives in the DHT without a store (STORE_EVERY_S: 2 of them)
+HEAD_TTL = 240.0  # seconds a record lives in the DHT without a store (STORE_EVERY_S: 2.4 of them)
 STATE_TIMEOUT_S = 3.0  # seconds of a state download's deadline, plus its size over MIN_RATE
 MIN_RATE = 256 * 1024  # bytes/s: the slowest donor link a download waits for
 FIRST_REPLY_S = 1.0  # seconds a holder has to begin its answer once the stream is open, before any download...
@@ -94,7 +94,7 @@ BEAT_S = 20.0  # seconds between pushes to a peer of a record that changed only 
 _FIGURES = {"t": 0.0, "step": 0, "tps": 0.0, "loss": None, "merged": 0, "mine": 0}
 STALE_S = 65.0  # seconds a record may go unchanged before its author counts as gone: one heartbeat may fail
 # (it comes BEAT_S + a publish period, 5 s, after the last; the next after net.pushes.SKIP_S, 30 s)
-STORE_EVERY_S = 50.0  # seconds between DHT stores of our record, for nodes that do not know us yet ...
+STORE_EVERY_S = 100.0  # seconds between DHT stores of our record (~28 kB each among 5), for nodes that do not know us ...
 STORE_ALONE_S = 4.0  # ... but while we know none, every node is one that does not know us: stored this often
 GREET_WAIT_S = 3.0  # seconds a joining node waits for the learners it found to push their records back
 PUSH_DEFER_S = 5.0  # seconds a push waits at most for a peer that knows its change
