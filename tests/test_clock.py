@@ -93,7 +93,7 @@ class _Swarm:
         self.peer_id, self.bans, self.records = "me", {}, records
         self.clock = SwarmClock(local=lambda: now)
 
-    async def get(self, key: str) -> dict:
+    async def get(self, key: str, beam: int | None = None) -> dict:
         return dict(self.records)
 
     def drop(self, peer: str, reason: str) -> None:

@@ -148,6 +148,37 @@ def test_a_record_left_unchanged_for_stale_s_drops_out_so_a_dead_peer_corroborat
     assert set(sync._live(heads(3.0, 7.0))) == {"me", B, C}  # C published again: live again
 
 
+def test_a_node_with_many_peers_beats_less_often_and_its_readers_wait_longer(monkeypatch) -> None:
+    """Heartbeats per node stay at BEATS_PER_S (0.4/s) at most: 20 s to each of up to 8 peers,
+    ceil(15 / 0.4) = 38 s to each of 15; a record states its period and is stale after
+    STALE_S + 2 * (period - 20): 65 s at 20, 101 s at 38 (one heartbeat may fail)."""
+    from p2pdiloco.errors import ProtocolError
+    from p2pdiloco.net.pushes import STALE_S, beat_period, stale_after
+    from p2pdiloco.net.records import parse_heads
+
+    assert [beat_period(n) for n in (0, 3, 8, 9, 15, 63)] == [20, 20, 20, 23, 38, 158]
+    assert (stale_after(20), stale_after(38)) == (STALE_S, 101.0) and STALE_S == 65.0
+    wire = HeadsRecord(((4, D1),), beat=38).to_wire()
+    assert wire["b"] == 38 and parse_heads(wire, 1).beat == 38
+    assert parse_heads({"f": [[4, D1]]}, 1).beat == 20  # a record without "b": the shortest period
+    for bad in (0, 601, 20.0, True, "38"):
+        with pytest.raises(ProtocolError):
+            parse_heads({**wire, "b": bad}, 1)
+
+    now = [1000.0]
+    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
+    sync = StateSync(_Swarm(), "run", [], lambda: [])
+    records = {"me": HeadsRecord(((48, D1),), t=5.0), B: HeadsRecord(((48, D1),), t=1.0),
+               C: HeadsRecord(((48, D1),), t=1.0, beat=38)}
+    assert set(sync._live(records)) == {"me", B, C}
+    now[0] += 65.5
+    assert set(sync._live(records)) == {"me", C}  # B (20 s) is gone; C (38 s) has until 101 s
+    now[0] += 101.0 - 65.5
+    assert set(sync._live(records)) == {"me", C}
+    now[0] += 0.5
+    assert set(sync._live(records)) == {"me"}
+
+
 def test_the_first_reply_deadline_follows_recent_transfers_within_its_bounds() -> None:
     from p2pdiloco.net.statesync import FIRST_REPLY_FACTOR, FIRST_REPLY_MIN_S, FIRST_REPLY_S, STATE_TIMEOUT_S
 
@@ -211,7 +242,7 @@ async def test_a_dead_peer_ignored_for_a_while_is_still_stale_when_its_ignore_en
         def drop(self, peer, reason):
             raise AssertionError(f"{peer} dropped: {reason}")
 
-        async def get(self, key):
+        async def get(self, key, beam=None):
             return {me: HeadsRecord(((48, ours.digest),), t=now[0]).to_wire(),
                     b: HeadsRecord(((49, D2),), t=self.t_b).to_wire(),
                     c: HeadsRecord(((2, D3),), t=5.0).to_wire()}  # c died: its record never changes

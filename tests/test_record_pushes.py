@@ -18,6 +18,7 @@ from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.net.pushes import Pusher
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.statesync import READ_EVERY_S, READ_QUIET_S, STORE_ALONE_S, STORE_EVERY_S, StateSync
+from p2pdiloco.trust.identity import Identity
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_daemon_left")]
 
@@ -264,3 +265,28 @@ async def test_a_joining_node_greets_the_learners_it_found_and_has_their_fresh_r
             await until(lambda: sync_b.pushes_received["received"] == got + 1, 10, "a's answer to the hello", every=0.05)
         finally:
             task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_nine_nodes_find_every_record_with_narrow_dht_searches_and_beat_by_their_audience():
+    """Stores and every read after a node's first visit NARROW_BEAM (5) DHT peers, not all of
+    them: over real sockets with 9 nodes (more than the beam), a node's narrow read still finds
+    all 9 records, as its first, full read did. A node that pushes to 15 peers beats every 38 s
+    and says so in its record (net.pushes.beat_period)."""
+    async with swarms(9) as peers:
+        held, syncs = await started_syncs(*peers)
+        for i, sync in enumerate(syncs):
+            await sync.publish({"name": f"n{i}"})  # the first publish is stored (narrow)
+        reader = syncs[-1]
+        first = await reader.records()  # full search
+        assert set(first) == {s.peer_id for s in peers}
+        held[peers[3].peer_id] = [state(1)]
+        await syncs[3].publish({"name": "n3"}, store=True)
+        again = await reader.records(max_dht_age=0.0)  # narrow search
+        assert set(again) == set(first) and again[peers[3].peer_id].fragments[0][0] == 1
+        assert all(r.beat == 20 for r in again.values())  # nobody had an audience
+
+        audience = [s.peer_id for s in peers[1:]] + [Identity.generate().peer_id for _ in range(7)]
+        syncs[0].pusher.audience = lambda: audience + audience[:3]  # 15 distinct peers
+        await syncs[0].publish({"name": "n0"})
+        assert syncs[0].pusher.beat_every == 38 and syncs[0]._mine.beat == 38

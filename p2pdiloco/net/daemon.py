@@ -207,6 +207,7 @@ async def start_dht(p2p: P2P, initial_peers: Sequence[str], bootstrap_timeout: f
             wait_timeout=3,
             record_validator=records,
             strict=strict,
+            cache_refresh_before_expiry=0,  # no hidden re-reads: the node reads the DHT when it needs to
         )
     except Exception as e:
         await p2p.shutdown()

@@ -256,12 +256,13 @@ class MemoryHost:
 
 class MemoryDHT:
     """A peer's DHT node: the part of hivemind's ``DHTNode`` that ``Swarm`` uses, over the
-    replicas of :class:`MemoryNet` (see the module docstring)."""
+    replicas of :class:`MemoryNet` (see the module docstring; a search's ``beam_size`` changes
+    nothing here: every reachable peer holds a replica)."""
 
     def __init__(self, net: MemoryNet, peer_id: str, validator: SignedRecords):
         self.net, self.peer_id, self.validator = net, peer_id, validator
 
-    async def store(self, key: str, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+    async def store(self, key: str, value: Any, expiration_time: float, subkey: Any = None, beam_size: int = 0) -> bool:
         self.net.dht_stores[self.peer_id] += 1
         key_id = DHTID.generate(source=key).to_bytes()
         subkey_bytes = MSGPackSerializer.dumps(subkey)
@@ -277,7 +278,7 @@ class MemoryDHT:
                     entries[subkey_bytes] = (signed, expiration_time)
         return True
 
-    async def get(self, key: str, latest: bool = True) -> ValueWithExpiration | None:
+    async def get(self, key: str, latest: bool = True, beam_size: int = 0) -> ValueWithExpiration | None:
         self.net.dht_gets[self.peer_id] += 1
         key_id = DHTID.generate(source=key).to_bytes()
         now = self.net.wall()

@@ -21,7 +21,8 @@ A change that only refreshes figures (``set``'s ``beat``: a heads record whose v
 digests and settings are those of the last substantive change) is a heartbeat: a peer that
 holds the last substantive change gets it only ``beat_every`` seconds after its last push, so
 a node training between rounds costs each peer one push per ``beat_every``, not one per
-publish (``statesync.STALE_S`` allows for it).
+publish; a heads record's ``beat_every`` grows with the audience (:func:`beat_period`), and
+its readers count its author gone only after :func:`stale_after` of it.
 What a receiver does with a push is its owner's business (``net.gatherings``, ``net.statesync``): the
 transport authenticates the pusher, so a pushed value is its author's own, like a DHT record
 under the author's peer ID.
@@ -38,14 +39,32 @@ from typing import Any
 
 from p2pdiloco.errors import NetworkError, ProtocolError
 from p2pdiloco.net import clock as swarm_clock
+from p2pdiloco.net.records import BEAT_S
 from p2pdiloco.net.transport import Swarm
 
-__all__ = ["Pusher", "MAX_AUDIENCE", "MAX_PUSHED", "PUSH_TIMEOUT_S", "SKIP_S"]
+__all__ = ["Pusher", "MAX_AUDIENCE", "MAX_PUSHED", "PUSH_TIMEOUT_S", "SKIP_S", "STALE_S", "beat_period", "stale_after"]
 
 MAX_AUDIENCE = 64  # learners a value is pushed to at most
 MAX_PUSHED = 1024  # authors whose newest push a receiver keeps (the oldest go first)
 PUSH_TIMEOUT_S = 1.0  # seconds for one push ...
 SKIP_S = 30.0  # ... and a peer that failed one gets none for this long (seconds)
+BEATS_PER_S = 0.4  # heartbeats a node pushes per second at most, to all its peers together (beat_period)
+STALE_S = 65.0  # seconds a record stating records.BEAT_S may go unchanged before its author counts as gone: one
+# heartbeat may fail (it comes BEAT_S + a publish period, 5 s, after the last; the next after SKIP_S)
+
+
+def beat_period(audience: int) -> int:
+    """Seconds between two heartbeats to one peer of a node that pushes to ``audience`` peers:
+    ``records.BEAT_S`` (20), or more so that it sends ``BEATS_PER_S`` heartbeats a second at
+    most in all (38 s at 15 peers): a node's heartbeat bytes stay bounded as the swarm grows
+    (issue 13), and its heads record states the period (``HeadsRecord.beat``) for its readers."""
+    return max(BEAT_S, math.ceil(audience / BEATS_PER_S))
+
+
+def stale_after(beat: float) -> float:
+    """Seconds a record stating heartbeats every ``beat`` seconds may go unchanged before its
+    author counts as gone: one heartbeat may fail (``STALE_S`` at ``records.BEAT_S``)."""
+    return STALE_S + 2 * (beat - BEAT_S)
 
 
 class Pusher:

@@ -15,14 +15,13 @@ Bounds (module constants; far above anything an honest peer sends):
 * digests: 64 lower-case hex digits (sha256); round IDs: 1 to ``MAX_ROUND_ID`` characters;
 * fragment indices: ``0 <= p < num_fragments`` (the run's P, at most ``MAX_FRAGMENTS``);
 * member lists: 1 to ``MAX_GROUP`` Ed25519 peer IDs, sorted, no duplicates;
-* counters (tokens, steps): ``0 <= n <= MAX_COUNT`` (2**53, exact in a float);
-* other numbers finite; names and states at most ``MAX_TEXT`` characters;
-* signatures 64 bytes, public keys 32 bytes;
+* counters (tokens, steps): ``0 <= n <= MAX_COUNT`` (2**53, exact in a float); heartbeat
+  periods 1 to ``MAX_BEAT_S`` seconds; other numbers finite; names and states at most
+  ``MAX_TEXT`` characters; signatures 64 bytes, public keys 32 bytes;
 * link rates (``mm.join``'s ``bw``): 0 to ``MAX_RATE_KIB`` KiB/s; all-reduce shares: one
   integer in [0, ``SHARE_GRID``] per member, summing to 1 .. ``SHARE_GRID`` (or absent: equal).
 
-Integers must be ``int`` (not ``bool``, not ``float``): msgpack keeps the distinction, and
-an honest peer never sends a float where an integer belongs.
+Integers must be ``int`` (not ``bool``, not ``float``): msgpack keeps the distinction.
 """
 
 from __future__ import annotations
@@ -45,6 +44,8 @@ MAX_TEXT = 64
 MAX_COUNT = 2**53
 MAX_RECORD_KEYS = 32
 MAX_RATE_KIB = 2**32  # KiB/s: 4 TiB/s
+BEAT_S = 20  # seconds: the shortest heartbeat period a node states (statesync.beat_period), and a record's without "b"
+MAX_BEAT_S = 600
 SHARE_GRID = 1000  # all-reduce shares are integers in [0, SHARE_GRID] (shares.bandwidth_shares)
 _HEX = frozenset("0123456789abcdef")
 
@@ -96,8 +97,7 @@ def round_id(x: Any) -> str:
 
 
 def members(x: Any) -> tuple[str, ...]:
-    """A group's member list: 1 to MAX_GROUP Ed25519 peer IDs, sorted, no duplicates.
-    The length is checked before any peer ID is decoded (a list of 100,000 costs nothing)."""
+    """A group's member list: 1 to MAX_GROUP sorted, distinct Ed25519 peer IDs (length checked first)."""
     if not isinstance(x, list) or not 1 <= len(x) <= MAX_GROUP:
         raise ProtocolError(f"members: expected a list of 1 to {MAX_GROUP} peer IDs")
     if not all(isinstance(m, str) for m in x) or x != sorted(set(x)):
@@ -108,9 +108,8 @@ def members(x: Any) -> tuple[str, ...]:
 
 
 def shares(x: Any, group_size: int) -> tuple[int, ...]:
-    """All-reduce shares of a group (``core.fragments.assign_parts``): absent (None) or empty
-    means equal shares, ``()``; else ``group_size`` integers in [0, SHARE_GRID] whose sum is
-    in [1, SHARE_GRID]. The length is checked before the items."""
+    """All-reduce shares of a group (``core.fragments.assign_parts``): absent or empty means equal
+    shares, ``()``; else ``group_size`` integers in [0, SHARE_GRID] summing to 1 .. SHARE_GRID."""
     if x is None or x == []:
         return ()
     if not isinstance(x, list) or len(x) != group_size:
@@ -158,8 +157,9 @@ class HeadsRecord:
             ours is of the same run but cannot merge with us: its claims are not heads for us.
         merged: tokens the swarm merged into the states it holds (``core.outer.run_tokens``).
         mine: tokens of its own that rounds merged (its share of ``merged``).
-        reach: how peers can dial it as it says (``Reachability.state``: "public",
-            "behind NAT", "relayed", ...; "" when not stated).
+        reach: how peers can dial it as it says (``Reachability.state``; "" when not stated).
+        beat: seconds between its heartbeats to each peer at most (``statesync.beat_period``):
+            readers count it gone after ``statesync.stale_after(beat)`` without a change.
     """
 
     fragments: tuple[tuple[int, str] | None, ...]
@@ -175,13 +175,14 @@ class HeadsRecord:
     merged: int = 0
     mine: int = 0
     reach: str = ""
+    beat: int = BEAT_S
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able form that :func:`parse_heads` reads back."""
         return {"f": [list(f) if f is not None else None for f in self.fragments], "r": list(self.rounds),
                 "t": self.t, "name": self.name, "state": self.state, "done": self.done, "step": self.step,
                 "tps": self.tps, "loss": self.loss, "g": self.tag, "m": self.merged, "k": self.mine,
-                "reach": self.reach}
+                "reach": self.reach, "b": self.beat}
 
     def without(self, index: int) -> HeadsRecord:
         """The same record with fragment ``index``'s claim replaced by None."""
@@ -224,7 +225,7 @@ def parse_heads(value: Any, num_fragments: int | None = None) -> HeadsRecord:
         _int(rec.get("step", 0), "step"), _finite(rec.get("tps", 0.0), "tps"),
         None if loss is None else _finite(loss, "loss"), _text(rec.get("g", ""), "tag"),
         _int(rec.get("m", 0), "merged tokens", 0, MAX_COUNT), _int(rec.get("k", 0), "own merged tokens", 0, MAX_COUNT),
-        _text(rec.get("reach", ""), "reach"))
+        _text(rec.get("reach", ""), "reach"), _int(rec.get("b", BEAT_S), "beat", 1, MAX_BEAT_S))
 
 
 def _bool(x: Any, what: str) -> bool:
@@ -581,9 +582,8 @@ def parse_dialback_answer(header: Any) -> DialbackAnswer:
 
 
 def parse_many(values: dict[str, Any], parse, *args) -> tuple[dict[str, Any], list[str]]:
-    """Parse every ``{peer ID: value}`` of a DHT read: (parsed, peers whose value failed).
-    Subkeys that are not Ed25519 peer IDs are skipped (the DHT accepts owner-only records
-    only under the author's own peer ID)."""
+    """Parse every ``{peer ID: value}`` of a DHT read: (parsed, peers whose value failed). Subkeys
+    that are not Ed25519 peer IDs are skipped (owner-only records live under the author's ID)."""
     good, bad = {}, []
     for peer, value in values.items():
         if not is_peer_id(peer):

@@ -8,16 +8,15 @@ counted per peer). Readers pick, per fragment, the newest version; at a version 
 two digests (two groups merged the same version: split brain, invariant I7) the digest held
 by more peers wins, ties to the smaller digest, so every node resolves it the same way and
 the losers re-sync. A node pushes its record to the learners it knows on every publish that
-changes a version, digest or setting, and at most every ``BEAT_S`` to each otherwise (a
-heartbeat: ``st.heads``, ``net.pushes``), and stores it in the DHT on a publish
+changes a version, digest or setting, and at most every :func:`beat_period` s to each
+otherwise (a heartbeat: ``st.heads``, ``net.pushes``), and stores it in the DHT on a publish
 ``STORE_EVERY_S`` or more after its last store (``STORE_ALONE_S`` while it knows no other
 learner), for nodes that do not know it yet; readers that can (the node's ``SwarmView``)
 reuse a DHT read with the newer pushes merged in, for ``READ_EVERY_S`` while no peer pushes
-to them and for ``READ_QUIET_S`` while peers do (:meth:`StateSync.read_age`): issue 13 of this
-project, every DHT read and store is a Kademlia traversal whose answers carry every node's
-record, about 9-12 kB among 5 peers (docs/benchmarks/control_plane.md). A node
-that joins reads the DHT, pushes its record to every node it found there, and so enters their
-views (and their audiences) at once; the DHT is how it finds them, not how they follow it.
+to them and for ``READ_QUIET_S`` while peers do (:meth:`StateSync.read_age`); after the first
+read, reads and stores visit ``NARROW_BEAM`` peers (issue 13: each answer carries every record).
+A node that joins reads the DHT, pushes its record to every node it found there, and so enters
+their views (and audiences) at once; the DHT is how it finds them, not how they follow it.
 
 Transfer: ``state.get`` returns a fragment's Θ and outer momentum (fp32) with its version
 and digest; the receiver recomputes the digest over the bytes it got and installs nothing
@@ -76,9 +75,9 @@ from p2pdiloco.net import wire
 from p2pdiloco.net.bounded_moves import FOLLOW_HISTORY, distance, implausible
 from p2pdiloco.net.gatherings import FUTURE_SLACK_S
 from p2pdiloco.net.heads import LEAD, ROLLBACK_MAX, Head, claim_ceiling
-from p2pdiloco.net.pushes import MAX_PUSHED, Pusher
+from p2pdiloco.net.pushes import MAX_PUSHED, STALE_S, Pusher, beat_period, stale_after
 from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.transport import Header, Swarm
+from p2pdiloco.net.transport import NARROW_BEAM, Header, Swarm
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +89,8 @@ FIRST_REPLY_FACTOR = 4.0  # ... then this many times the slowest recent download
 FIRST_REPLY_MIN_S = 0.5  # ... but never less than this (seconds), nor more than STATE_TIMEOUT_S
 IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its first strike (doubling)
 IGNORE_MAX_S = 600.0
-BEAT_S = 20.0  # seconds between pushes to a peer of a record that changed only these (a heartbeat):
-_FIGURES = {"t": 0.0, "step": 0, "tps": 0.0, "loss": None, "merged": 0, "mine": 0}
-STALE_S = 65.0  # seconds a record may go unchanged before its author counts as gone: one heartbeat may fail
-# (it comes BEAT_S + a publish period, 5 s, after the last; the next after net.pushes.SKIP_S, 30 s)
+_FIGURES = {"t": 0.0, "step": 0, "tps": 0.0, "loss": None, "merged": 0, "mine": 0, "beat": 0}  # a record that
+# changed only these is a heartbeat: pushed to a peer every beat_period seconds at most
 STORE_EVERY_S = 100.0  # seconds between DHT stores of our record (~28 kB each among 5), for nodes that do not know us ...
 STORE_ALONE_S = 4.0  # ... but while we know none, every node is one that does not know us: stored this often
 GREET_WAIT_S = 3.0  # seconds a joining node waits for the learners it found to push their records back
@@ -141,7 +138,7 @@ class StateSync:
         self._donors: dict[str, None] = {}  # holders that delivered a state to us (insertion-ordered set)
         self._took: deque[float] = deque(maxlen=FOLLOW_HISTORY)  # seconds of recent successful downloads
         self._changed: dict[str, tuple[float, float]] = {}  # peer -> (its record's t, monotonic s we first saw it)
-        self.pusher = Pusher(swarm, "st.heads", PUSH_DEFER_S, 1, BEAT_S)  # pushes our record to the learners we know
+        self.pusher = Pusher(swarm, "st.heads", PUSH_DEFER_S, 1, rec.BEAT_S)  # pushes our record to the learners we know
         self._known_by: set[str] | None = None  # peers that know what our next publish changes (known_by)
         self.pushes_received: Counter[str] = Counter()  # "received", "other_run" (refused)
         self.on_heard: Callable[[str, bool], object] = self.pusher.heard_from  # a peer pushed (hello?): the node widens it
@@ -208,22 +205,24 @@ class StateSync:
         """Publish this node's record: per-fragment [version, digest] plus ``extra`` figures
         (the other fields of :class:`HeadsRecord`). It is pushed to the learners we know
         (``pusher``, ``st.heads``; to those it is :meth:`known_by` with our next change; a record
-        that changed only its ``_FIGURES`` at most every ``BEAT_S``), and stored in the DHT, where
+        that changed only its ``_FIGURES`` at most every :func:`beat_period`), and stored in the DHT, where
         nodes that do not know us yet find it, when ``store`` or ``STORE_EVERY_S`` after the last
         store (``STORE_ALONE_S`` while we know no other learner).
 
         Raises:
             NetworkError: the DHT store failed (the push is made all the same).
         """
+        audience = len(set(self.pusher.audience()))
+        self.pusher.beat_every = beat_period(audience)
         record = HeadsRecord(tuple((s.version, s.digest) for s in self.committed()), t=self.swarm.clock.now(),
-                             tag=self.tag, **extra)
+                             tag=self.tag, beat=self.pusher.beat_every, **extra)
         beat = self._mine is not None and replace(record, **_FIGURES) == replace(self._mine, **_FIGURES)
         self._mine = record
         later, self._known_by = self._known_by or (), None
         self.pusher.set({"r": record.to_wire(), "run": self.run_id}, later, beat=beat)
-        every = STORE_EVERY_S if any(True for _ in self.pusher.audience()) else STORE_ALONE_S
+        every = STORE_EVERY_S if audience else STORE_ALONE_S
         if store or swarm_clock.monotonic() - self._stored_at >= every:
-            await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL)
+            await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL, beam=NARROW_BEAM)
             self._stored_at = swarm_clock.monotonic()
 
     async def _on_heads(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
@@ -286,7 +285,7 @@ class StateSync:
         ignoring = self.ignoring()
         if swarm_clock.monotonic() - self._read[0] >= max_dht_age:
             began = swarm_clock.monotonic()
-            stored = await self.swarm.get(self.heads_key)
+            stored = await self.swarm.get(self.heads_key, beam=NARROW_BEAM if self._read[2] else None)
             values = {p: v for p, v in stored.items() if p not in self.swarm.bans and p not in ignoring}
             parsed, bad = rec.parse_many(values, rec.parse_heads, len(self.fragments))
             for peer in bad:
@@ -320,7 +319,7 @@ class StateSync:
         return out
 
     def _live(self, records: dict[str, HeadsRecord]) -> dict[str, HeadsRecord]:
-        """``records`` without those whose ``t`` has not changed for ``STALE_S`` seconds since
+        """``records`` without those whose ``t`` has not changed for :func:`stale_after` s since
         this node first saw it (this node's clock only: authors' clocks differ). A record seen
         for the first time counts as live. Peers left out of ``records`` (ignored for a while)
         keep their watch, so a dead peer does not look new when its ignore ends."""
@@ -328,7 +327,8 @@ class StateSync:
         for p, r in records.items():
             if p not in self._changed or self._changed[p][0] != r.t:
                 self._changed[p] = (r.t, now)
-        return {p: r for p, r in records.items() if p == self.swarm.peer_id or now - self._changed[p][1] <= STALE_S}
+        me = self.swarm.peer_id
+        return {p: r for p, r in records.items() if p == me or now - self._changed[p][1] <= stale_after(r.beat)}
 
     def _malformed(self, peer: str, value: Any) -> None:
         """A heads record that does not parse: signed by ``peer``, so it is banned, unless the

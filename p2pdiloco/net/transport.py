@@ -93,6 +93,8 @@ TARPIT_MAX = 256  # ... and this many in all
 MAX_STREAMS_PER_PEER = 16  # inbound streams served at once for one peer (mm.join holds one ~2 min)
 MAX_STREAMS = 512  # inbound streams served at once in all
 DEFAULT_MAX_REPLY = 1 << 20  # bytes: reply payload a call accepts unless told otherwise
+NARROW_BEAM = 5  # DHT peers a search keeps (hivemind's num_replicas: those that hold a value), instead of the
+# bucket size, 20, which at 16 nodes visits all of them, each answer carrying every record under the key (issue 13)
 
 Handler = Callable[[str, Header, bytes], Awaitable[tuple[Header, bytes]]]
 _BUSY = frame({"error": "busy"}, 0)
@@ -290,24 +292,28 @@ class Swarm:
         return out
 
     # ---- DHT ----------------------------------------------------------------------------
-    async def store(self, key: str, subkey: str, value: Any, ttl: float) -> bool:
+    async def store(self, key: str, subkey: str, value: Any, ttl: float, *, beam: int | None = None) -> bool:
         """Store ``value`` (msgpack-able) under ``key``/``subkey`` for ``ttl`` seconds of the
         swarm's time (:attr:`clock`), plus ``clock.TOLERANCE_S`` seconds of slack: every node
         drops a record by its own clock, and one whose clock is up to that far ahead must still
         see it. Readers that need a record's age read its ``t`` field (swarm time), not the
-        DHT's expiry."""
+        DHT's expiry. ``beam``: the search for the peers nearest the key keeps this many
+        candidates (hivemind's ``beam_size``; None: its bucket size, 20; ``NARROW_BEAM``)."""
         expiration = self.clock.now() + ttl + swarm_clock.TOLERANCE_S
         self.stats.dht[f"store:{record_kind(key)}"] += 1
+        narrow = {} if beam is None else {"beam_size": beam}
         try:
-            return bool(await self._dht.store(key, value, expiration, subkey=subkey))
+            return bool(await self._dht.store(key, value, expiration, subkey=subkey, **narrow))
         except Exception as e:
             raise NetworkError(f"DHT store of {key!r} failed: {_short(e)}") from None
 
-    async def get(self, key: str) -> dict[str, Any]:
-        """Latest non-expired values under ``key`` as {subkey: value}; {} when none."""
+    async def get(self, key: str, *, beam: int | None = None) -> dict[str, Any]:
+        """Latest non-expired values under ``key`` as {subkey: value}, merged from every peer the
+        search visits; {} when none. ``beam`` as in :meth:`store`."""
         self.stats.dht[f"get:{record_kind(key)}"] += 1
+        narrow = {} if beam is None else {"beam_size": beam}
         try:
-            found = await self._dht.get(key, latest=True)
+            found = await self._dht.get(key, latest=True, **narrow)
         except Exception as e:
             raise NetworkError(f"DHT get of {key!r} failed: {_short(e)}") from None
         if found is None or not isinstance(found.value, dict):
