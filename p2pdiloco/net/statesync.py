@@ -81,7 +81,7 @@ from p2pdiloco.net.transport import NARROW_BEAM, Header, Swarm
 
 log = logging.getLogger(__name__)
 
-HEAD_TTL = 240.0  # seconds a record lives in the DHT without a store (STORE_EVERY_S: 2.4 of them)
+HEAD_TTL = 720.0  # seconds a record lives in the DHT without a store (STORE_EVERY_S: 2.4 of them)
 STATE_TIMEOUT_S = 3.0  # seconds of a state download's deadline, plus its size over MIN_RATE
 MIN_RATE = 256 * 1024  # bytes/s: the slowest donor link a download waits for
 FIRST_REPLY_S = 1.0  # seconds a holder has to begin its answer once the stream is open, before any download...
@@ -91,12 +91,12 @@ IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its fi
 IGNORE_MAX_S = 600.0
 _FIGURES = {"t": 0.0, "step": 0, "tps": 0.0, "loss": None, "merged": 0, "mine": 0, "beat": 0}  # a record that
 # changed only these is a heartbeat: pushed to a peer every beat_period seconds at most
-STORE_EVERY_S = 100.0  # seconds between DHT stores of our record (~28 kB each among 5), for nodes that do not know us ...
+STORE_EVERY_S = 300.0  # seconds between DHT stores of our record (tens of kB at 16 nodes), for nodes that know us not ...
 STORE_ALONE_S = 4.0  # ... but while we know none, every node is one that does not know us: stored this often
 GREET_WAIT_S = 3.0  # seconds a joining node waits for the learners it found to push their records back
 PUSH_DEFER_S = 5.0  # seconds a push waits at most for a peer that knows its change
 READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused while no peer pushes to us ...
-READ_QUIET_S = 120.0  # ... and while peers do (STALE_S): a newcomer pushes to us first (greet)
+READ_QUIET_S = 300.0  # ... and while peers do (STALE_S): a newcomer pushes to us first (greet)
 
 
 class StateSync:

@@ -394,12 +394,13 @@ async def _claim_ahead(atk: Attacker, until: float, ahead: int, every: float, fr
         atk.stats["claims"] += 1
 
 
-def _asked(atk: Attacker, header: dict, current: dict[int, tuple[int, str]]) -> tuple[int, int, str, int]:
+def _asked(atk: Attacker, peer: str, header: dict, current: dict[int, tuple[int, str]]) -> tuple[int, int, str, int]:
     """(fragment asked for, the version and digest we claim for it, answers given so far),
-    counting this one."""
+    counting this one (in all, and ``state_answers:{peer}`` for the node that asked)."""
     p = header.get("f") if type(header.get("f")) is int and 0 <= header["f"] < atk.world.fragments else 0
     n = atk.stats["state_answers"]
     atk.stats["state_answers"] += 1
+    atk.stats[f"state_answers:{peer}"] += 1
     return (p, *current.get(p, (1, random_digest())), n)
 
 
@@ -408,7 +409,7 @@ async def state_answer_crash(atk: Attacker, targets: Sequence[str], until: float
     current: dict[int, tuple[int, str]] = {}
 
     async def on_get(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
-        p, v, d, n = _asked(atk, header, current)
+        p, v, d, n = _asked(atk, peer, header, current)
         bad = float("inf") if n % 2 == 0 else 2**63
         return {"v": bad, "d": d, "l": NO_LEDGER}, bytes(atk.world.state_bytes(p))
 
@@ -422,7 +423,7 @@ async def state_answer_garbage(atk: Attacker, targets: Sequence[str], until: flo
     current: dict[int, tuple[int, str]] = {}
 
     async def on_get(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
-        p, v, d, n = _asked(atk, header, current)
+        p, v, d, n = _asked(atk, peer, header, current)
         size = atk.world.state_bytes(p)
         mode = n % 5
         if mode == 0:

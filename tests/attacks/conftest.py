@@ -17,7 +17,8 @@ requirements it broke (empty: the honest nodes shrugged the attack off):
 * log growth within a few times the baseline's (a flood must not flood the disk);
 * no exception caught inside a node (``internal_errors`` unchanged, where reported);
 * the attacker's peer ID in ``bans`` (``expect="ban"``) or in ``bans``/``ignored``/``passed_over``/
-  ``dropped`` (``expect="ignore"``) of the nodes it attacked, within ``POST_WAIT`` seconds.
+  ``dropped`` (``expect="ignore"``) of the nodes it attacked, within ``POST_WAIT`` seconds
+  (``expect`` may be a function of the attacker's stats and an observer's peer ID).
 
 A swarm that an attack crashed or took over is replaced by a fresh one (new baseline) before
 the next test, so every test measures its own attack.
@@ -85,7 +86,8 @@ class Window:
     claims: set[str] = field(default_factory=set)
     max_claim: int = 0
     error: str = ""  # the attack coroutine itself failed (a bug in the attacker, not a finding)
-    expect: str | None = None  # what the nodes had to do with the attacker: "ban", "ignore" or nothing
+    expect: dict[int, str | None] = field(default_factory=dict)  # per observer: what it had to do with the
+    # attacker, "ban", "ignore" or nothing
 
     def all(self) -> list[Sample]:
         return self.samples + self.post
@@ -271,14 +273,14 @@ class PublicSwarm:
                 w.error = repr(task.exception())
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            w.expect = expect = expect(atk.stats) if callable(expect) else expect
+            w.expect = {i: expect(atk.stats, self.peer_ids[i]) if callable(expect) else expect for i in observers}
             end = time.monotonic() + post_wait
             while time.monotonic() < end:
                 if not all(w.all()[-1].alive):
                     break
                 ok_equal = any(_equal(s) for s in w.all())
                 last = w.all()[-1].status
-                ok_expect = expect is None or all(_expected(last[i], atk.peer_id, expect) for i in observers)
+                ok_expect = all(e is None or _expected(last[i], atk.peer_id, e) for i, e in w.expect.items())
                 if ok_equal and ok_expect:
                     break
                 await asyncio.sleep(SAMPLE_S)
@@ -383,15 +385,13 @@ class PublicSwarm:
                 grown = max((s.fds[i] or 0) for s in w.all()) - (w.samples[0].fds[i] or 0)
                 if grown > fds_limit:
                     out.append(f"n{i}: {grown} more open descriptors under attack (limit {fds_limit})")
-        expect = w.expect
-        if expect is not None:
-            last = w.all()[-1].status
-            for i in observers:
-                if not _expected(last[i], w.attacker, expect):
-                    where = "bans" if expect == "ban" else ", ".join(IGNORING)
-                    out.append(f"n{i}: the attacker {w.attacker[-8:]} is not in its {where} "
-                               f"(bans={_keys(last[i], 'bans') and sorted(k[-8:] for k in _keys(last[i], 'bans'))}, "
-                               f"status has {[k for k in IGNORING if k in (last[i] or {})]})")
+        last = w.all()[-1].status
+        for i, expect in w.expect.items():
+            if expect is not None and not _expected(last[i], w.attacker, expect):
+                where = "bans" if expect == "ban" else ", ".join(IGNORING)
+                out.append(f"n{i}: the attacker {w.attacker[-8:]} is not in its {where} "
+                           f"(bans={_keys(last[i], 'bans') and sorted(k[-8:] for k in _keys(last[i], 'bans'))}, "
+                           f"status has {[k for k in IGNORING if k in (last[i] or {})]})")
         return out
 
     def attack(self, name: str, attack, seconds: float, *, expect, observers: tuple[int, ...] = (0, 1),
