@@ -156,7 +156,7 @@ def test_a_node_with_many_peers_beats_less_often_and_its_readers_wait_longer(mon
     from p2pdiloco.net.pushes import STALE_S, beat_period, stale_after
     from p2pdiloco.net.records import parse_heads
 
-    assert [beat_period(n) for n in (0, 3, 8, 9, 15, 63)] == [20, 20, 20, 23, 38, 158]
+    assert [beat_period(n) for n in (0, 3, 8, 9, 15, 63, 64, 1000)] == [20, 20, 20, 23, 38, 158, 160, 160]
     assert (stale_after(20), stale_after(38)) == (STALE_S, 101.0) and STALE_S == 65.0
     wire = HeadsRecord(((4, D1),), beat=38).to_wire()
     assert wire["b"] == 38 and parse_heads(wire, 1).beat == 38

@@ -56,9 +56,10 @@ STALE_S = 65.0  # seconds a record stating records.BEAT_S may go unchanged befor
 def beat_period(audience: int) -> int:
     """Seconds between two heartbeats to one peer of a node that pushes to ``audience`` peers:
     ``records.BEAT_S`` (20), or more so that it sends ``BEATS_PER_S`` heartbeats a second at
-    most in all (38 s at 15 peers): a node's heartbeat bytes stay bounded as the swarm grows
-    (issue 13), and its heads record states the period (``HeadsRecord.beat``) for its readers."""
-    return max(BEAT_S, math.ceil(audience / BEATS_PER_S))
+    most in all (38 s at 15 peers, 160 s at ``MAX_AUDIENCE`` or more): a node's heartbeat bytes
+    stay bounded as the swarm grows (issue 13), and its heads record states the period
+    (``HeadsRecord.beat``) for its readers."""
+    return max(BEAT_S, math.ceil(min(audience, MAX_AUDIENCE) / BEATS_PER_S))
 
 
 def stale_after(beat: float) -> float:
