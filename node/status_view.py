@@ -258,7 +258,7 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
     """Every peer's record and the swarm's newest fragment versions, as one JSON-able dict.
     Records are parsed at the one boundary (``p2pdiloco.net.records.parse_heads``); those that
     do not parse, or list another fragment count than most, are counted as ``malformed``;
-    those published more than ``STORE_EVERY_S`` + 20 seconds before ``now`` (Unix seconds of the
+    those published more than ``STORE_EVERY_S`` + 60 seconds before ``now`` (Unix seconds of the
     swarm's time, ``Swarm.clock``; default this machine's clock) as ``gone``: a live node stores
     its record that often (on a publish, every 5 s), and the DHT keeps records for ``HEAD_TTL``
     and longer, for nodes whose clocks are ahead."""
@@ -273,7 +273,7 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
     n = max(sizes, key=lambda k: (sizes[k], k)) if sizes else 0
     good = {p: r for p, r in good.items() if len(r.fragments) == n}
     malformed = len(records) - len(good)
-    good = {p: r for p, r in good.items() if now - r.t <= STORE_EVERY_S + 20.0}
+    good = {p: r for p, r in good.items() if now - r.t <= STORE_EVERY_S + 60.0}  # a late publish is not gone
     heads = newest_heads(good, n)
     peers = []
     for peer, r in sorted(good.items(), key=lambda kv: kv[1].name):

@@ -129,7 +129,7 @@ def test_swarm_status_leaves_out_records_older_than_a_heartbeat() -> None:
     now = 2000.0
     records = {live: {"f": [[3, "a" * 64]], "t": now - 2.0, "name": "live"},
                stored: {"f": [[3, "a" * 64]], "t": now - STORE_EVERY_S - 5.0, "name": "stored"},  # stores that seldom
-               dead: {"f": [[5, "a" * 64]], "t": now - STORE_EVERY_S - 21.0, "name": "dead"},  # kept by the DHT
+               dead: {"f": [[5, "a" * 64]], "t": now - STORE_EVERY_S - 61.0, "name": "dead"},  # kept by the DHT
                "junk": "not a record"}
     view = summarize_swarm("r", records, now)
     assert [p["name"] for p in view["peers"]] == ["live", "stored"] and view["newest"] == [3]

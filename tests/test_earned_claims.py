@@ -8,6 +8,7 @@ import hashlib
 
 import pytest
 
+from p2pdiloco.net.clock import SwarmClock
 from p2pdiloco.net.drops import TrafficStats
 from p2pdiloco.net.matchmaking import leader_rank
 from p2pdiloco.net.records import HeadsRecord
@@ -63,11 +64,18 @@ def test_leader_order_is_a_hash_of_key_and_peer_and_changes_with_the_key() -> No
 
 class _Swarm:
     """The part of the transport StateSync's strike rule touches (no network involved); its
-    traffic counters have no link rate measured, so deadlines are at the ceiling rate."""
+    traffic counters have no link rate measured, so deadlines are at the ceiling rate. The
+    swarm's clock reads 10 s: records stamped before it are that much old."""
 
     peer_id = "me"
     bans: dict[str, str] = {}
     stats = TrafficStats()
+    clock = SwarmClock(local=lambda: 10.0)
+    stored = 0
+
+    async def store(self, *args, **kwargs) -> bool:
+        self.stored += 1
+        return True
 
 
 def test_strikes_ignore_a_holder_for_a_doubling_while_and_delivery_clears_them(monkeypatch) -> None:
@@ -150,18 +158,21 @@ def test_a_record_left_unchanged_for_stale_s_drops_out_so_a_dead_peer_corroborat
 
 def test_a_node_with_many_peers_beats_less_often_and_its_readers_wait_longer(monkeypatch) -> None:
     """Heartbeats per node stay at BEATS_PER_S (0.4/s) at most: 20 s to each of up to 8 peers,
-    ceil(15 / 0.4) = 38 s to each of 15; a record states its period and is stale after
-    STALE_S + 2 * (period - 20): 65 s at 20, 101 s at 38 (one heartbeat may fail)."""
+    ceil(15 / 0.4) = 38 s to each of 15, 160 s from 64 on; a record states its period and is
+    stale after STALE_S + (period - 20): 65 s at 20, 83 s at 38 (one heartbeat may fail, the
+    next comes SKIP_S + 5 s later). A longer period is pushed at once, not as a heartbeat: a
+    reader holding the shorter one would count the author gone before its next heartbeat."""
     from p2pdiloco.errors import ProtocolError
     from p2pdiloco.net.pushes import STALE_S, beat_period, stale_after
-    from p2pdiloco.net.records import parse_heads
+    from p2pdiloco.net.records import MAX_BEAT_S, parse_heads
 
     assert [beat_period(n) for n in (0, 3, 8, 9, 15, 63, 64, 1000)] == [20, 20, 20, 23, 38, 158, 160, 160]
-    assert (stale_after(20), stale_after(38)) == (STALE_S, 101.0) and STALE_S == 65.0
+    assert MAX_BEAT_S == 160  # the parser refuses what no honest node states
+    assert (stale_after(20), stale_after(38), stale_after(160)) == (STALE_S, 83.0, 205.0) and STALE_S == 65.0
     wire = HeadsRecord(((4, D1),), beat=38).to_wire()
     assert wire["b"] == 38 and parse_heads(wire, 1).beat == 38
     assert parse_heads({"f": [[4, D1]]}, 1).beat == 20  # a record without "b": the shortest period
-    for bad in (0, 601, 20.0, True, "38"):
+    for bad in (0, 161, 600, 20.0, True, "38"):
         with pytest.raises(ProtocolError):
             parse_heads({**wire, "b": bad}, 1)
 
@@ -172,11 +183,44 @@ def test_a_node_with_many_peers_beats_less_often_and_its_readers_wait_longer(mon
                C: HeadsRecord(((48, D1),), t=1.0, beat=38)}
     assert set(sync._live(records)) == {"me", B, C}
     now[0] += 65.5
-    assert set(sync._live(records)) == {"me", C}  # B (20 s) is gone; C (38 s) has until 101 s
-    now[0] += 101.0 - 65.5
+    assert set(sync._live(records)) == {"me", C}  # B (20 s) is gone; C (38 s) has until 83 s
+    now[0] += 83.0 - 65.5
     assert set(sync._live(records)) == {"me", C}
     now[0] += 0.5
     assert set(sync._live(records)) == {"me"}
+
+    peers: list[str] = [f"p{i}" for i in range(3)]
+    sync.pusher.audience = lambda: peers
+    substance = []
+    for n in (3, 30, 30, 3):  # same figures each time; 30 peers beat every 75 s, 3 every 20 s
+        peers[:] = [f"p{i}" for i in range(n)]
+        publish_now(sync)
+        substance.append((sync._mine.beat, sync.pusher._substance))
+    assert substance == [(20, 1), (75, 2), (75, 2), (20, 2)]  # only the rise is pushed at once
+
+
+def publish_now(sync: StateSync) -> None:
+    import asyncio
+
+    asyncio.run(sync.publish({"name": "me"}))
+
+
+def test_a_dht_record_older_than_a_store_period_counts_as_unchanged_that_much_longer(monkeypatch) -> None:
+    """A DHT record whose author last stored it more than STORE_EVERY_S (300 s) ago missed a
+    store: the excess counts as time unchanged, so a node that died long ago is not live for
+    another STALE_S to a reader seeing it for the first time (the DHT keeps it HEAD_TTL)."""
+    from p2pdiloco.net.statesync import STALE_S, STORE_EVERY_S
+
+    now = [1000.0]
+    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
+    sync = StateSync(_Swarm(), "run", [], lambda: [])  # the swarm's clock reads 10 s
+    records = {B: HeadsRecord(((48, D1),), t=10.0 - STORE_EVERY_S - 60.0),  # 60 s past its next store
+               C: HeadsRecord(((48, D1),), t=10.0 - STORE_EVERY_S)}  # due to store now: live for STALE_S
+    assert set(sync._live(records)) == {B, C}
+    now[0] += STALE_S - 60.0 + 0.5
+    assert set(sync._live(records)) == {C}
+    now[0] += 60.0
+    assert set(sync._live(records)) == set()
 
 
 def test_the_first_reply_deadline_follows_recent_transfers_within_its_bounds() -> None:

@@ -18,6 +18,7 @@ from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.net.pushes import Pusher
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.statesync import READ_EVERY_S, READ_QUIET_S, STORE_ALONE_S, STORE_EVERY_S, StateSync
+from p2pdiloco.net.transport import NARROW_BEAM, Swarm
 from p2pdiloco.trust.identity import Identity
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_daemon_left")]
@@ -271,7 +272,8 @@ async def test_a_joining_node_greets_the_learners_it_found_and_has_their_fresh_r
 async def test_nine_nodes_find_every_record_with_narrow_dht_searches_and_beat_by_their_audience():
     """Stores and every read after a node's first visit NARROW_BEAM (5) DHT peers, not all of
     them: over real sockets with 9 nodes (more than the beam), a node's narrow read still finds
-    all 9 records, as its first, full read did. A node that pushes to 15 peers beats every 38 s
+    all 9 records, as its first, full read did, and so does a node that joins after the stores
+    and searches only 5 peers. A node that pushes to 15 peers beats every 38 s
     and says so in its record (net.pushes.beat_period)."""
     async with swarms(9) as peers:
         held, syncs = await started_syncs(*peers)
@@ -285,6 +287,12 @@ async def test_nine_nodes_find_every_record_with_narrow_dht_searches_and_beat_by
         again = await reader.records(max_dht_age=0.0)  # narrow search
         assert set(again) == set(first) and again[peers[3].peer_id].fragments[0][0] == 1
         assert all(r.beat == 20 for r in again.values())  # nobody had an audience
+        late = await Swarm.start(initial_peers=[(await peers[0].visible_maddrs())[0]])  # joins after the stores:
+        try:  # nothing of the key in its storage or cache, so what it finds it found on the 5 it searched
+            found = await late.get(reader.heads_key, beam=NARROW_BEAM)
+        finally:
+            await late.shutdown()
+        assert set(found) == set(first) and late.stats.dht["get:heads"] == 1
 
         audience = [s.peer_id for s in peers[1:]] + [Identity.generate().peer_id for _ in range(7)]
         syncs[0].pusher.audience = lambda: audience + audience[:3]  # 15 distinct peers

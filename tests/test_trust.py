@@ -17,6 +17,7 @@ from p2pdiloco.cli import main as cli_main
 from p2pdiloco.config import load_config
 from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients, robust_merge
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.net.clock import SwarmClock
 from p2pdiloco.trust import load_node_trust, signing
 from p2pdiloco.trust.certificates import Certificate, Membership, RevocationList, SwarmKey, parse_public_key
 from p2pdiloco.trust.errors import AccessDenied, CertificateError, IdentityError
@@ -367,6 +368,7 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
     class Stub:
         bans = {"12D3KooWBanned": "non_finite"}
         peer_id = "me"
+        clock = SwarmClock(local=lambda: 0.0)  # the records below were stamped t = 0: fresh
 
         def drop(self, peer, reason):
             raise AssertionError(f"dropped a well-formed record of {peer}: {reason}")

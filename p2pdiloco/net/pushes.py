@@ -50,7 +50,7 @@ PUSH_TIMEOUT_S = 1.0  # seconds for one push ...
 SKIP_S = 30.0  # ... and a peer that failed one gets none for this long (seconds)
 BEATS_PER_S = 0.4  # heartbeats a node pushes per second at most, to all its peers together (beat_period)
 STALE_S = 65.0  # seconds a record stating records.BEAT_S may go unchanged before its author counts as gone: one
-# heartbeat may fail (it comes BEAT_S + a publish period, 5 s, after the last; the next after SKIP_S)
+# heartbeat may fail (it comes BEAT_S + a publish period, 5 s, after the last; the next SKIP_S + 5 s later; 5 s slack)
 
 
 def beat_period(audience: int) -> int:
@@ -58,14 +58,15 @@ def beat_period(audience: int) -> int:
     ``records.BEAT_S`` (20), or more so that it sends ``BEATS_PER_S`` heartbeats a second at
     most in all (38 s at 15 peers, 160 s at ``MAX_AUDIENCE`` or more): a node's heartbeat bytes
     stay bounded as the swarm grows (issue 13), and its heads record states the period
-    (``HeadsRecord.beat``) for its readers."""
+    (``HeadsRecord.beat``, at most ``records.MAX_BEAT_S``)."""
     return max(BEAT_S, math.ceil(min(audience, MAX_AUDIENCE) / BEATS_PER_S))
 
 
 def stale_after(beat: float) -> float:
     """Seconds a record stating heartbeats every ``beat`` seconds may go unchanged before its
-    author counts as gone: one heartbeat may fail (``STALE_S`` at ``records.BEAT_S``)."""
-    return STALE_S + 2 * (beat - BEAT_S)
+    author counts as gone: one heartbeat may fail, and the next comes ``SKIP_S`` + 5 s after it
+    (``STALE_S`` at ``records.BEAT_S``; 205 s at 160)."""
+    return STALE_S + (beat - BEAT_S)
 
 
 class Pusher:

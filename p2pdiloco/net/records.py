@@ -44,8 +44,8 @@ MAX_TEXT = 64
 MAX_COUNT = 2**53
 MAX_RECORD_KEYS = 32
 MAX_RATE_KIB = 2**32  # KiB/s: 4 TiB/s
-BEAT_S = 20  # seconds: the shortest heartbeat period a node states (statesync.beat_period), and a record's without "b"
-MAX_BEAT_S = 600
+BEAT_S = 20  # seconds: the shortest heartbeat period a node states (pushes.beat_period), and a record's without "b"
+MAX_BEAT_S = 160  # ... and the longest (pushes.beat_period at MAX_AUDIENCE): a dead record lives 205 s at most
 SHARE_GRID = 1000  # all-reduce shares are integers in [0, SHARE_GRID] (shares.bandwidth_shares)
 _HEX = frozenset("0123456789abcdef")
 
@@ -158,8 +158,8 @@ class HeadsRecord:
         merged: tokens the swarm merged into the states it holds (``core.outer.run_tokens``).
         mine: tokens of its own that rounds merged (its share of ``merged``).
         reach: how peers can dial it as it says (``Reachability.state``; "" when not stated).
-        beat: seconds between its heartbeats to each peer at most (``statesync.beat_period``):
-            readers count it gone after ``statesync.stale_after(beat)`` without a change.
+        beat: seconds between its heartbeats to each peer at most (``pushes.beat_period``):
+            readers count it gone after ``pushes.stale_after(beat)`` without a change.
     """
 
     fragments: tuple[tuple[int, str] | None, ...]

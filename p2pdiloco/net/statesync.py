@@ -40,12 +40,11 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   node's recent transfer times: a staller costs a fraction of a second, not the transfer's
   deadline) gets one too, or from the second time in a row if it delivered to us before; other
   failed deliveries (truncated, refused, an older state than claimed; a newer one is an honest
-  holder that moved on) count a strike from the second in a row. A holder
-  with strikes has its records ignored for ``IGNORE_S`` × 2^(strikes − 1) seconds (at most
-  ``IGNORE_MAX_S``); a successful delivery clears its strikes. Rotating digests do not
-  reset anything: strikes belong to the peer. Answers that no honest peer sends (a header
-  out of range, a body of the wrong size, bytes that do not hash to the digest the answer
-  states) ban the sender.
+  holder that moved on) count a strike from the second in a row. A holder with strikes has its
+  records ignored for ``IGNORE_S`` × 2^(strikes − 1) seconds (at most ``IGNORE_MAX_S``); a
+  successful delivery clears its strikes. Rotating digests do not reset anything: strikes
+  belong to the peer. Answers that no honest peer sends (a header out of range, a body of the
+  wrong size, bytes that do not hash to the digest the answer states) ban the sender.
 * Concurrent downloads of one (fragment, version, digest) share one transfer.
 
 A state it cannot fetch is a state it cannot merge at (invariant I3): ignoring a dead or
@@ -96,7 +95,7 @@ STORE_ALONE_S = 4.0  # ... but while we know none, every node is one that does n
 GREET_WAIT_S = 3.0  # seconds a joining node waits for the learners it found to push their records back
 PUSH_DEFER_S = 5.0  # seconds a push waits at most for a peer that knows its change
 READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused while no peer pushes to us ...
-READ_QUIET_S = 300.0  # ... and while peers do (STALE_S): a newcomer pushes to us first (greet)
+READ_QUIET_S = 300.0  # ... and while peers do (within STALE_S): a newcomer pushes to us first (greet)
 
 
 class StateSync:
@@ -216,7 +215,8 @@ class StateSync:
         self.pusher.beat_every = beat_period(audience)
         record = HeadsRecord(tuple((s.version, s.digest) for s in self.committed()), t=self.swarm.clock.now(),
                              tag=self.tag, beat=self.pusher.beat_every, **extra)
-        beat = self._mine is not None and replace(record, **_FIGURES) == replace(self._mine, **_FIGURES)
+        beat = self._mine is not None and record.beat <= self._mine.beat and replace(  # a longer period: at once
+            record, **_FIGURES) == replace(self._mine, **_FIGURES)
         self._mine = record
         later, self._known_by = self._known_by or (), None
         self.pusher.set({"r": record.to_wire(), "run": self.run_id}, later, beat=beat)
@@ -271,11 +271,10 @@ class StateSync:
         the DHT accepted only when signed by that peer (and, in a private swarm, a member), or
         pushed by that peer (the newer of the two by its ``t``), and ours as last published;
         the DHT is read again when the last read began ``max_dht_age`` seconds ago or more;
-        none of a banned or ignored peer; none that stayed unchanged for ``STALE_S`` seconds of
-        this node's watch (its author stopped publishing: a dead node's record outlives it by
-        up to ``HEAD_TTL`` plus the DHT's clock slack, ``clock.TOLERANCE_S``, and must neither hold a head nor corroborate a claim); none that
-        states another protocol tag than ours (:meth:`other_settings`); every refused
-        (version, digest) replaced by None.
+        none of a banned or ignored peer; none that stayed unchanged too long (:meth:`_live`: a
+        dead node's record, which the DHT keeps up to ``HEAD_TTL`` + ``clock.TOLERANCE_S``, must
+        neither hold a head nor corroborate a claim); none that states another protocol tag than
+        ours (:meth:`other_settings`); every refused (version, digest) replaced by None.
         Records that do not parse are dropped and counted (``Swarm.drop``).
 
         Raises:
@@ -285,7 +284,8 @@ class StateSync:
         ignoring = self.ignoring()
         if swarm_clock.monotonic() - self._read[0] >= max_dht_age:
             began = swarm_clock.monotonic()
-            stored = await self.swarm.get(self.heads_key, beam=NARROW_BEAM if self._read[2] else None)
+            others = self._read[2] - {self.swarm.peer_id}
+            stored = await self.swarm.get(self.heads_key, beam=NARROW_BEAM if others else None)
             values = {p: v for p, v in stored.items() if p not in self.swarm.bans and p not in ignoring}
             parsed, bad = rec.parse_many(values, rec.parse_heads, len(self.fragments))
             for peer in bad:
@@ -320,13 +320,13 @@ class StateSync:
 
     def _live(self, records: dict[str, HeadsRecord]) -> dict[str, HeadsRecord]:
         """``records`` without those whose ``t`` has not changed for :func:`stale_after` s since
-        this node first saw it (this node's clock only: authors' clocks differ). A record seen
-        for the first time counts as live. Peers left out of ``records`` (ignored for a while)
-        keep their watch, so a dead peer does not look new when its ignore ends."""
-        now = swarm_clock.monotonic()
+        this node first saw it (its clock), counting the age beyond ``STORE_EVERY_S`` as unchanged
+        (such a DHT record missed a store: its author is likely gone). Peers left out (ignored
+        a while) keep their watch, so a dead peer does not look new when its ignore ends."""
+        now, wall = swarm_clock.monotonic(), self.swarm.clock.now()
         for p, r in records.items():
             if p not in self._changed or self._changed[p][0] != r.t:
-                self._changed[p] = (r.t, now)
+                self._changed[p] = (r.t, now - max(0.0, wall - r.t - STORE_EVERY_S))
         me = self.swarm.peer_id
         return {p: r for p, r in records.items() if p == me or now - self._changed[p][1] <= stale_after(r.beat)}
 
