@@ -298,8 +298,8 @@ def _swarm_status(args: argparse.Namespace) -> int:
         else:
             _print_view(render_swarm(view))
         if not view["peers"]:
-            print(f"p2pdiloco: no node of run {run_id!r} published a record in the last minute "
-                  "(check --run-id; nodes publish every 5 s)", file=sys.stderr)
+            print(f"p2pdiloco: no node of run {run_id!r} stored a record in the last 6 minutes "
+                  "(check --run-id; nodes store theirs every 5 minutes)", file=sys.stderr)
             return 1
         return 0
 

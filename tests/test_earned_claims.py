@@ -4,6 +4,7 @@ matchmaking leader order. No network: the rules are pure functions of the record
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import pytest
@@ -200,8 +201,6 @@ def test_a_node_with_many_peers_beats_less_often_and_its_readers_wait_longer(mon
 
 
 def publish_now(sync: StateSync) -> None:
-    import asyncio
-
     asyncio.run(sync.publish({"name": "me"}))
 
 
@@ -298,3 +297,23 @@ async def test_a_dead_peer_ignored_for_a_while_is_still_stale_when_its_ignore_en
     now[0] += max(IGNORE_S, STALE_S) + 1.0  # the ignore has ended and c is stale
     swarm.t_b = 2.0
     assert set(await sync.records()) == {me, b}  # not "seen for the first time" again
+
+
+def test_a_new_life_cycle_state_is_stored_restore_s_after_the_last_store(monkeypatch) -> None:
+    """``swarm status`` reads only the DHT, where a record is stored every STORE_EVERY_S (300 s):
+    a node's new state (joining -> training) is stored again RESTORE_S (30 s) after the last
+    store, so the table does not show a training node as joining for 5 minutes."""
+    from p2pdiloco.net.statesync import RESTORE_S, STORE_EVERY_S
+
+    now = [1000.0]
+    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
+    swarm = _Swarm()
+    sync = StateSync(swarm, "run", [], lambda: [])
+    sync.pusher.audience = lambda: ["p0"]  # a peer: the store period is STORE_EVERY_S, not STORE_ALONE_S
+    stored = []
+    for dt, state in ((0.0, "joining"), (5.0, "training"), (RESTORE_S - 5.0, "training"), (RESTORE_S, "training"),
+                      (STORE_EVERY_S - RESTORE_S - 1.0, "training"), (1.0, "training")):
+        now[0] += dt
+        asyncio.run(sync.publish({"state": state}))
+        stored.append(swarm.stored)
+    assert stored == [1, 1, 2, 2, 2, 3]  # first; not yet; the new state 30 s on; unchanged; 300 s after the last

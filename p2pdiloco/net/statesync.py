@@ -9,12 +9,10 @@ two digests (two groups merged the same version: split brain, invariant I7) the 
 by more peers wins, ties to the smaller digest, so every node resolves it the same way and
 the losers re-sync. A node pushes its record to the learners it knows on every publish that
 changes a version, digest or setting, and at most every :func:`beat_period` s to each
-otherwise (a heartbeat: ``st.heads``, ``net.pushes``), and stores it in the DHT on a publish
-``STORE_EVERY_S`` or more after its last store (``STORE_ALONE_S`` while it knows no other
-learner), for nodes that do not know it yet; readers that can (the node's ``SwarmView``)
-reuse a DHT read with the newer pushes merged in, for ``READ_EVERY_S`` while no peer pushes
-to them and for ``READ_QUIET_S`` while peers do (:meth:`StateSync.read_age`); after the first
-read, reads and stores visit ``NARROW_BEAM`` peers (issue 13: each answer carries every record).
+otherwise (a heartbeat: ``st.heads``, ``net.pushes``), and stores it in the DHT every
+``STORE_EVERY_S`` (:meth:`StateSync.publish`), for nodes that do not know it yet; readers
+reuse a DHT read with the newer pushes merged in (:meth:`StateSync.read_age`); after the
+first read, reads and stores visit ``NARROW_BEAM`` peers (issue 13: answers carry every record).
 A node that joins reads the DHT, pushes its record to every node it found there, and so enters
 their views (and audiences) at once; the DHT is how it finds them, not how they follow it.
 
@@ -92,6 +90,7 @@ _FIGURES = {"t": 0.0, "step": 0, "tps": 0.0, "loss": None, "merged": 0, "mine": 
 # changed only these is a heartbeat: pushed to a peer every beat_period seconds at most
 STORE_EVERY_S = 300.0  # seconds between DHT stores of our record (tens of kB at 16 nodes), for nodes that know us not ...
 STORE_ALONE_S = 4.0  # ... but while we know none, every node is one that does not know us: stored this often
+RESTORE_S = 30.0  # ... and a new life-cycle state (joining -> training) is stored this long after the last store
 GREET_WAIT_S = 3.0  # seconds a joining node waits for the learners it found to push their records back
 PUSH_DEFER_S = 5.0  # seconds a push waits at most for a peer that knows its change
 READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused while no peer pushes to us ...
@@ -143,7 +142,7 @@ class StateSync:
         self.on_heard: Callable[[str, bool], object] = self.pusher.heard_from  # a peer pushed (hello?): the node widens it
         self._pushed: dict[str, HeadsRecord] = {}  # author -> its newest pushed record, oldest author first
         self._mine: HeadsRecord | None = None  # our last published record
-        self._stored_at = -math.inf  # monotonic s of our last DHT store
+        self._stored: tuple[float, str] = (-math.inf, "")  # monotonic s and life-cycle state of our last DHT store
         self._pushed_at = -math.inf  # monotonic s of the last record pushed to us
         self._heard = asyncio.Event()  # set at every record pushed to us (greet waits on it)
         self._read: tuple[float, dict[str, HeadsRecord], set[str]] = (-math.inf, {}, set())  # last DHT read:
@@ -206,7 +205,7 @@ class StateSync:
         (``pusher``, ``st.heads``; to those it is :meth:`known_by` with our next change; a record
         that changed only its ``_FIGURES`` at most every :func:`beat_period`), and stored in the DHT, where
         nodes that do not know us yet find it, when ``store`` or ``STORE_EVERY_S`` after the last
-        store (``STORE_ALONE_S`` while we know no other learner).
+        store (``STORE_ALONE_S`` while we know no other learner; ``RESTORE_S`` for a new state).
 
         Raises:
             NetworkError: the DHT store failed (the push is made all the same).
@@ -220,10 +219,11 @@ class StateSync:
         self._mine = record
         later, self._known_by = self._known_by or (), None
         self.pusher.set({"r": record.to_wire(), "run": self.run_id}, later, beat=beat)
-        every = STORE_EVERY_S if audience else STORE_ALONE_S
-        if store or swarm_clock.monotonic() - self._stored_at >= every:
+        since = swarm_clock.monotonic() - self._stored[0]
+        if store or since >= (STORE_EVERY_S if audience else STORE_ALONE_S) or (
+                record.state != self._stored[1] and since >= RESTORE_S):  # swarm status reads the DHT only
             await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL, beam=NARROW_BEAM)
-            self._stored_at = swarm_clock.monotonic()
+            self._stored = (swarm_clock.monotonic(), record.state)
 
     async def _on_heads(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
         """A peer's record, pushed (``st.heads``): its own, as the transport authenticates it,
