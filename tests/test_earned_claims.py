@@ -195,13 +195,9 @@ def test_a_node_with_many_peers_beats_less_often_and_its_readers_wait_longer(mon
     substance = []
     for n in (3, 30, 30, 3):  # same figures each time; 30 peers beat every 75 s, 3 every 20 s
         peers[:] = [f"p{i}" for i in range(n)]
-        publish_now(sync)
+        asyncio.run(sync.publish({"name": "me"}))
         substance.append((sync._mine.beat, sync.pusher._substance))
     assert substance == [(20, 1), (75, 2), (75, 2), (20, 2)]  # only the rise is pushed at once
-
-
-def publish_now(sync: StateSync) -> None:
-    asyncio.run(sync.publish({"name": "me"}))
 
 
 def test_a_dht_record_older_than_a_store_period_counts_as_unchanged_that_much_longer(monkeypatch) -> None:
