@@ -259,12 +259,15 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
                       caption=f"{k}: the nodes' DHT reads and stores per committed round (report key dht_ops; "
                               "each one a Kademlia traversal of the DHT, whose answers carry every record "
                               "under the key):")
-    doc.table(["request header", "socket bytes per call", "packets per call"],
-              [[f"{size} B", f"{cost[f'header_{size}']['bytes_per_call']:.0f}",
-                f"{cost[f'header_{size}']['packets_per_call']:.1f}"] for size in (0, 300)],
+    doc.table(["call", "request header", "socket bytes per call", "packets per call"],
+              [[where, f"{size} B", f"{cost[f'{key}header_{size}']['bytes_per_call']:.0f}",
+                f"{cost[f'{key}header_{size}']['packets_per_call']:.1f}"]
+               for key, where in (("", "in a session"), ("stream_", "stream of its own")) for size in (0, 300)
+               if f"{key}header_{size}" in cost],
               caption=f"One RPC of {new} on loopback (bench/stream_cost.py: 200 calls of an empty handler, the "
-                      "daemons' idle traffic subtracted): opening the stream, its protocol negotiation, request, "
-                      "reply and closing, with TLS, yamux and TCP/IP headers:")
+                      "daemons' idle traffic subtracted), with TLS, yamux and TCP/IP headers: in the caller's "
+                      "session (request and reply on a stream already open), and on a stream of its own (opening "
+                      "the stream, its protocol negotiation, request, reply and closing):")
     path = doc.write(m, seconds, {"stream_cost": cost, "runs": runs, "commits": commits, "nodes": a.nodes, "duration": a.duration})
     print(f"control plane: wrote {path}", flush=True)
 

@@ -23,8 +23,9 @@ from node.training import Dispatch, TrainingLoop
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 9  # bump on any change of the RPC formats (6: signed mm.join, st.heads pushes, topk2; 7: state.deltas;
-# 8: heartbeat pushes every 20 s, records stale after 65 s, st.heads hello; 9: heads records state their heartbeat period)
+WIRE_VERSION = 10  # bump on any change of the RPC formats (6: signed mm.join, st.heads pushes, topk2; 7: state.deltas;
+# 8: heartbeat pushes every 20 s, records stale after 65 s, st.heads hello; 9: heads records state their heartbeat period;
+# 10: small calls in sessions, one stream per peer pair)
 
 
 def protocol_tag(cfg, fragments) -> str:

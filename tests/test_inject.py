@@ -21,7 +21,7 @@ from p2pdiloco.errors import RoundFailed
 from p2pdiloco.net.allreduce import AllReducer, Contribution
 from p2pdiloco.net.matchmaking import Group
 from p2pdiloco.net.memory import MemoryNet
-from p2pdiloco.net import transport
+from p2pdiloco.net import serving, sessions
 from p2pdiloco.net.transport import Swarm
 
 pytestmark = pytest.mark.looptime(end=600)
@@ -60,7 +60,8 @@ def test_bad_arguments_exit_2(capsys):
 async def test_installed_poison_and_fail_last_stage_act_on_a_real_all_reduce(monkeypatch, tmp_path):
     monkeypatch.setattr(AllReducer, "run", AllReducer.run)  # restored after the test: install wraps it
     monkeypatch.setattr(Swarm, "add_handler", Swarm.add_handler)  # kill_midway's, were it installed
-    monkeypatch.setattr(transport, "write_message", transport.write_message)
+    monkeypatch.setattr(serving, "write_message", serving.write_message)
+    monkeypatch.setattr(sessions, "write_reply", sessions.write_reply)
     record = tmp_path / "faults.jsonl"
     inj = inject.Injection("fail-last-stage", 1, "flip", record)
     inject.install(inj)

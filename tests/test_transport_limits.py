@@ -25,7 +25,7 @@ from conftest import until as _until
 from hivemind.p2p import PeerID
 
 from p2pdiloco.errors import PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError
-from p2pdiloco.net import drops, framing, transport
+from p2pdiloco.net import drops, framing, serving
 from p2pdiloco.net.transport import Header, Swarm, frame, read_header, read_payload
 from p2pdiloco.trust.certificates import Membership, SwarmKey
 from p2pdiloco.trust.errors import AccessDenied
@@ -110,7 +110,7 @@ async def test_outsider_huge_payload_refused_without_buffering():
                     peak = max(peak, proc.memory_info().rss)
                     return pumping.done()
 
-                await until(pumped, transport.LINGER_TIMEOUT + 20, "the server to stop reading the outsider",
+                await until(pumped, serving.LINGER_TIMEOUT + 20, "the server to stop reading the outsider",
                             every=0.05)
                 await until(lambda: a.open_streams() == 0, 20, "the server to close the outsider's stream")
             finally:
@@ -141,10 +141,10 @@ async def test_outsider_huge_payload_refused_without_buffering():
 async def test_idle_streams_bounded_per_peer(monkeypatch):
     """300 idle streams from one peer: MAX_STREAMS_PER_PEER are held (until HEADER_TIMEOUT),
     the others answered "busy" at once; descriptors stay bounded and all are released."""
-    monkeypatch.setattr(transport, "HEADER_TIMEOUT", 15.0)
-    monkeypatch.setattr(transport, "LINGER_TIMEOUT", 1.0)
+    monkeypatch.setattr(serving, "HEADER_TIMEOUT", 15.0)
+    monkeypatch.setattr(serving, "LINGER_TIMEOUT", 1.0)
     monkeypatch.setattr(drops, "DROP_BUDGET", 10_000)  # the stream cap alone (blocking: its own test)
-    limit = transport.MAX_STREAMS_PER_PEER
+    limit = serving.MAX_STREAMS_PER_PEER
     async with swarms(3) as (a, b, c):
         await a.add_handler("t.echo", recorder([], lambda p: p), max_payload=MiB)
         assert (await b.call(a.peer_id, "t.echo", {}, b"hi", timeout=10))[1] == b"hi"
@@ -161,7 +161,7 @@ async def test_idle_streams_bounded_per_peer(monkeypatch):
 
             async def reply(reader: asyncio.StreamReader) -> Header | str:
                 try:
-                    return await answer(reader, timeout=transport.HEADER_TIMEOUT + 30)
+                    return await answer(reader, timeout=serving.HEADER_TIMEOUT + 30)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return "closed"  # refused by the daemon before it reached us (listen backlog)
 
@@ -174,7 +174,7 @@ async def test_idle_streams_bounded_per_peer(monkeypatch):
                     _, pending = await asyncio.wait(pending, timeout=deadline - time.monotonic(),
                                                     return_when=asyncio.FIRST_COMPLETED)
                 assert len(pending) == limit, f"{len(pending)} unanswered, {a.drop_reasons}"
-                assert time.monotonic() - t0 < transport.HEADER_TIMEOUT - 2, "too slow to test the limit"
+                assert time.monotonic() - t0 < serving.HEADER_TIMEOUT - 2, "too slow to test the limit"
                 assert a.open_streams(b.peer_id) == limit and a.open_streams() == limit
                 answered = [t.result() for t in polls if t.done()]
                 busy = [h for h in answered if h == {"error": "busy"}]
@@ -192,7 +192,7 @@ async def test_idle_streams_bounded_per_peer(monkeypatch):
                 # another peer is still served while b is at its limit
                 assert (await c.call(a.peer_id, "t.echo", {}, b"c", timeout=10))[1] == b"c"
                 # the idle ones are answered and closed after HEADER_TIMEOUT
-                async with asyncio.timeout(transport.HEADER_TIMEOUT + 10):
+                async with asyncio.timeout(serving.HEADER_TIMEOUT + 10):
                     timeouts = await asyncio.gather(*pending)
                 assert all("no request header" in h["error"] for h in timeouts)
                 assert a.drop_reasons["header_timeout"] == limit
@@ -200,7 +200,7 @@ async def test_idle_streams_bounded_per_peer(monkeypatch):
                 for t in polls:
                     t.cancel()
                 await asyncio.gather(*polls, return_exceptions=True)
-            await until(lambda: a.open_streams() == 0, transport.LINGER_TIMEOUT + 10, "idle streams to close")
+            await until(lambda: a.open_streams() == 0, serving.LINGER_TIMEOUT + 10, "idle streams to close")
             assert a.dropped[b.peer_id] == a.drop_reasons["busy"] + limit  # as the server counted them (see above)
         finally:
             for _, w in streams:
@@ -350,13 +350,14 @@ def test_a_peer_over_its_drop_budget_is_blocked_for_a_doubling_while(monkeypatch
 @pytest.mark.asyncio
 async def test_blocked_peer_is_held_unanswered_then_closed_and_others_are_served(monkeypatch):
     monkeypatch.setattr(drops, "DROP_BUDGET", 5)
-    monkeypatch.setattr(transport, "TARPIT_S", 3.0)
+    monkeypatch.setattr(serving, "TARPIT_S", 3.0)
     async with swarms(3) as (a, b, c):
         await a.add_handler("t.echo", recorder([], lambda p: p), max_payload=16)
         for _ in range(5):  # five oversized requests: dropped, then b is blocked
             with pytest.raises((ProtocolError, PeerUnreachable)):
                 await b.call(a.peer_id, "t.echo", {}, bytes(64), timeout=10)
         assert b.peer_id in a.blocking()
+        await until(lambda: a.peer_id not in b.sessions(), 10, "a to close b's session (b is blocked)")
         t0 = time.monotonic()
         with pytest.raises(PeerTimeout):  # held unanswered: the caller waits out its own deadline
             await b.call(a.peer_id, "t.echo", {}, b"hi", timeout=1.5)
@@ -365,7 +366,7 @@ async def test_blocked_peer_is_held_unanswered_then_closed_and_others_are_served
             await b.call(a.peer_id, "t.echo", {}, b"hi", timeout=10)
         assert (await c.call(a.peer_id, "t.echo", {}, b"c", timeout=10))[1] == b"c"
         assert a.drop_reasons["blocked"] >= 2
-        await until(lambda: not a._tarpit, 10, "held streams to close")
+        await until(lambda: not a.server._tarpit, 10, "held streams to close")
 
 
 SERVER = r"""

@@ -42,7 +42,7 @@ import torch
 
 from p2pdiloco.errors import RoundFailed
 from p2pdiloco.net.allreduce import AllReducer, Contribution
-from p2pdiloco.net import transport
+from p2pdiloco.net import serving, sessions
 from p2pdiloco.net.transport import Swarm
 
 FAULTS = ("kill-in-allreduce", "fail-last-stage", "kill-in-state-transfer")
@@ -132,7 +132,7 @@ def kill_midway(rpc: str, nth: int, when: Callable[[dict[str, Any]], bool] = lam
     handler, run in the task that serves the request, marks that answer) and the transport's
     ``write_message`` (it cuts the marked answer): install before the handler is added."""
     left = [nth]
-    add_handler, write_message = Swarm.add_handler, transport.write_message
+    add_handler, write_message, write_reply = Swarm.add_handler, serving.write_message, sessions.write_reply
 
     async def marking_add_handler(self: Swarm, name: str, handler, **kwargs) -> None:
         if name == rpc:
@@ -150,13 +150,23 @@ def kill_midway(rpc: str, nth: int, when: Callable[[dict[str, Any]], bool] = lam
         if not _cut_this_answer.get():
             return await write_message(writer, header, payload, stop_after=stop_after)
         await write_message(writer, header, payload, stop_after=len(payload) // 2)
+        await _killed(len(payload))
+
+    async def cutting_write_reply(writer, lock, rid, reply, body, *, stop_after: int | None = None) -> None:
+        if not _cut_this_answer.get():
+            return await write_reply(writer, lock, rid, reply, body, stop_after=stop_after)
+        await write_reply(writer, lock, rid, reply, body, stop_after=len(body) // 2)
+        await _killed(len(body))
+
+    async def _killed(n: int) -> None:
         await asyncio.sleep(KILL_LINGER_S)
         logging.getLogger(__name__).warning("injected fault: killed while answering %s (%d of %d payload bytes "
-                                            "sent)", rpc, len(payload) // 2, len(payload))
+                                            "sent)", rpc, n // 2, n)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    Swarm.add_handler, transport.write_message = marking_add_handler, cutting_write_message
+    Swarm.add_handler, serving.write_message, sessions.write_reply = (marking_add_handler, cutting_write_message,
+                                                                      cutting_write_reply)
 
 
 def main(argv: list[str] | None = None) -> int:

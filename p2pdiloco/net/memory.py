@@ -344,6 +344,7 @@ class MemoryNet:
         self.hosts[identity.peer_id] = host
         swarm = Swarm(host, MemoryDHT(self, identity.peer_id, records), None, identity, membership, records,
                       swarm_clock.SwarmClock(local=self.wall))
+        await swarm.server.start()
         await swarm.add_handler("trust.hello", swarm._on_hello)
         return swarm
 

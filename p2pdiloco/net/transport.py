@@ -9,29 +9,15 @@ only child and exits with its owner, SIGKILL included); :meth:`Swarm.rejoin` dia
 peers again after every connection was lost; :meth:`Swarm.shutdown` stops both.
 
 RPCs (:meth:`Swarm.call`, :meth:`Swarm.add_handler`) run on hivemind's raw libp2p streams
-(``P2P.call_binary_stream_handler`` / ``P2P.add_binary_stream_handler``), one stream per call,
-each message framed as :mod:`p2pdiloco.net.framing` says (length-prefixed msgpack header with
-the payload length ``_n``, then the payload). Reserved header keys: ``_n``, ``_cert``
-(membership certificate, bin, in a private swarm); a reply with ``error`` (str) is a refusal,
-with ``denied`` (str) a membership refusal.
-
-A server never buffers what it has not decided to accept: it reads the header within
-``HEADER_TIMEOUT`` seconds, checks the caller's membership and ``_n`` against the handler's
-``max_payload`` *before* reading the payload, then reads the payload within
-``framing.payload_deadline(_n)`` seconds. At most ``MAX_STREAMS_PER_PEER`` inbound
-streams per peer and ``MAX_STREAMS`` in all are served at once; the others are answered
-``{"error": "busy"}`` without being read and closed at once, so that they hold no descriptor
-(best effort: the close can reset the stream before the answer arrives, and the caller then
-sees the stream closed, a failed call either way). After answering, the server waits up to
-``LINGER_TIMEOUT`` seconds for the caller to close its end (closing first can reset the stream
-and lose the answer). The caller reads the reply while it still writes (a refusal arrives
-before the request is fully sent) and checks the reply's ``_n`` against its ``max_reply``.
-Every malformed, oversized, over-limit or late inbound message is a drop (``drops.DropLedger``:
-a peer over its drop budget is blocked for a doubling while); a blocked peer's
-streams are closed unread, up to ``TARPIT_PER_PEER`` of them (``TARPIT_MAX`` in all) after being
-held unanswered for ``TARPIT_S`` seconds, so that a caller that waits for its answers slows down
-instead of opening stream after stream. Every request of a banned peer counts as a drop (its
-handlers refuse it), so a banned peer that keeps calling is blocked too. Every call has a deadline.
+(``P2P.call_binary_stream_handler`` / ``P2P.add_binary_stream_handler``): small calls to a peer
+on one long-lived stream, our session to it (:mod:`p2pdiloco.net.sessions`), bigger ones on a
+stream each; every message framed as :mod:`p2pdiloco.net.framing` says (length-prefixed
+msgpack header with the payload length ``_n``, then the payload). Reserved header keys: ``_n``,
+``_cert`` (membership certificate, bin, in a private swarm), in sessions ``_id`` and ``_rpc``; a
+reply with ``error`` (str) is a refusal, with ``denied`` (str) a membership refusal. The server
+half, with its limits and deadlines, is :mod:`p2pdiloco.net.serving`. A caller reads the reply
+while it still writes (a refusal arrives before the request is fully sent) and checks the
+reply's ``_n`` against its ``max_reply``. Every call has a deadline.
 
 Time (:mod:`p2pdiloco.net.clock`): a node more than ``clock.TOLERANCE_S`` seconds off its
 initial peers' clocks is refused; a smaller offset is corrected (:attr:`Swarm.clock`, the
@@ -53,7 +39,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import psutil
@@ -64,19 +50,19 @@ from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreacha
 from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_payload: re-exported)
     Header,
     close_stream,
-    drain,
     frame,
-    payload_deadline,
     read_header,
     read_payload,
     write_message,
 )
 from p2pdiloco.net import clock as swarm_clock
+from p2pdiloco.net import sessions
 from p2pdiloco.net.daemon import identity_in_use, rejoin_dht, start_daemon, start_dht
-from p2pdiloco.net.drops import MAX_DROP_PEERS, DropLedger, TrafficStats, record_kind
+from p2pdiloco.net.drops import DropLedger, TrafficStats, record_kind
 from p2pdiloco.net.framing import short_error as _short
 from p2pdiloco.net.reachability import RPC as DIALBACK
 from p2pdiloco.net.reachability import DialbackServer, Reachability, ReachabilityMode, daemon_options
+from p2pdiloco.net.serving import Handler, Server
 from p2pdiloco.net.signed_records import SignedRecords
 from p2pdiloco.trust.certificates import Membership
 from p2pdiloco.trust.errors import AccessDenied, IdentityError
@@ -84,30 +70,9 @@ from p2pdiloco.trust.identity import Identity, is_peer_id
 
 log = logging.getLogger(__name__)
 
-HEADER_TIMEOUT = 10.0  # seconds an inbound stream may take to deliver its request header
-LINGER_TIMEOUT = 5.0  # seconds a server waits for the caller to close after the answer
-LINGER_DISCARD_BYTES = 8 << 20  # bytes a server reads and discards while it lingers, at most
-TARPIT_S = 10.0  # seconds a blocked peer's stream is held unanswered before it is closed ...
-TARPIT_PER_PEER = 16  # ... for this many of its streams at once (the others are closed at once)
-TARPIT_MAX = 256  # ... and this many in all
-MAX_STREAMS_PER_PEER = 16  # inbound streams served at once for one peer (mm.join holds one ~2 min)
-MAX_STREAMS = 512  # inbound streams served at once in all
 DEFAULT_MAX_REPLY = 1 << 20  # bytes: reply payload a call accepts unless told otherwise
 NARROW_BEAM = 5  # DHT peers a search keeps (hivemind's num_replicas: those that hold a value), instead of the
 # bucket size, 20, which at 16 nodes visits all of them, each answer carrying every record under the key (issue 13)
-
-Handler = Callable[[str, Header, bytes], Awaitable[tuple[Header, bytes]]]
-_BUSY = frame({"error": "busy"}, 0)
-
-
-class _Drop(Exception):
-    """An inbound request that is not served: counted under ``reason``; answered ``message``
-    unless ``answer`` is false (the stream is gone)."""
-
-    def __init__(self, reason: str, message: str, answer: bool = True):
-        super().__init__(message)
-        self.reason, self.answer = reason, answer
-
 
 class Swarm:
     """A peer's transport: daemon, DHT and framed RPCs. Create with :meth:`start`.
@@ -141,10 +106,9 @@ class Swarm:
         self.drops = DropLedger(self.peer_id)
         # the ledger's own counters, under the names status and the other modules read
         self.dropped, self.drop_reasons, self.blocked = self.drops.dropped, self.drops.reasons, self.drops.blocked
-        self._tarpit: Counter[str] = Counter()  # blocked peer -> its streams held unanswered now
-        self._refused_peers: set[str] = set()  # refused at least once (logged at INFO once)
-        self._streams: Counter[str] = Counter()  # inbound streams being served, by peer
-        self._streams_total = 0
+        self.server = Server(self, p2p)
+        self._sessions: dict[str, sessions.Session] = {}  # our session to each peer (one at a time)
+        self._opening: dict[str, asyncio.Lock] = {}  # peer -> held while our session to it opens
         self.admitted = False  # a member of the swarm accepted us (check_admission)
         self.stats = TrafficStats()
         self.reach = Reachability()  # how peers can dial us (start() sets its mode and checks)
@@ -218,6 +182,7 @@ class Swarm:
             await swarm.shutdown()
             raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
         swarm._clock_task = asyncio.create_task(swarm_clock.watch(swarm.clock, p2p))
+        await swarm.server.start()
         await swarm.add_handler("trust.hello", swarm._on_hello)
         await swarm.add_handler(DIALBACK, DialbackServer(swarm))
         swarm.reach, swarm.initial_peers = Reachability(reachability or "auto", relay), list(initial_peers)
@@ -330,142 +295,54 @@ class Swarm:
         """Peers whose streams are closed unread now, {peer ID: seconds left}."""
         return self.drops.blocking()
 
+    def sessions(self) -> list[str]:
+        """Peers we hold an open session to (:mod:`p2pdiloco.net.sessions`)."""
+        return [peer for peer, session in self._sessions.items() if not session.closed]
+
     def open_streams(self, peer: str | None = None) -> int:
-        """Inbound RPC streams being served now: from ``peer``, or from everybody."""
-        return self._streams.get(peer, 0) if peer is not None else self._streams_total
+        """Inbound requests being served now: from ``peer``, or from everybody."""
+        return self.server.open_streams(peer)
 
     async def add_handler(self, name: str, handler: Handler, *, max_payload: int = 0) -> None:
-        """Serve RPC ``name``: ``handler(peer_id, header, payload) -> (header, payload)``.
+        """Serve RPC ``name``: ``handler(peer_id, header, payload) -> (header, payload)``, on
+        streams of its own and in sessions (:meth:`serving.Server.add_handler` has the rules).
 
         Args:
             max_payload: largest request payload accepted (bytes); a request declaring more is
                 refused before any of its payload is read.
 
-        Per request (see the module docstring for the framing and deadlines): over
-        ``MAX_STREAMS_PER_PEER`` / ``MAX_STREAMS`` open streams, answers ``{"error": "busy"}``
-        unread; reads the header within ``HEADER_TIMEOUT`` s; refuses a non-member
-        (``{"error", "denied"}``, counted in :attr:`refused`) and a payload over
-        ``max_payload`` before reading the payload; reads the payload within
-        :func:`payload_deadline`. A handler raising ProtocolError answers
-        ``{"error": message}``; any other exception is logged and answered as an internal
-        error. Nothing a peer sends raises out of the stream handler, and every stream is
-        closed (its descriptor released) on every path. Drops are counted by :meth:`drop`.
-
         Raises:
             ValueError: ``max_payload`` < 0.
         """
-        if max_payload < 0:
-            raise ValueError(f"max_payload must be >= 0, got {max_payload}")
+        await self.server.add_handler(name, handler, max_payload=max_payload)
 
-        async def serve(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                remote = info.peer_id.to_base58()
-            except Exception:  # the daemon always sends one; never let a stream leak
-                close_stream(writer)
-                return
-            if remote in self.bans:  # served (handlers refuse it with the reason), but every request counts
-                self.drop(remote, "banned")
-            if self.drops.is_blocked(remote):
-                self.drop_reasons["blocked"] += 1
-                if self._tarpit[remote] < TARPIT_PER_PEER and sum(self._tarpit.values()) < TARPIT_MAX:
-                    self._tarpit[remote] += 1  # held unanswered: a caller that waits for answers slows down
-                    try:
-                        await drain(reader, TARPIT_S)
-                    finally:
-                        self._tarpit[remote] -= 1
-                        if self._tarpit[remote] <= 0:
-                            del self._tarpit[remote]
-                close_stream(writer)
-                return
-            if self._streams[remote] >= MAX_STREAMS_PER_PEER or self._streams_total >= MAX_STREAMS:
-                self.drop(remote, "busy")
-                try:
-                    writer.write(_BUSY)  # a few bytes into an empty socket buffer: never blocks
-                except Exception as e:  # the stream is already gone
-                    log.debug("busy answer to %s: %s", remote[-8:], e)
-                close_stream(writer)
-                return
-            self._streams[remote] += 1
-            self._streams_total += 1
-            try:
-                await self._serve(name, handler, max_payload, remote, reader, writer)
-            except Exception:  # a bug here must not reach asyncio's connection callback
-                log.exception("serving %s for %s failed", name, remote[-8:])
-            finally:
-                close_stream(writer)
-                self._streams_total -= 1
-                self._streams[remote] -= 1
-                if self._streams[remote] <= 0:
-                    del self._streams[remote]
+    async def _session(self, peer: str) -> sessions.Session:
+        """Our session to ``peer``: the open one, or a new one (one opening at a time per peer)."""
+        session = self._sessions.get(peer)
+        if session is not None and not session.stale():
+            return session
+        lock = self._opening.setdefault(peer, asyncio.Lock())
+        try:
+            async with lock:
+                session = self._sessions.get(peer)
+                if session is not None and not session.stale():
+                    return session
+                if session is not None:
+                    session.close()
+                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), sessions.RPC)
+                self.stats.sessions += 1
+                session = self._sessions[peer] = sessions.Session(peer, reader, writer, self.drop, self._session_closed)
+                return session
+        finally:
+            if peer not in self._sessions and self._opening.get(peer) is lock and not lock.locked():
+                del self._opening[peer]
 
-        await self._p2p.add_binary_stream_handler(name, serve)
-
-    async def _serve(self, name: str, handler: Handler, max_payload: int, remote: str,
-                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            reply, body = await self._answer(name, handler, max_payload, remote, reader)
-        except _Drop as d:
-            self.drop(remote, d.reason)
-            if not d.answer:
-                return
-            reply, body = {"error": str(d)}, b""
-        try:
-            async with asyncio.timeout(payload_deadline(len(body))):
-                await write_message(writer, reply, body)
-        except (TimeoutError, ConnectionError, OSError) as e:
-            self.drop(remote, "reply_timeout" if isinstance(e, TimeoutError) else "reply_broken")
-            return
-        self.stats.add(remote, n_out=len(body))
-        await drain(reader, LINGER_TIMEOUT, LINGER_DISCARD_BYTES)
-
-    async def _answer(self, name: str, handler: Handler, max_payload: int, remote: str,
-                      reader: asyncio.StreamReader) -> tuple[Header, bytes]:
-        """Read and serve one request: (reply header, reply payload).
-        Raises _Drop for a request that is not served."""
-        try:
-            async with asyncio.timeout(HEADER_TIMEOUT):
-                header, n = await read_header(reader)
-        except TimeoutError:
-            raise _Drop("header_timeout", f"no request header within {HEADER_TIMEOUT:g} s") from None
-        except ProtocolError as e:
-            raise _Drop("bad_header", str(e)) from None
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            raise _Drop("closed", "stream closed before the header", answer=False) from None
-        cert = header.pop("_cert", None)
-        if cert is not None and not isinstance(cert, bytes):
-            raise _Drop("bad_cert", "_cert is not bytes")
-        try:
-            self.membership.check(remote, cert)
-        except AccessDenied as e:
-            self.refused[e.reason] += 1
-            level = logging.DEBUG if remote in self._refused_peers else logging.INFO
-            if len(self._refused_peers) < MAX_DROP_PEERS:
-                self._refused_peers.add(remote)
-            log.log(level, "refused %s from %s: %s", name, remote[-8:], e)
-            return {"error": str(e), "denied": e.reason}, b""
-        if n > max_payload:
-            raise _Drop("too_large", f"{name} payload of {n} bytes exceeds the limit of {max_payload}")
-        try:
-            async with asyncio.timeout(payload_deadline(n)):
-                payload = await read_payload(reader, n)
-        except TimeoutError:
-            raise _Drop("payload_timeout", f"payload of {n} bytes not received within "
-                                           f"{payload_deadline(n):.0f} s") from None
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            raise _Drop("truncated", "stream closed inside the payload", answer=False) from None
-        self.stats.add(remote, n_in=n)  # not timed: any caller may send a slow payload
-        try:
-            reply, body = await handler(remote, header, payload)
-            if self.membership.private:
-                reply = dict(reply, _cert=self.membership.own_certificate)
-            frame(reply, len(body))  # fails here (answered as an error) rather than half-written
-        except ProtocolError as e:
-            log.debug("%s request from %s refused: %s", name, remote[-8:], e)
-            return {"error": str(e)}, b""
-        except Exception as e:  # a handler bug must not take the node down
-            log.exception("handler %s failed for %s", name, remote[-8:])
-            return {"error": f"internal error: {_short(e)}"}, b""
-        return reply, body
+    def _session_closed(self, session: sessions.Session) -> None:
+        if self._sessions.get(session.peer) is session:
+            del self._sessions[session.peer]
+            lock = self._opening.get(session.peer)
+            if lock is not None and not lock.locked():
+                del self._opening[session.peer]
 
     async def call(
         self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float,
@@ -473,18 +350,20 @@ class Swarm:
     ) -> tuple[Header, bytes]:
         """Call RPC ``name`` on ``peer_id`` and return its (header, payload).
 
-        The request is written while the reply is awaited (a refusal arrives before a large
-        request is fully sent); the stream is closed in every case.
+        A call whose ``payload`` and ``max_reply`` are both at most ``sessions.MAX_MESSAGE``
+        bytes takes our session to the peer (:mod:`p2pdiloco.net.sessions`); any other a stream
+        of its own, on which the request is written while the reply is awaited (a refusal
+        arrives before a large request is fully sent), closed in every case.
 
         Args:
             timeout: seconds for the whole call (connect, request, reply).
             max_reply: largest reply payload accepted (bytes); a reply declaring more is
                 refused before its payload is read (counted by :meth:`drop`).
             first_reply: seconds (within ``timeout``) from the stream's opening (dialing and
-                protocol negotiation count against ``timeout`` only) to the reply's header;
-                None: no separate limit. A handler that answers from memory answers its header
-                about one round trip after the request, so a staller is caught well before a
-                large payload's deadline.
+                protocol negotiation count against ``timeout`` only), or from the request's
+                writing on a session, to the reply's header; None: no separate limit. A handler
+                that answers from memory answers its header about one round trip after the
+                request, so a staller is caught well before a large payload's deadline.
 
         Raises:
             PeerSilent: no reply header within ``first_reply`` seconds (a PeerTimeout).
@@ -504,46 +383,27 @@ class Swarm:
         except (ProtocolError, TypeError, ValueError) as e:
             self.stats.calls_failed += 1
             raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
-        writer: asyncio.StreamWriter | None = None
-        sending: asyncio.Task | None = None
-        first: asyncio.Timeout | None = None
         try:
             async with asyncio.timeout(timeout):
-                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
-                sending = asyncio.create_task(write_message(writer, header, payload))
-                async with asyncio.timeout(first_reply) as first:
-                    try:
-                        reply, n = await read_header(reader)
-                    except ProtocolError as e:
-                        self.drop(peer_id, "bad_reply")
-                        raise ProtocolError(f"{peer_id[-8:]} answered {name} with a malformed reply: {e}") from None
-                if n > max_reply:
-                    self.drop(peer_id, "reply_too_large")
-                    raise ProtocolError(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of "
-                                        f"{max_reply}")
-                # a short duration, not a deadline: perf_counter (the loop's clock has 1 ms steps on uvloop)
-                t0, body = time.perf_counter(), await read_payload(reader, n)
-                received = time.perf_counter() - t0
-        except ProtocolError:
+                if len(payload) <= sessions.MAX_MESSAGE and max_reply <= sessions.MAX_MESSAGE:
+                    session = await self._session(peer_id)
+                    reply, body, received = await session.call(name, header, payload, max_reply=max_reply,
+                                                               first_reply=first_reply)
+                    self.stats.add(peer_id, n_out=len(payload))
+                else:
+                    reply, body, received = await self._stream_call(peer_id, name, header, payload, max_reply,
+                                                                    first_reply)
+        except (ProtocolError, PeerUnreachable):
             self.stats.calls_failed += 1
             raise
         except TimeoutError:
             self.stats.calls_failed += 1
-            if first is not None and first.expired():
-                raise PeerSilent(f"{name} to {peer_id[-8:]} failed: no answer within {first_reply:.3g} s") from None
             raise PeerTimeout(f"{name} to {peer_id[-8:]} failed: timeout after {timeout:g} s") from None
         except Exception as e:
             self.stats.calls_failed += 1
             raise PeerUnreachable(f"{name} to {peer_id[-8:]} failed: {_short(e)}") from None
-        finally:
-            if sending is not None:
-                sending.cancel()  # done: no-op; still writing: the reply came first (a refusal)
-                sent = await asyncio.gather(sending, return_exceptions=True)
-                if sent[0] is None:
-                    self.stats.add(peer_id, n_out=len(payload))
-            if writer is not None:
-                close_stream(writer)
-        self.stats.add(peer_id, n_in=len(body), seconds=received)
+        n = len(body)
+        self.stats.add(peer_id, n_in=n, seconds=received)
         self.stats.header_bytes[name] += len(frame(reply, n))  # as received (re-encoded: same size)
         if "error" in reply:
             if "denied" in reply:
@@ -559,6 +419,37 @@ class Swarm:
             raise AccessDenied(f"answer of {peer_id[-8:]} to {name} dropped: {e}", e.reason) from None
         return reply, body
 
+    async def _stream_call(self, peer_id: str, name: str, header: Header, payload: bytes, max_reply: int,
+                           first_reply: float | None) -> tuple[Header, bytes, float]:
+        """A call on a stream of its own: (reply header, reply payload, seconds the payload took)."""
+        writer: asyncio.StreamWriter | None = None
+        sending: asyncio.Task | None = None
+        try:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+            sending = asyncio.create_task(write_message(writer, header, payload))
+            try:
+                async with asyncio.timeout(first_reply):
+                    reply, n = await read_header(reader)
+            except TimeoutError:
+                raise PeerSilent(f"{name} to {peer_id[-8:]} failed: no answer within {first_reply:.3g} s") from None
+            except ProtocolError as e:
+                self.drop(peer_id, "bad_reply")
+                raise ProtocolError(f"{peer_id[-8:]} answered {name} with a malformed reply: {e}") from None
+            if n > max_reply:
+                self.drop(peer_id, "reply_too_large")
+                raise ProtocolError(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of {max_reply}")
+            # a short duration, not a deadline: perf_counter (the loop's clock has 1 ms steps on uvloop)
+            t0, body = time.perf_counter(), await read_payload(reader, n)
+            return reply, body, time.perf_counter() - t0
+        finally:
+            if sending is not None:
+                sending.cancel()  # done: no-op; still writing: the reply came first (a refusal)
+                sent = await asyncio.gather(sending, return_exceptions=True)
+                if sent[0] is None:
+                    self.stats.add(peer_id, n_out=len(payload))
+            if writer is not None:
+                close_stream(writer)
+
     def daemon_running(self) -> bool:
         """Whether p2pd still runs (True when its PID is unknown)."""
         with contextlib.suppress(psutil.Error):
@@ -569,6 +460,8 @@ class Swarm:
         """Stop the DHT node and the daemon; waits for p2pd to exit."""
         if self._clock_task is not None:
             self._clock_task.cancel()
+        for session in list(self._sessions.values()):
+            session.close()
         try:  # a daemon answers in milliseconds; one that is exiting too (SIGTERM to the group) never does
             await asyncio.wait_for(self._dht.shutdown(), 1.0 if self.daemon_running() else 0.5)
         except Exception as e:
