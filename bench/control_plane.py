@@ -246,8 +246,9 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
             doc.table(["RPC", "calls per node per committed round", "in the steady state", "header bytes per call"],
                       [[name, f"{v[0] / seeds:.2f}", f"{steady[name] / seeds:.2f}", f"{v[1] / max(1, v[2]):.0f}"]
                        for name, v in sorted(rpc.items(), key=lambda kv: -kv[1][0])],
-                      caption=f"{k}: the nodes' RPCs by name (report key rpc_by_name; each call is one libp2p "
-                              "stream: see the next table):")
+                      caption=f"{k}: the nodes' RPCs by name (report key rpc_by_name; each call one libp2p "
+                              "stream before WIRE_VERSION 10, a message each way in a session since, for calls up "
+                              "to 64 KiB: see the last table):")
         ops = Counter()
         for r in runs:
             if r["commit"] == k:

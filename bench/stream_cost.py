@@ -39,7 +39,7 @@ async def main(calls: int, idle: float) -> dict:
             for size, path in ((0, ""), (300, ""), (0, "stream_"), (300, "stream_")):
                 header = {"x": bytes(size)} if size else {}
                 # stream_: a reply limit over sessions.MAX_MESSAGE, so that the call takes a stream of its own
-                max_reply = 2 << 20 if path else 1 << 20
+                max_reply = 2 << 20 if path else 64 << 10
                 (b0, p0), t0 = counters(), time.monotonic()
                 for _ in range(calls):
                     await b.call(a.peer_id, "t.empty", header, timeout=10, max_reply=max_reply)

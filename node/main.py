@@ -171,6 +171,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "bytes_out": swarm.stats.bytes_out, "bytes_in": swarm.stats.bytes_in,
         "rpc_calls": swarm.stats.calls_out, "rpc_failed": swarm.stats.calls_failed, "dht_ops": dict(swarm.stats.dht),
         "rpc_by_name": {k: [n, swarm.stats.header_bytes[k]] for k, n in sorted(swarm.stats.calls_by.items())},
+        "sessions": {"open": len(swarm.sessions()), "opened": swarm.stats.sessions, "serving": swarm.server.serving()},
         "gathering_pushes": dict(node.matchmaker.gatherings.stats),
         "record_pushes": dict(node.sync.pusher.stats + node.sync.pushes_received),
         "link_bytes_per_s": round(link) if (link := swarm.stats.link.estimate()) else None,

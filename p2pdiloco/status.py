@@ -78,6 +78,8 @@ class Status(Starting):
     rpc_failed: Annotated[int, "of those, failed"]
     rpc_by_name: Annotated[dict[str, list[int]], "RPCs it made by name: [calls, bytes of their framed request and "
                                                  "reply headers]"]
+    sessions: Annotated[dict[str, int], "sessions, each one stream carrying many small calls (net.sessions): open "
+                                        "(ours to peers), opened (ours, since start), serving (peers' to us)"]
     dht_ops: Annotated[dict[str, int], "DHT reads and stores it made, by \"get:\" or \"store:\" and record kind "
                                        "(mm: matchmaking declarations, heads, ...)"]
     gathering_pushes: Annotated[dict[str, int], "gathering announcements pushed (net.gatherings): sent, failed, "

@@ -236,7 +236,8 @@ async def test_a_heartbeat_reaches_each_peer_once_per_beat_every_and_a_change_at
             await quiet()
             pusher.heard_from(c.peer_id)  # c never had our value (it just joined): it gets the newest now
             await until(lambda: got[c.peer_id] == [6], 10, "greeting c", every=0.02)
-            assert got[b.peer_id] == [1, 3, 4, 5] and pusher.stats["sent"] == 5
+            await until(lambda: pusher.stats["sent"] == 5, 10, "c's answer to the greeting", every=0.02)
+            assert got[b.peer_id] == [1, 3, 4, 5]
         finally:
             task.cancel()
 

@@ -33,6 +33,18 @@ async def echo(peer: str, header: Header, payload: bytes) -> tuple[Header, bytes
     return {"n": len(payload)}, payload
 
 
+async def echo_and_held(a: Swarm) -> asyncio.Event:
+    """Serve ``t.echo`` (payloads up to 100 bytes) and ``t.held`` (answered once the event returned is set)."""
+    gate = asyncio.Event()
+
+    async def held(peer: str, header: Header, payload: bytes) -> tuple[Header, bytes]:
+        await gate.wait()
+        return {}, b""
+    await a.add_handler("t.echo", echo, max_payload=100)
+    await a.add_handler("t.held", held)
+    return gate
+
+
 @contextlib.asynccontextmanager
 async def raw_session(src: Swarm, dst: Swarm) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
     """A raw session stream from ``src`` to ``dst`` (the caller speaks the framing itself)."""
@@ -86,19 +98,13 @@ async def test_calls_share_one_session_and_replies_come_in_any_order():
 
 @pytest.mark.asyncio
 async def test_a_hostile_caller_is_dropped_per_message_and_a_refused_payload_is_skipped():
-    """On a raw session: a payload over the handler's ``max_payload`` (within MAX_MESSAGE) is read,
-    thrown away and refused, and the next request on the same session is answered; a busy
-    answer comes once the peer has MAX_STREAMS_PER_PEER requests in flight; an ``_id`` that is
-    not an int, or an unknown ``_rpc``, is a ``bad_header`` drop and ends the session; so does a
-    declared payload over MAX_MESSAGE that is over the limit, after its refusal."""
+    """On a raw session: a payload over the handler's ``max_payload`` (within MAX_MESSAGE), or for
+    an unknown ``_rpc``, is read, thrown away and refused, and the next request on the same
+    session is answered; a busy answer comes once the peer has MAX_STREAMS_PER_PEER requests in
+    flight; an ``_id`` that is not an int is a ``bad_header`` drop and ends the session; so does a
+    declared payload over MAX_MESSAGE, after its refusal."""
     async with swarms(2) as (a, b):
-        gate = asyncio.Event()
-
-        async def held(peer: str, header: Header, payload: bytes) -> tuple[Header, bytes]:
-            await gate.wait()
-            return {}, b""
-        await a.add_handler("t.echo", echo, max_payload=100)
-        await a.add_handler("t.held", held)
+        gate = await echo_and_held(a)
         async with raw_session(b, a) as (reader, writer):
             writer.write(frame({"_id": 0, "_rpc": "t.echo"}, 1000) + bytes(1000))
             writer.write(frame({"_id": 1, "_rpc": "t.echo"}, 3) + b"abc")
@@ -117,18 +123,21 @@ async def test_a_hostile_caller_is_dropped_per_message_and_a_refused_payload_is_
             assert ids == set(range(10, 10 + serving.MAX_STREAMS_PER_PEER))
             await until(lambda: a.open_streams() == 0, 5, "the held requests to end")
 
+            writer.write(frame({"_id": 3, "_rpc": "no.such"}, 5) + b"12345")
+            writer.write(frame({"_id": 4, "_rpc": "t.echo"}, 2) + b"ok")
+            head, _ = await reply(reader)
+            assert head["_id"] == 3 and "no handler" in head["error"]
+            assert await reply(reader) == ({"_id": 4, "n": 2}, b"ok")
+
             writer.write(frame({"_id": "2", "_rpc": "t.echo"}, 0))
             assert await closed(reader)
         async with raw_session(b, a) as (reader, writer):
-            writer.write(frame({"_id": 3, "_rpc": "no.such"}, 0))
-            assert await closed(reader)
-        async with raw_session(b, a) as (reader, writer):
-            writer.write(frame({"_id": 4, "_rpc": "t.echo"}, 4 << 20))
+            writer.write(frame({"_id": 5, "_rpc": "t.echo"}, 4 << 20))
             head, _ = await reply(reader)
-            assert head["_id"] == 4 and "exceeds the limit" in head["error"]
+            assert head["_id"] == 5 and "in a session" in head["error"]
             assert await closed(reader)
-        assert a.drop_reasons["bad_header"] == 2 and a.drop_reasons["too_large"] == 2
-        assert a.drop_reasons["busy"] == 1
+        assert a.drop_reasons["bad_header"] == 1 and a.drop_reasons["too_large"] == 2
+        assert a.drop_reasons["busy"] == 1 and a.drop_reasons["bad_rpc"] == 1
         assert (await b.call(a.peer_id, "t.echo", {}, b"ok", timeout=10))[1] == b"ok"  # still served
 
 
@@ -185,8 +194,8 @@ async def test_a_hostile_servers_reply_closes_the_session(lie):
 async def test_a_late_reply_is_thrown_away_and_a_silent_session_is_closed_when_its_call_gives_up():
     """A call that gives up while replies still come (a slow handler) leaves the session open and
     its late reply is read and thrown away, no drop; a call across a partition that swallowed its
-    request, with nothing heard since, closes the session, and after the heal the next call
-    opens a new one."""
+    request, with nothing heard since, has the session probed, and the probe unanswered within
+    PROBE_S closes it; after the heal the next call opens a new one."""
     net = MemoryNet(default=Link(latency=0.01))
     try:
         a, b = await net.swarm(), await net.swarm()
@@ -204,9 +213,63 @@ async def test_a_late_reply_is_thrown_away_and_a_silent_session_is_closed_when_i
         net.partition([[a.peer_id]])
         with pytest.raises(PeerTimeout):
             await b.call(a.peer_id, "t.echo", {}, b"lost", timeout=0.5)
-        assert b.sessions() == []
+        assert b.sessions() == [a.peer_id]  # probed first (PING): a slow peer is not cut off
+        await until(lambda: b.sessions() == [], sessions.PROBE_S + 5, "the unanswered probe to close the session")
         net.heal()
         assert (await b.call(a.peer_id, "t.echo", {}, b"back", timeout=5))[1] == b"back"
-        assert b.stats.sessions == 2
+        assert b.stats.sessions == 2 and b.stats.probes == 1
+    finally:
+        await net.close()
+
+
+@pytest.mark.asyncio
+async def test_a_silent_session_is_closed_and_idle_ones_make_room_for_new_ones(monkeypatch):
+    """A session without a first request within HEADER_TIMEOUT is closed (no drop: a caller that
+    gave up while it opened leaves one so); at MAX_SESSIONS_PER_PEER, a new session closes the
+    least recently active idle one; one whose request is being answered is never closed for room
+    (the new one is refused, a ``busy`` drop)."""
+    monkeypatch.setattr(serving, "HEADER_TIMEOUT", 1.0)
+    monkeypatch.setattr(sessions, "MAX_SESSIONS_PER_PEER", 2)
+    async with swarms(2) as (a, b):
+        gate = await echo_and_held(a)
+        async with raw_session(b, a) as (reader, _):
+            assert await closed(reader)
+        assert a.dropped == {}
+        async with contextlib.AsyncExitStack() as stack:
+            first, second = [await stack.enter_async_context(raw_session(b, a)) for _ in range(2)]
+            for i, (reader, writer) in enumerate((first, second)):
+                writer.write(frame({"_id": i, "_rpc": "t.echo"}, 1) + b"x")
+                assert (await reply(reader))[0] == {"_id": i, "n": 1}
+            second[1].write(frame({"_id": 9, "_rpc": "t.held"}, 0))
+            await until(lambda: a.open_streams(b.peer_id) == 1, 5, "the held request")
+            third = await stack.enter_async_context(raw_session(b, a))
+            assert await closed(first[0])  # the idle one made room
+            third[1].write(frame({"_id": 0, "_rpc": "t.echo"}, 1) + b"y")
+            assert (await reply(third[0]))[0] == {"_id": 0, "n": 1}
+            third[1].write(frame({"_id": 1, "_rpc": "t.held"}, 0))
+            await until(lambda: a.open_streams(b.peer_id) == 2, 5, "both held requests")
+            fourth = await stack.enter_async_context(raw_session(b, a))
+            assert await closed(fourth[0])  # no idle one left: refused
+            gate.set()
+            assert (await reply(second[0]))[0] == {"_id": 9}
+        assert a.drop_reasons["busy"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_call_giving_up_beside_a_call_in_flight_leaves_the_session_open():
+    """A call that gives up with nothing heard since its request, while another call still waits
+    on a reply that is coming, keeps the session (its probe is answered): the other call's reply
+    arrives."""
+    net = MemoryNet(default=Link(latency=0.01))
+    try:
+        a, b = await net.swarm(), await net.swarm()
+        await a.add_handler("t.echo", echo, max_payload=100)
+        slow = asyncio.create_task(b.call(a.peer_id, "t.echo", {"wait": 1.5}, b"slow", timeout=10))
+        await until(lambda: a.open_streams() == 1, 5, "the slow call at a")
+        with pytest.raises(PeerTimeout):
+            await b.call(a.peer_id, "t.echo", {"wait": 1.0}, b"quick", timeout=0.3)
+        assert (await slow)[1] == b"slow"  # 1.2 s later: the probe was answered within milliseconds
+        assert b.sessions() == [a.peer_id] and b.stats.probes == 1 and b.stats.calls_failed == 1
+        assert b.stats.sessions == 1 and b.dropped == {} and a.dropped == {}
     finally:
         await net.close()

@@ -56,6 +56,9 @@ def test_three_nodes_merge_like_one_process(harness):
                for r in reports), [r["record_pushes"] for r in reports]
     assert all(r["record_pushes"]["sent"] > 2 * r["dht_ops"]["store:heads"] for r in reports), \
         [(r["record_pushes"], r["dht_ops"]) for r in reports]  # two peers a push: more publishes than stores
+    # small calls travel in sessions (net.sessions): a few streams opened per peer for many calls
+    assert all(0 < r["sessions"]["opened"] <= 3 * 3 < r["rpc_calls"] and r["sessions"]["serving"] <= 2 * 3
+               for r in reports), [(r["sessions"], r["rpc_calls"]) for r in reports]
 
     traces = [_traces(d) for _, d in nodes]
     full = [rid for rid in traces[0] if all(rid in t for t in traces) and len(traces[0][rid]["members"]) == 3]

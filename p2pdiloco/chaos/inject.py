@@ -152,11 +152,15 @@ def kill_midway(rpc: str, nth: int, when: Callable[[dict[str, Any]], bool] = lam
         await write_message(writer, header, payload, stop_after=len(payload) // 2)
         await _killed(len(payload))
 
-    async def cutting_write_reply(writer, lock, rid, reply, body, *, stop_after: int | None = None) -> None:
+    async def cutting_write_reply(writer, lock, rid, reply, body, *, stop_after: int | None = None) -> bool:
         if not _cut_this_answer.get():
             return await write_reply(writer, lock, rid, reply, body, stop_after=stop_after)
-        await write_reply(writer, lock, rid, reply, body, stop_after=len(body) // 2)
-        await _killed(len(body))
+        async with lock:  # held until the kill: no other reply of the session follows the cut one's half
+            try:
+                await write_reply(writer, asyncio.Lock(), rid, reply, body, stop_after=len(body) // 2)
+            finally:
+                await _killed(len(body))
+        return False
 
     async def _killed(n: int) -> None:
         await asyncio.sleep(KILL_LINGER_S)

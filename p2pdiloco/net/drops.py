@@ -88,7 +88,8 @@ class TrafficStats:
     relayed: frozenset[str] = frozenset()
     dht: Counter[str] = field(default_factory=Counter)  # DHT operations by "get:" / "store:" and record kind
     calls_by: Counter[str] = field(default_factory=Counter)  # calls made, by RPC name
-    sessions: int = 0  # sessions opened to peers (p2pdiloco.net.sessions)
+    sessions: int = 0  # sessions opened to peers (p2pdiloco.net.sessions) ...
+    probes: int = 0  # ... and probes of their liveness (a call gave up with nothing heard since its request)
     header_bytes: Counter[str] = field(default_factory=Counter)  # framed request + reply header bytes, by RPC name
     link: LinkMeter = field(default_factory=LinkMeter)
 

@@ -38,6 +38,7 @@ def short_error(e: BaseException) -> str:
 
 
 _LENGTH = struct.Struct(">I")
+LENGTH_BYTES = _LENGTH.size  # bytes of a message's length prefix
 
 Header = dict[str, Any]
 
@@ -82,16 +83,18 @@ def frame(header: Header, payload_size: int) -> bytes:
     return _LENGTH.pack(len(head)) + head
 
 
-async def read_header(reader: asyncio.StreamReader) -> tuple[Header, int]:
+async def read_header(reader: asyncio.StreamReader, *, length: bytes | None = None) -> tuple[Header, int]:
     """Read one message's length prefix and header; returns (header without ``_n``, payload size
     in bytes). Reads nothing of the payload. No deadline of its own: wrap it in one.
+    ``length``: the prefix, already read (``reader.readexactly(LENGTH_BYTES)``, which consumes
+    nothing unless it returns: a wait for the next message that can time out and go on).
 
     Raises:
         ProtocolError: header length 0 or over ``MAX_HEADER_BYTES``, undecodable header, not a
             map, or ``_n`` missing or not an int >= 0.
         asyncio.IncompleteReadError: the stream ended first.
     """
-    size = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))[0]
+    size = _LENGTH.unpack(length if length is not None else await reader.readexactly(_LENGTH.size))[0]
     if not 0 < size <= MAX_HEADER_BYTES:
         raise ProtocolError(f"header length {size} outside 1..{MAX_HEADER_BYTES}")
     header = unpack(await reader.readexactly(size))

@@ -26,7 +26,6 @@ drop (its handlers refuse it), so a banned peer that keeps calling is blocked to
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -34,8 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net import sessions
+from p2pdiloco.net.clock import monotonic
 from p2pdiloco.net.drops import MAX_DROP_PEERS
 from p2pdiloco.net.framing import (
+    LENGTH_BYTES,
     Header,
     close_stream,
     drain,
@@ -75,6 +76,16 @@ class _Drop(Exception):
         self.reason, self.answer = reason, answer
 
 
+class _Live:
+    """One inbound session: its peer, stream, write lock, last activity (``clock.monotonic``),
+    requests read and requests being answered (their tasks)."""
+
+    def __init__(self, remote: str, writer: asyncio.StreamWriter):
+        self.remote, self.writer, self.write = remote, writer, asyncio.Lock()
+        self.active, self.requests, self.tasks = monotonic(), 0, set[asyncio.Task]()
+        self.reading = False  # a request is being read (or refused) now
+
+
 class Server:
     """The requests a :class:`~p2pdiloco.net.transport.Swarm` serves (module docstring). It owns
     the handlers and the counts of what is being served; it reads the swarm's ``membership``,
@@ -87,18 +98,31 @@ class Server:
         self._refused_peers: set[str] = set()  # refused at least once (logged at INFO once)
         self._streams: Counter[str] = Counter()  # requests being served, by peer
         self._streams_total = 0
-        self._sessions: Counter[str] = Counter()  # inbound sessions open, by peer
+        self._live: set[_Live] = set()  # inbound sessions open
+        self._tasks: set[asyncio.Task] = set()  # requests of sessions being answered (also of sessions closed)
 
     async def start(self) -> None:
-        """Accept sessions (``sessions.RPC``)."""
+        """Accept sessions (``sessions.RPC``) and answer their probes (``sessions.PING``)."""
         await self._p2p.add_binary_stream_handler(sessions.RPC, self._serve_session)
+        await self.add_handler(sessions.PING, self._ping)
+
+    @staticmethod
+    async def _ping(peer: str, header: Header, payload: bytes) -> tuple[Header, bytes]:
+        return {}, b""
 
     def open_streams(self, peer: str | None = None) -> int:
         """Requests being served now (on streams of their own or in sessions): from ``peer``, or from everybody."""
         return self._streams.get(peer, 0) if peer is not None else self._streams_total
 
-    def _over_limit(self, remote: str) -> bool:
-        return self._streams[remote] >= MAX_STREAMS_PER_PEER or self._streams_total >= MAX_STREAMS
+    def serving(self) -> int:
+        """Peers' sessions open to us now."""
+        return len(self._live)
+
+    def _over_limit(self, remote: str) -> str | None:
+        """Why a new request of ``remote`` cannot be served now: ``busy`` (its own requests fill
+        its share: a drop), ``full`` (everybody's fill the total: not its fault, not charged), or None."""
+        return "busy" if self._streams[remote] >= MAX_STREAMS_PER_PEER else (
+            "full" if self._streams_total >= MAX_STREAMS else None)
 
     def _served(self, remote: str) -> None:
         self._streams_total -= 1
@@ -107,7 +131,7 @@ class Server:
             del self._streams[remote]
 
     async def _accept(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      busy: Callable[[str], bool], *, answer_busy: bool = True) -> str | None:
+                      busy: Callable[[str], str | None], *, answer_busy: bool = True) -> str | None:
         """The caller's peer ID if its inbound stream is to be served; else None and the stream
         closed (a blocked peer's after the tarpit; over a limit: answered busy first)."""
         try:
@@ -127,8 +151,11 @@ class Server:
                         del self._tarpit[remote]
             close_stream(writer)
             return None
-        if busy(remote):
-            self.swarm.drop(remote, "busy")
+        if (why := busy(remote)) is not None:
+            if why == "busy":
+                self.swarm.drop(remote, "busy")
+            else:  # the limit of all peers together: counted, not charged to this one
+                self.swarm.drop_reasons[why] += 1
             try:
                 if answer_busy:
                     writer.write(_BUSY)  # a few bytes into an empty socket buffer: never blocks
@@ -263,102 +290,152 @@ class Server:
         return reply, body
 
     # ---- sessions (p2pdiloco.net.sessions) ----------------------------------------------
+    async def close(self) -> None:
+        """Close every inbound session and cancel the requests of sessions being answered (shutdown)."""
+        for live in list(self._live):
+            close_stream(live.writer)
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+
+    def _no_room(self, remote: str) -> str | None:
+        """Why a new session of ``remote`` must be refused (``busy``: its own fill its share, a drop;
+        ``sessions_full``: everybody's fill the total, not charged), or None: at the limit per peer
+        (or in all), the least recently active idle session of ``remote`` (of anyone) is closed
+        to make room, one waiting for its next request with none being answered."""
+        mine = [live for live in self._live if live.remote == remote]
+        pool, why = (mine, "busy") if len(mine) >= sessions.MAX_SESSIONS_PER_PEER else (
+            (list(self._live), "sessions_full") if len(self._live) >= sessions.MAX_SESSIONS else (None, None))
+        if pool is None:
+            return None
+        idle = [live for live in pool if not live.tasks and not live.reading]
+        if not idle:
+            return why
+        victim = min(idle, key=lambda live: live.active)
+        self._live.discard(victim)
+        close_stream(victim.writer)  # its loop, waiting for a length prefix, ends without a drop
+        return None
+
     async def _serve_session(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve one inbound session until it closes, idles, breaks the framing or its peer is blocked."""
-        remote = await self._accept(info, reader, writer, lambda r: self._sessions[r] >= sessions.MAX_SESSIONS_PER_PEER
-                                    or self._sessions.total() >= sessions.MAX_SESSIONS, answer_busy=False)
+        remote = await self._accept(info, reader, writer, self._no_room, answer_busy=False)
         if remote is None:
             return
-        self._sessions[remote] += 1
-        write, tasks = asyncio.Lock(), set[asyncio.Task]()
+        live = _Live(remote, writer)
+        self._live.add(live)
+        cancelled = False
         try:
-            while not self.swarm.drops.is_blocked(remote) and await self._session_request(remote, reader, writer, write, tasks):
-                pass
+            while not self.swarm.drops.is_blocked(remote) and await self._session_request(live, reader):
+                live.active, live.reading = monotonic(), False
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         except Exception:  # a bug here must not reach asyncio's connection callback
             log.exception("serving a session of %s failed", remote[-8:])
         finally:
-            close_stream(writer)  # requests being answered run to their own deadlines, their replies unsent
-            await asyncio.gather(*tasks, return_exceptions=True)  # cancelled with us (shutdown): so are they
-            self._sessions[remote] -= 1
-            if self._sessions[remote] <= 0:
-                del self._sessions[remote]
+            close_stream(writer)
+            self._live.discard(live)
+            for task in live.tasks if cancelled else ():
+                task.cancel()
+            # requests being answered run to their own deadlines (a handler counts what it refuses), replies unsent
+            await asyncio.gather(*live.tasks, return_exceptions=True)
 
-    async def _session_request(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                               write: asyncio.Lock, tasks: set[asyncio.Task]) -> bool:
+    async def _session_request(self, live: _Live, reader: asyncio.StreamReader) -> bool:
         """Read one request of a session and start answering it; False: end the session."""
+        remote = live.remote
+        while True:  # readexactly consumes nothing unless it returns: a timeout loses no byte
+            try:
+                async with asyncio.timeout(HEADER_TIMEOUT if not live.requests else sessions.SERVER_IDLE_S):
+                    length = await reader.readexactly(LENGTH_BYTES)
+                break
+            except TimeoutError:
+                if not live.requests or not live.tasks:
+                    return False  # idle, or never used (a caller that gave up while it opened): closed
+            except (asyncio.IncompleteReadError, ConnectionError, OSError):
+                return False  # closed between requests (or evicted)
+        live.reading = True  # from its length prefix until it is being answered: not evicted
         try:
-            async with asyncio.timeout(sessions.SERVER_IDLE_S):
-                header, n = await read_header(reader)
-        except ProtocolError:
-            self.swarm.drop(remote, "bad_header")
+            async with asyncio.timeout(HEADER_TIMEOUT):
+                header, n = await read_header(reader, length=length)
+        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            self.swarm.drop(remote, "header_timeout" if isinstance(e, TimeoutError) else
+                            "bad_header" if isinstance(e, ProtocolError) else "truncated")
             return False
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
-            return False  # idle, or closed by the caller
+        live.requests += 1
         rid, name = header.pop("_id", None), header.pop("_rpc", None)
-        served = self._handlers.get(name) if type(name) is str else None
-        if type(rid) is not int or not 0 <= rid < sessions.MAX_ID or served is None:
+        if type(rid) is not int or not 0 <= rid < sessions.MAX_ID:
             self.swarm.drop(remote, "bad_header")
             return False
         if remote in self.swarm.bans:
             self.swarm.drop(remote, "banned")
-        handler, max_payload = served
+        served = self._handlers.get(name) if type(name) is str else None
         try:
-            request = await self._read_request(name, max_payload, remote, header, n, reader)
+            if n > sessions.MAX_MESSAGE:  # a caller takes a stream of its own for it: cannot be skipped
+                raise _Drop("too_large", f"payload of {n} bytes in a session (limit {sessions.MAX_MESSAGE})")
+            if served is None:
+                raise _Drop("bad_rpc", f"no handler {name!r:.60}")
+            request = await self._read_request(name, served[1], remote, header, n, reader)
         except _Drop as d:
             self.swarm.drop(remote, d.reason)
-            request = {"error": str(d), "_skip": d.reason == "too_large"} if d.answer else None
-        if isinstance(request, dict) and request.pop("_skip", True) and n <= sessions.MAX_MESSAGE \
-                and await self._skip(reader, n):  # refused unread (too large, not a member): skipped, goes on
-            return await self._session_reply(remote, writer, write, rid, request, b"")
-        if not isinstance(request, bytes):  # refused or dropped: answered, then closed
-            if request is not None:
-                with contextlib.suppress(TimeoutError, ConnectionError, OSError):
-                    await sessions.write_reply(writer, write, rid, request, b"")
+            if n > sessions.MAX_MESSAGE or d.reason not in ("too_large", "bad_rpc") or not await self._skip(remote, reader, n):
+                if d.answer:
+                    await self._session_reply(live, rid, {"error": str(d)}, b"")
+                return False
+            return await self._session_reply(live, rid, {"error": str(d)}, b"")  # skipped: the session goes on
+        if not isinstance(request, bytes):  # a non-member, its payload unread: answered, then closed
+            await self._session_reply(live, rid, request, b"")
             return False
-        if len(tasks) >= 2 * MAX_STREAMS_PER_PEER:  # busy answers not read either: a caller that does not read
+        if len(live.tasks) >= 2 * MAX_STREAMS_PER_PEER:  # answers not read either: a caller that does not read
             self.swarm.drop(remote, "busy")
             return False
-        if self._over_limit(remote):
-            self.swarm.drop(remote, "busy")
-            task = asyncio.create_task(self._session_reply(remote, writer, write, rid, {"error": "busy"}, b""))
+        if (why := self._over_limit(remote)) is not None:
+            if why == "busy":
+                self.swarm.drop(remote, "busy")
+            else:
+                self.swarm.drop_reasons[why] += 1
+            task = asyncio.create_task(self._session_reply(live, rid, {"error": why}, b""))
         else:
             self._streams[remote] += 1
             self._streams_total += 1
-            task = asyncio.create_task(self._session_answer(remote, name, handler, rid, header, request, writer, write))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+            task = asyncio.create_task(self._session_answer(live, name, served[0], rid, header, request))
+            task.add_done_callback(lambda _: self._served(remote))  # also if cancelled before it started
+        live.tasks.add(task)
+        task.add_done_callback(live.tasks.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return True
 
-    async def _session_answer(self, remote: str, name: str, handler: Handler, rid: int, header: Header,
-                              payload: bytes, writer: asyncio.StreamWriter, write: asyncio.Lock) -> None:
-        try:
-            reply, body = await self._run(name, handler, remote, header, payload)
-            await self._session_reply(remote, writer, write, rid, reply, body)
-        finally:
-            self._served(remote)
+    async def _session_answer(self, live: _Live, name: str, handler: Handler, rid: int, header: Header,
+                              payload: bytes) -> None:
+        reply, body = await self._run(name, handler, live.remote, header, payload)
+        if len(body) > sessions.MAX_MESSAGE:  # the caller's limit is lower: its fault would be ours
+            reply, body = {"error": f"reply of {len(body)} bytes over the session limit of {sessions.MAX_MESSAGE}"}, b""
+        await self._session_reply(live, rid, reply, body)
 
-    async def _session_reply(self, remote: str, writer: asyncio.StreamWriter, write: asyncio.Lock, rid: int,
-                             reply: Header, body: bytes) -> bool:
-        """Write one reply of a session; False (and the session closed) if it could not be."""
-        if writer.is_closing():  # the session ended while the handler ran: nobody to answer
-            return False
+    async def _session_reply(self, live: _Live, rid: int, reply: Header, body: bytes) -> bool:
+        """Write one reply of a session; False if it could not be (the session is then closed)."""
         try:
-            await sessions.write_reply(writer, write, rid, reply, body)
+            if not await sessions.write_reply(live.writer, live.write, rid, reply, body):
+                return False  # the session ended while the handler ran: nobody to answer, no fault of the caller
+        except ProtocolError as e:  # the reply's header, with its _id, over the limit
+            return await self._session_reply(live, rid, {"error": f"internal error: {_short(e)}"}, b"")
         except (TimeoutError, ConnectionError, OSError) as e:
-            self.swarm.drop(remote, "reply_timeout" if isinstance(e, TimeoutError) else "reply_broken")
-            close_stream(writer)  # the session's reading ends with it
+            self.swarm.drop(live.remote, "reply_timeout" if isinstance(e, TimeoutError) else "reply_broken")
+            close_stream(live.writer)  # the session's reading ends with it
             return False
-        self.swarm.stats.add(remote, n_out=len(body))
+        self.swarm.stats.add(live.remote, n_out=len(body))
         return True
 
-    @staticmethod
-    async def _skip(reader: asyncio.StreamReader, n: int) -> bool:
+    async def _skip(self, remote: str, reader: asyncio.StreamReader, n: int) -> bool:
         """Read and throw away a refused payload of ``n`` <= ``sessions.MAX_MESSAGE`` bytes
         within its deadline, so that the session keeps its place; False: it did not come."""
         try:
             async with asyncio.timeout(payload_deadline(n)):
                 await read_payload(reader, n)
             return True
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
-            return False
-
+        except TimeoutError:
+            self.swarm.drop(remote, "payload_timeout")
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            self.swarm.drop(remote, "truncated")
+        return False

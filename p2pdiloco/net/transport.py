@@ -70,7 +70,7 @@ from p2pdiloco.trust.identity import Identity, is_peer_id
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_REPLY = 1 << 20  # bytes: reply payload a call accepts unless told otherwise
+DEFAULT_MAX_REPLY = sessions.MAX_MESSAGE  # bytes: reply payload a call accepts unless told otherwise (64 KiB: in a session)
 NARROW_BEAM = 5  # DHT peers a search keeps (hivemind's num_replicas: those that hold a value), instead of the
 # bucket size, 20, which at 16 nodes visits all of them, each answer carrying every record under the key (issue 13)
 
@@ -108,7 +108,9 @@ class Swarm:
         self.dropped, self.drop_reasons, self.blocked = self.drops.dropped, self.drops.reasons, self.drops.blocked
         self.server = Server(self, p2p)
         self._sessions: dict[str, sessions.Session] = {}  # our session to each peer (one at a time)
-        self._opening: dict[str, asyncio.Lock] = {}  # peer -> held while our session to it opens
+        self._opening: dict[str, asyncio.Task] = {}  # peer -> the opening of our session to it ...
+        self._waiting: Counter[str] = Counter()  # ... and how many calls wait for it
+        self._closing = False  # shutdown() began: no session opens
         self.admitted = False  # a member of the swarm accepted us (check_admission)
         self.stats = TrafficStats()
         self.reach = Reachability()  # how peers can dial us (start() sets its mode and checks)
@@ -316,33 +318,58 @@ class Swarm:
         """
         await self.server.add_handler(name, handler, max_payload=max_payload)
 
-    async def _session(self, peer: str) -> sessions.Session:
-        """Our session to ``peer``: the open one, or a new one (one opening at a time per peer)."""
+    async def _session(self, peer: str) -> sessions.Session | None:
+        """Our session to ``peer``: the open one, or a new one (concurrent callers share its
+        opening); None while ``sessions.MAX_SESSIONS`` of ours are open (a stream of its own)."""
         session = self._sessions.get(peer)
         if session is not None and not session.stale():
             return session
-        lock = self._opening.setdefault(peer, asyncio.Lock())
+        opening = self._opening.get(peer)
+        if opening is None:
+            if self._closing:
+                raise PeerUnreachable("the transport is shutting down")
+            if session is not None:
+                session.close()  # unused for IDLE_S: the server may be closing it
+            if len(self._sessions) >= sessions.MAX_SESSIONS:
+                return None
+            opening = self._opening[peer] = asyncio.create_task(self._open_session(peer))
+            opening.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
+        self._waiting[peer] += 1
         try:
-            async with lock:
-                session = self._sessions.get(peer)
-                if session is not None and not session.stale():
-                    return session
-                if session is not None:
-                    session.close()
-                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), sessions.RPC)
-                self.stats.sessions += 1
-                session = self._sessions[peer] = sessions.Session(peer, reader, writer, self.drop, self._session_closed)
-                return session
+            return await asyncio.shield(opening)  # one caller giving up does not cancel the others' opening
+        except asyncio.CancelledError:
+            if opening.cancelled() and not asyncio.current_task().cancelling():  # shutdown, not us
+                raise PeerUnreachable(f"session to {peer[-8:]} not opened: shutting down") from None
+            raise
         finally:
-            if peer not in self._sessions and self._opening.get(peer) is lock and not lock.locked():
+            self._waiting[peer] -= 1
+            if self._waiting[peer] <= 0:  # nobody waits for it any more (a dial into a black hole)
+                del self._waiting[peer]
+                if not opening.done():
+                    opening.cancel()
+                    if self._opening.get(peer) is opening:
+                        del self._opening[peer]
+
+    async def _open_session(self, peer: str) -> sessions.Session:
+        try:
+            async with asyncio.timeout(sessions.OPEN_TIMEOUT_S):
+                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), sessions.RPC)
+        except Exception as e:
+            raise PeerUnreachable(f"session to {peer[-8:]} not opened: {_short(e)}") from None
+        finally:
+            if self._opening.get(peer) is asyncio.current_task():
                 del self._opening[peer]
+        if self._closing:
+            close_stream(writer)
+            raise PeerUnreachable("the transport is shutting down")
+        self.stats.sessions += 1
+        session = self._sessions[peer] = sessions.Session(peer, reader, writer, self.drop, self._session_closed,
+                                                          self.stats)
+        return session
 
     def _session_closed(self, session: sessions.Session) -> None:
         if self._sessions.get(session.peer) is session:
             del self._sessions[session.peer]
-            lock = self._opening.get(session.peer)
-            if lock is not None and not lock.locked():
-                del self._opening[session.peer]
 
     async def call(
         self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float,
@@ -385,11 +412,10 @@ class Swarm:
             raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
         try:
             async with asyncio.timeout(timeout):
-                if len(payload) <= sessions.MAX_MESSAGE and max_reply <= sessions.MAX_MESSAGE:
-                    session = await self._session(peer_id)
+                small = len(payload) <= sessions.MAX_MESSAGE and max_reply <= sessions.MAX_MESSAGE
+                if small and (session := await self._session(peer_id)) is not None:
                     reply, body, received = await session.call(name, header, payload, max_reply=max_reply,
                                                                first_reply=first_reply)
-                    self.stats.add(peer_id, n_out=len(payload))
                 else:
                     reply, body, received = await self._stream_call(peer_id, name, header, payload, max_reply,
                                                                     first_reply)
@@ -460,8 +486,12 @@ class Swarm:
         """Stop the DHT node and the daemon; waits for p2pd to exit."""
         if self._clock_task is not None:
             self._clock_task.cancel()
-        for session in list(self._sessions.values()):
-            session.close()
+        self._closing = True
+        for task in list(self._opening.values()):
+            task.cancel()
+        await self.server.close()
+        await asyncio.gather(*(s.wait_closed() for s in list(self._sessions.values())), *self._opening.values(),
+                             return_exceptions=True)
         try:  # a daemon answers in milliseconds; one that is exiting too (SIGTERM to the group) never does
             await asyncio.wait_for(self._dht.shutdown(), 1.0 if self.daemon_running() else 0.5)
         except Exception as e:
