@@ -273,3 +273,38 @@ async def test_a_call_giving_up_beside_a_call_in_flight_leaves_the_session_open(
         assert b.stats.sessions == 1 and b.dropped == {} and a.dropped == {}
     finally:
         await net.close()
+
+
+@pytest.mark.asyncio
+async def test_a_reply_repeated_for_an_answered_call_closes_the_session():
+    """A hostile server answering each request twice in one write: the call gets the first
+    answer, the second is a reply to no call (``bad_reply``) and closes the session."""
+    net = MemoryNet()
+    try:
+        a, b = await _hostile_server(net, lambda header, writer: writer.write(
+            frame({"_id": header["_id"], "v": 1}, 0) + frame({"_id": header["_id"], "v": 2}, 0)))
+        assert await b.call(a.peer_id, "t.any", {}, b"", timeout=5) == ({"v": 1}, b"")
+        await until(lambda: b.sessions() == [], 5, "the repeated reply to close the session")
+        assert b.drop_reasons == {"bad_reply": 1}
+    finally:
+        await net.close()
+
+
+@pytest.mark.asyncio
+async def test_a_burst_over_the_peers_share_is_answered_busy_and_the_session_carries_on():
+    """40 calls at once to a handler that takes 0.5 s, in one session: MAX_STREAMS_PER_PEER are
+    served, the others answered busy at once (a drop each, as on streams of their own), and the
+    session, with the calls being served, stays open."""
+    net = MemoryNet(default=Link(latency=0.005))
+    try:
+        a, b = await net.swarm(), await net.swarm()
+        await a.add_handler("t.echo", echo, max_payload=100)
+        results = await asyncio.gather(*(b.call(a.peer_id, "t.echo", {"wait": 0.5}, b"", timeout=5)
+                                         for _ in range(40)), return_exceptions=True)
+        served = [r for r in results if not isinstance(r, BaseException)]
+        busy = [r for r in results if isinstance(r, ProtocolError) and "busy" in str(r)]
+        assert len(served) == serving.MAX_STREAMS_PER_PEER and len(busy) == 40 - len(served), results
+        assert b.stats.sessions == 1 and b.sessions() == [a.peer_id]
+        assert a.drop_reasons == {"busy": 40 - serving.MAX_STREAMS_PER_PEER}
+    finally:
+        await net.close()

@@ -344,6 +344,8 @@ class Server:
     async def _session_request(self, live: _Live, reader: asyncio.StreamReader) -> bool:
         """Read one request of a session and start answering it; False: end the session."""
         remote = live.remote
+        await asyncio.sleep(0)  # the answers started last run first: busy ones are written and gone
+        first = asyncio.get_running_loop().time() + HEADER_TIMEOUT  # the first request, whole, by then
         while True:  # readexactly consumes nothing unless it returns: a timeout loses no byte
             try:
                 async with asyncio.timeout(HEADER_TIMEOUT if not live.requests else sessions.SERVER_IDLE_S):
@@ -356,7 +358,7 @@ class Server:
                 return False  # closed between requests (or evicted)
         live.reading = True  # from its length prefix until it is being answered: not evicted
         try:
-            async with asyncio.timeout(HEADER_TIMEOUT):
+            async with asyncio.timeout_at(first) if not live.requests else asyncio.timeout(HEADER_TIMEOUT):
                 header, n = await read_header(reader, length=length)
         except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             self.swarm.drop(remote, "header_timeout" if isinstance(e, TimeoutError) else

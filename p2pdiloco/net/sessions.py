@@ -22,7 +22,9 @@ one session per peer at a time (concurrent first calls share the opening), stops
 unused for ``IDLE_S`` seconds and opens a new one, and closes it when unused that long; the
 server closes a session without a request for ``SERVER_IDLE_S`` > ``IDLE_S`` seconds while none
 of its requests is being answered, so a caller never writes into a session the server is
-closing (unless one message takes the difference, a minute, to cross).
+closing for idleness (unless one message takes the difference, a minute, to cross). A server at
+its limits closes an idle session for room (below) at any moment: a call written into it just
+then fails (``PeerUnreachable``, no drop), and the next opens a new session.
 
 A server applies the transport's rules to every request of a session as to a stream's
 (:mod:`p2pdiloco.net.serving`: membership, ``max_payload`` before reading, deadlines, at most
@@ -221,8 +223,10 @@ class Session:
                 async with asyncio.timeout(payload_deadline(n)):
                     t0 = time.perf_counter()  # a short duration: perf_counter (uvloop's clock has 1 ms steps)
                     body = await read_payload(self._reader, n)
-                if pending is not None and not pending.done.done():
-                    pending.done.set_result((header, body, time.perf_counter() - t0))
+                if pending is not None:  # answered: a second reply with its _id is one to no call
+                    del self._pending[rid]
+                    if not pending.done.done():
+                        pending.done.set_result((header, body, time.perf_counter() - t0))
                 if "denied" in header:  # not a member: the server closes the session after its refusal
                     return
         except ProtocolError as e:
