@@ -201,7 +201,7 @@ async def test_a_late_reply_is_thrown_away_and_a_silent_session_is_closed_when_i
         a, b = await net.swarm(), await net.swarm()
         await a.add_handler("t.echo", echo, max_payload=100)
         late = asyncio.create_task(b.call(a.peer_id, "t.echo", {"wait": 1.0}, b"late", timeout=0.5))
-        await asyncio.sleep(0)
+        await until(lambda: a.open_streams() == 1, 5, "the late call at a", every=0.005)
         for _ in range(3):
             assert (await b.call(a.peer_id, "t.echo", {}, b"x", timeout=5))[1] == b"x"
         with pytest.raises(PeerTimeout):
