@@ -124,6 +124,14 @@ class Server:
         return "busy" if self._streams[remote] >= MAX_STREAMS_PER_PEER else (
             "full" if self._streams_total >= MAX_STREAMS else None)
 
+    def _refused(self, remote: str, why: str) -> None:
+        """Count a request (or session) refused for room: ``busy`` is a drop charged to ``remote``;
+        another reason (the limit of all peers together) is counted, not charged to it."""
+        if why == "busy":
+            self.swarm.drop(remote, "busy")
+        else:
+            self.swarm.drop_reasons[why] += 1
+
     def _served(self, remote: str) -> None:
         self._streams_total -= 1
         self._streams[remote] -= 1
@@ -152,10 +160,7 @@ class Server:
             close_stream(writer)
             return None
         if (why := busy(remote)) is not None:
-            if why == "busy":
-                self.swarm.drop(remote, "busy")
-            else:  # the limit of all peers together: counted, not charged to this one
-                self.swarm.drop_reasons[why] += 1
+            self._refused(remote, why)
             try:
                 if answer_busy:
                     writer.write(_BUSY)  # a few bytes into an empty socket buffer: never blocks
@@ -392,10 +397,7 @@ class Server:
             self.swarm.drop(remote, "busy")
             return False
         if (why := self._over_limit(remote)) is not None:
-            if why == "busy":
-                self.swarm.drop(remote, "busy")
-            else:
-                self.swarm.drop_reasons[why] += 1
+            self._refused(remote, why)
             task = asyncio.create_task(self._session_reply(live, rid, {"error": why}, b""))
         else:
             self._streams[remote] += 1
