@@ -361,9 +361,12 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
     fresh._check_plausible(FragmentState.create(0, 5, (mine * 16,), zeros))  # moves 60
     with pytest.raises(StateSyncError, match=r"at most 16 x \|theta\| 4"):
         fresh._check_plausible(FragmentState.create(0, 5, (mine * 18,), zeros))  # moves 68
-    sync.own_step(0, 100.0)  # once steps were seen, only they (and |theta|) bound a follow: 9 versions
-    with pytest.raises(StateSyncError, match="largest recent step"):  # apart from v0, 10 x 9 x 0.5 = 45 < 48
-        sync._check_plausible(FragmentState.create(0, 5, (mine * 13,), zeros))
+    with pytest.raises(StateSyncError, match="largest recent step"):  # 9 versions apart from v0:
+        sync._check_plausible(FragmentState.create(0, 5, (mine * 13,), zeros))  # 10 x 9 x 0.5 = 45 < 48
+    sync.own_step(0, 100.0)  # once steps were seen, our own step (at most 6.4 = 16 x 4 / 10) widens the
+    sync._check_plausible(FragmentState.create(0, 5, (mine * 13,), zeros))  # steps' bound: 48 < 10 x 9 x 6.4
+    with pytest.raises(StateSyncError, match=r"4 x 9 version\(s\) x \|theta\| 4"):  # but never the |theta|
+        sync._check_plausible(FragmentState.create(0, 5, (mine * 38,), zeros))  # one: 148 > 144
 
     class Stub:
         bans = {"12D3KooWBanned": "non_finite"}
@@ -383,6 +386,35 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
     assert newest_heads(records, 1)[0].version == 4
     Stub.bans = {attacker: "non_finite"}
     assert set(asyncio.run(sync.records())) == {honest}  # a banned peer's records are ignored
+
+
+def test_a_lone_peers_step_after_group_rounds_is_followed_within_ten_own_steps() -> None:
+    """A node that saw only group rounds (averaged progress, small steps) follows a peer that
+    then merges alone: one learner's unaveraged progress with momentum on top steps by more
+    than 10 x the group's steps (a restarted node refused such a step, 4.39 against 10 x 0.366,
+    and forked: tests/test_churn.py). Its own step, which no peer can inflate, widens the
+    bound; a state beyond 10 x that is still refused."""
+    from p2pdiloco.core.fragments import Fragment, TensorSlot
+    from p2pdiloco.core.outer import FragmentState
+    from p2pdiloco.errors import StateSyncError
+    from p2pdiloco.net.statesync import StateSync
+
+    frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
+    zeros = (torch.zeros(4),)
+    states = [FragmentState.create(0, 0, (torch.full((4,), 10.0),), zeros)]  # |theta| 20 at v0
+    sync = StateSync(None, "run", [frag], lambda: states)
+    for v in range(1, 4):  # three group rounds, each moving Θ by 0.4 (norm of 0.2 x ones(4))
+        states[0] = FragmentState.create(0, v, (states[0].theta[0] + 0.2,), zeros)
+        sync.shared(0, v - 1)
+    sync.shared(0, 3)  # the last group's result, held by the peer too
+    mine = states[0].theta[0]
+    lone = FragmentState.create(0, 4, (mine + 2.25,), zeros)  # one version, moves Θ by 4.5 > 10 x 0.4
+    with pytest.raises(StateSyncError, match=r"over 10 x 1 version\(s\) x the largest recent step 0.4"):
+        sync._check_plausible(lone)
+    sync.own_step(0, 0.6)  # our own contribution alone would move Θ by 0.6: up to 6 per version
+    sync._check_plausible(lone)
+    with pytest.raises(StateSyncError, match=r"over 10 x 1 version\(s\) x this node's own step 0.6"):
+        sync._check_plausible(FragmentState.create(0, 4, (mine + 3.25,), zeros))  # 6.5 > 6
 
 
 def test_two_lone_runs_are_as_far_apart_as_both_together() -> None:

@@ -7,7 +7,9 @@ more than ``FOLLOW_RELATIVE`` × (versions apart) × ‖Θ‖ (before a step was
 ``StateSync.own_step``, at most ``OWN_RELATIVE`` × ‖Θ‖, per version: early with a large H one
 honest step moves Θ by several ‖Θ‖), or, once this node has seen a step of that fragment, more
 than ``FOLLOW_FACTOR`` × (versions apart) × the largest of the last ``FOLLOW_HISTORY``
-per-version steps it saw. Versions apart count both paths from the last state this node knows
+per-version steps it saw or, when larger, its own step (at most ``OWN_RELATIVE`` /
+``FOLLOW_FACTOR`` × ‖Θ‖): a peer merging alone after group rounds steps by one learner's
+unaveraged progress, which may exceed ten group steps. Versions apart count both paths from the last state this node knows
 another peer held too (a group formed at it, or a download: ``StateSync.shared``): two honest
 nodes that both merged alone for a while are as far apart as the sum of their lone runs, not
 as their version gap. The claimed versions are capped by the corroboration rule
@@ -62,20 +64,23 @@ def implausible(state: FragmentState, mine: FragmentState, shared_version: int, 
     k = max(1, (state.version - common) + (mine.version - common))
     jump = distance(mine, state)
     size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
-    own = min(FOLLOW_FACTOR * own_step, OWN_RELATIVE * size) if not steps else 0.0
+    own = min(FOLLOW_FACTOR * own_step, OWN_RELATIVE * size)  # 10 x our own step, at most 16 x |Θ|
     largest = max(steps) if steps else 0.0
+    # the largest, not the median: a round for a small fraction of a period (a flush, a
+    # sub-group's share: core.outer.round_fraction) makes a small step by design; and never
+    # below our own step: a peer that merges alone after group rounds steps by one learner's
+    # unaveraged progress, momentum on top, over 10 x the group's steps (a restarted node that
+    # had seen only group rounds refused such a step and forked, tests/test_churn.py)
+    reference, named = max((largest, "the largest recent step"), (own / FOLLOW_FACTOR, "this node's own step"))
 
     def bounds(n: int) -> list[tuple[float, str]]:  # what n versions may move Θ by
-        if own > FOLLOW_RELATIVE * size:  # no step seen yet, but progress of our own: its size
+        if not steps and own > FOLLOW_RELATIVE * size:  # no step seen yet, but progress of our own: its size
             out = [(n * own, f"{n} version(s) x {FOLLOW_FACTOR:g} x this node's own step (at most "
                              f"{OWN_RELATIVE:g} x |theta| {size:.3g})")]
         else:
             out = [(FOLLOW_RELATIVE * n * size, f"{FOLLOW_RELATIVE:g} x {n} version(s) x |theta| {size:.3g}")]
-        # the largest, not the median: a round for a small fraction of a period (a flush, a
-        # sub-group's share: core.outer.round_fraction) makes a small step by design
         if largest > 0:
-            out.append((FOLLOW_FACTOR * n * largest,
-                        f"{FOLLOW_FACTOR:g} x {n} version(s) x the largest recent step {largest:.3g}"))
+            out.append((FOLLOW_FACTOR * n * reference, f"{FOLLOW_FACTOR:g} x {n} version(s) x {named} {reference:.3g}"))
         return out
 
     # the buffer b moves Θ by at least lr·μ²·‖b‖ in the state's next outer step
