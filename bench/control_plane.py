@@ -16,7 +16,8 @@ bootstrap peer included); *payload*: the nodes' RPC payload bytes (their reports
 bytes − payload. Per node per second (over the run's wall time) and per node per committed
 round (all control bytes over the rounds: background, start-up and settling included), and in
 the steady state: over a window that starts 5 s after every node trains and ends 20 s before
-the run's end (start-up and settling excluded). Then the background: the same
+the run's end (start-up and settling excluded), with and without the background (its rate
+times the window, :func:`rounds_only`). Then the background: the same
 nodes training without merging (H beyond the run), socket bytes per node per second over a
 ``--window`` that starts once every node trains (start-up excluded). The runs alternate
 between the commits (A B A B ...), so drifts in the machine's load fall on both. The nodes'
@@ -107,6 +108,17 @@ def steady_window(ns: c.NetNS, nodes: list, window: float, warm: float = 5.0) ->
             "rpc_per_round": {k: v / max(1, rounds) for k, v in calls.items() if v}}
 
 
+def rounds_only(r: dict, nodes: int) -> float:
+    """Control bytes per node per committed round in run ``r``'s steady state beyond its
+    background: the same commit and seed's background rate (nodes training without rounds)
+    times the steady window, taken off its control bytes. The background run's heartbeats are
+    replaced by pushes of substantive changes while rounds run, so this slightly understates
+    the cost of a round (by the heartbeats' share of the background, in its RPC table)."""
+    s = r["steady"]
+    background = r["background"]["background_per_node_s"] * nodes * s["seconds"]
+    return (s["bytes"] - s["payload"] - background) / max(1, s["rounds"])
+
+
 def background_once(src: Path, n: int, window: float, work: Path, seed: int, warm: float = 15.0) -> dict:
     """Socket bytes per node per second of ``n`` nodes that train without merging (H far beyond
     the run): the background, measured over ``window`` seconds once every node trains and
@@ -188,6 +200,7 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
         mean[k]["background"] = statistics.mean(r["background"]["background_per_node_s"] for r in runs
                                                 if r["commit"] == k)
         mean[k]["steady"] = statistics.mean(r["steady"]["control_per_node_round"] for r in runs if r["commit"] == k)
+        mean[k]["rounds_only"] = statistics.mean(rounds_only(r, a.nodes) for r in runs if r["commit"] == k)
     doc.table(["commit", "seed", "window s", "rounds", "socket MB", "payload MB", "control kB/s/node",
                "control kB/round/node"],
               [[r["commit"], r["seed"], f"{r['steady']['seconds']:.0f}", r["steady"]["rounds"],
@@ -214,9 +227,16 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
                 f"<= {GOAL_PER_ROUND:,}: {c.verdict(mean[new]['control_per_node_round'] <= GOAL_PER_ROUND)}"],
                ["control bytes per node per round, steady state", f"{mean[base]['steady']:,.0f}",
                 f"{mean[new]['steady']:,.0f}", f"{mean[new]['steady'] / mean[base]['steady']:.2f}",
-                f"<= {GOAL_PER_ROUND:,}: {c.verdict(mean[new]['steady'] <= GOAL_PER_ROUND)}"]],
+                "(background included)"],
+               ["control bytes per node per round beyond the background, steady state",
+                f"{mean[base]['rounds_only']:,.0f}", f"{mean[new]['rounds_only']:,.0f}",
+                f"{mean[new]['rounds_only'] / mean[base]['rounds_only']:.2f}",
+                f"<= {GOAL_PER_ROUND:,}: {c.verdict(mean[new]['rounds_only'] <= GOAL_PER_ROUND)}"]],
               caption="Means over the seeds (the per-second figure holds every control byte, so it bounds "
-                      "the background from above; the per-round ones hold the background too):")
+                      "the background from above; the per-round ones hold the background too, except the "
+                      "last, which takes the same commit and seed's background rate times the window off the "
+                      "steady state's control bytes: the issue's model, background per second plus a cost "
+                      "per round):")
     for k in commits:
         bg: Counter[str] = Counter()
         for r in runs:

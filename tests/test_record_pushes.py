@@ -15,6 +15,7 @@ from p2pdiloco.core.fragments import Fragment, TensorSlot
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net import clock as swarm_clock
+from p2pdiloco.net.patches import Received
 from p2pdiloco.net.pushes import Pusher
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.statesync import READ_EVERY_S, READ_QUIET_S, STORE_ALONE_S, STORE_EVERY_S, StateSync
@@ -141,7 +142,10 @@ async def receivers(monkeypatch, *peers) -> tuple[dict[str, list[int]], list[flo
     and a skew (seconds) added to this process's ``clock.monotonic``."""
     got: dict[str, list[int]] = {s.peer_id: [] for s in peers}
     for s in peers:
-        async def on_push(peer, header, _, me=s.peer_id):
+        async def on_push(peer, header, _, me=s.peer_id, bases=Received(s.drop)):
+            if (header := bases.expand(peer, header)) is None:  # a patch of a value we do not hold
+                return {"resend": True}, b""
+            bases.keep(peer, header)
             got[me].append(header["n"])
             return {}, b""
         await s.add_handler("t.push", on_push)

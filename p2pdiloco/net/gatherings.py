@@ -41,6 +41,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net import records as rec
+from p2pdiloco.net.patches import Received
 from p2pdiloco.net.pushes import MAX_AUDIENCE, MAX_PUSHED, PUSH_TIMEOUT_S, Pusher
 from p2pdiloco.net.transport import Header, Swarm
 
@@ -70,6 +71,7 @@ class Gatherings:
         self.on_heard: Callable[[str], object] = self.pusher.heard_from  # a peer pushed to us (the node widens it)
         self.received: Counter[str] = Counter()  # pushes "received" and "other_run" (refused)
         self._pushes: dict[str, rec.Gathering] = {}  # author -> its newest push, oldest author first
+        self.patches = Received(swarm.drop)  # each author's last announcement: its next patch's base
 
     @property
     def audience(self) -> Callable[[], Iterable[str]]:
@@ -144,6 +146,9 @@ class Gatherings:
     async def _on_push(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
         if peer in self.swarm.bans:
             raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
+        header = self.patches.expand(peer, header)  # a patch of its last announcement: the whole of it
+        if header is None:
+            return {"resend": True}, b""
         if header.get("run") != self.run_id:  # another run, or our run with other settings: not ours to read
             self.received["other_run"] += 1
             raise ProtocolError("a gathering of another run (or of other settings)")
@@ -160,6 +165,7 @@ class Gatherings:
         self._pushes[peer] = gathering if old is None or gathering.t >= old.t else old  # a late push: not newer
         while len(self._pushes) > MAX_PUSHED:
             del self._pushes[next(iter(self._pushes))]
+        self.patches.keep(peer, header)
         self.received["received"] += 1
         self.on_heard(peer)
         self.pushed.set()

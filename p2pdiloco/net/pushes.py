@@ -39,6 +39,7 @@ from typing import Any
 
 from p2pdiloco.errors import NetworkError, ProtocolError
 from p2pdiloco.net import clock as swarm_clock
+from p2pdiloco.net.patches import patch_of
 from p2pdiloco.net.records import BEAT_S
 from p2pdiloco.net.transport import Swarm
 
@@ -74,7 +75,8 @@ class Pusher:
 
     Attributes:
         audience: the node sets it: the live learners it knows (peer IDs).
-        stats: pushes "sent" and "failed" (the owner counts what it receives).
+        stats: pushes "sent" and "failed", and patches "resent" whole (the owner counts what it
+            receives).
     """
 
     def __init__(self, swarm: Swarm, method: str, max_defer: float = math.inf, max_deferred: int | None = None,
@@ -95,6 +97,7 @@ class Pusher:
         self._sending: set[str] = set()  # peers with a push in flight
         self._defer: dict[str, int] = {}  # peer -> changes since the value it holds, all of which it knows
         self._pushed_at: dict[str, float] = {}  # peer -> monotonic s of our last push it took
+        self._acked: dict[str, tuple[int, dict[str, Any]]] = {}  # peer -> (version, value) it took last: a patch's base
 
     def heard_from(self, peer: str, hello: bool = False) -> None:
         """``peer`` reached us (it pushed to us): if it was skipped after a failed push (it was
@@ -108,6 +111,7 @@ class Pusher:
             return
         if hello:
             self._held.pop(peer, None), self._held_substance.pop(peer, None), self._defer.pop(peer, None)
+            self._acked.pop(peer, None)
         if skipped or (self._held_substance.get(peer) != self._substance and peer not in self._defer
                        and len(self._greet) < MAX_AUDIENCE):
             self._greet.add(peer)
@@ -167,6 +171,7 @@ class Pusher:
                 self._held = {p: v for p, v in self._held.items() if p in self._sending or p in peers}
                 self._held_substance = {p: v for p, v in self._held_substance.items() if p in self._held}
                 self._pushed_at = {p: t for p, t in self._pushed_at.items() if p in self._held}
+                self._acked = {p: a for p, a in self._acked.items() if p in self._held}
                 for peer in peers:
                     if peer not in self._sending and self._due(peer, now):
                         self._sending.add(peer)
@@ -179,7 +184,7 @@ class Pusher:
         peers = [p for p in dict.fromkeys(peers) if p != self.swarm.peer_id and p not in self.swarm.bans]
         version, substance = self._version, self._substance
         value = {**(self._value or {}), **({"hello": True} if hello else {})}
-        await asyncio.gather(*(self._push(p, value, version, substance) for p in peers[:MAX_AUDIENCE]))
+        await asyncio.gather(*(self._push(p, value, version, substance, base=not hello) for p in peers[:MAX_AUDIENCE]))
         return {p for p in peers if self._held.get(p) == version}
 
     async def _sender(self, peer: str) -> None:
@@ -192,9 +197,21 @@ class Pusher:
         finally:
             self._sending.discard(peer)
 
-    async def _push(self, peer: str, value: dict[str, Any], version: int, substance: int) -> None:
+    async def _push(self, peer: str, value: dict[str, Any], version: int, substance: int, *,
+                    base: bool = True) -> None:
+        """Push ``value`` (change ``version``) to ``peer``: a patch of the value it acknowledged
+        last when there is one, the whole value when it asks (``net.patches``); ``base``: the
+        value is one it may keep as a base (not a push_now ``hello``)."""
         try:
-            await self.swarm.call(peer, self.method, value, timeout=PUSH_TIMEOUT_S)
+            acked = self._acked.get(peer) if base else None
+            whole = dict(value, _v=version) if base else value
+            header = whole if acked is None else {"_v": version, "_b": acked[0], "_p": patch_of(acked[1], value)}
+            reply, _ = await self.swarm.call(peer, self.method, header, timeout=PUSH_TIMEOUT_S)
+            if acked is not None and reply.get("resend") is True:  # it holds another base, or none
+                self.stats["resent"] += 1
+                await self.swarm.call(peer, self.method, whole, timeout=PUSH_TIMEOUT_S)
+            if base:
+                self._acked[peer] = (version, value)
             self.stats["sent"] += 1
             self._held[peer], self._pushed_at[peer] = version, swarm_clock.monotonic()
             self._held_substance[peer] = substance

@@ -9,16 +9,16 @@ two digests (two groups merged the same version: split brain, invariant I7) the 
 by more peers wins, ties to the smaller digest, so every node resolves it the same way and
 the losers re-sync. A node pushes its record to the learners it knows on every publish that
 changes a version, digest or setting, and at most every :func:`beat_period` s to each
-otherwise (a heartbeat: ``st.heads``, ``net.pushes``), and stores it in the DHT every
+otherwise (a heartbeat: ``st.heads``, ``net.pushes``; a patch of the record the peer took last,
+``net.patches``), and stores it in the DHT every
 ``STORE_EVERY_S`` (:meth:`StateSync.publish`), for nodes that do not know it yet; readers
 reuse a DHT read with the newer pushes merged in (:meth:`StateSync.read_age`); after the
 first read, reads and stores visit ``NARROW_BEAM`` peers (issue 13: answers carry every record).
 A node that joins reads the DHT, pushes its record to every node it found there, and so enters
 their views (and audiences) at once; the DHT is how it finds them, not how they follow it.
 
-Transfer: ``state.get`` returns a fragment's Θ and outer momentum (fp32) with its version
-and digest; the receiver recomputes the digest over the bytes it got and installs nothing
-unless it matches the record it chose (a partial or stale download is discarded).
+Transfer: ``state.get`` returns a fragment's Θ and outer momentum (fp32) with its version and digest; the
+receiver installs nothing unless the digest of the bytes it got matches the record it chose.
 
 Trust (docs/trust.md). Records are signed DHT records under their owner's peer ID
 (``transport.SignedRecords``): nobody can write another node's record. But a signature
@@ -71,6 +71,7 @@ from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
 from p2pdiloco.net.bounded_moves import FOLLOW_HISTORY, distance, implausible
 from p2pdiloco.net.gatherings import FUTURE_SLACK_S
+from p2pdiloco.net.patches import Received
 from p2pdiloco.net.heads import LEAD, ROLLBACK_MAX, Head, claim_ceiling
 from p2pdiloco.net.pushes import MAX_PUSHED, STALE_S, Pusher, beat_period, stale_after
 from p2pdiloco.net.records import HeadsRecord
@@ -141,6 +142,7 @@ class StateSync:
         self.pushes_received: Counter[str] = Counter()  # "received", "other_run" (refused)
         self.on_heard: Callable[[str, bool], object] = self.pusher.heard_from  # a peer pushed (hello?): the node widens it
         self._pushed: dict[str, HeadsRecord] = {}  # author -> its newest pushed record, oldest author first
+        self.patches = Received(lambda peer, why: self.swarm.drop(peer, why))  # bases of authors' patches
         self._mine: HeadsRecord | None = None  # our last published record
         self._stored: tuple[float, str] = (-math.inf, "")  # monotonic s and life-cycle state of our last DHT store
         self._pushed_at = -math.inf  # monotonic s of the last record pushed to us
@@ -231,6 +233,8 @@ class StateSync:
         never replaces a newer one."""
         if peer in self.swarm.bans:
             raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
+        if (header := self.patches.expand(peer, header)) is None:  # a patch of another base than ours
+            return {"resend": True}, b""
         if header.get("run") != self.run_id:
             self.pushes_received["other_run"] += 1
             raise ProtocolError("a record of another run")
@@ -248,6 +252,7 @@ class StateSync:
         self._pushed = {p: r for p, r in self._pushed.items() if now - r.t <= HEAD_TTL}  # authors long gone
         while len(self._pushed) > MAX_PUSHED:
             del self._pushed[next(iter(self._pushed))]
+        self.patches.keep(peer, header)
         self.pushes_received["received"] += 1
         self._pushed_at = swarm_clock.monotonic()
         self._heard.set()
