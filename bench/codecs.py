@@ -19,8 +19,9 @@ DDP / codec at equal tokens is then 8 P H / (up + down), independent of L.
 
 Each configuration is ``codec@outer-momentum`` (outer lr 0.7): the default grid is fp32, int4
 and topk2 at momentum 0.9 (DiLoCo's) and topk2 at momentum 0 (SparseLoCo drops outer momentum:
-its error-feedback buffer plays that part, arXiv 2508.15706, section 3). Every codec is
-compared with ``fp32@0.9`` of the same H and seed.
+its error-feedback buffer plays that part, arXiv 2508.15706, section 3); ``topk2/k`` keeps k
+entries of a 4,096-element chunk instead of the codec's 64 (a density scan; the nodes send 64).
+Every codec is compared with ``fp32@0.9`` of the same H and seed.
 
 Usage: python -m bench.codecs [--learners 4] [--seeds 0 1 2] [--steps 4000] [--sync-every 100 200]
        [--configs fp32@0.9 int4@0.9 topk2@0.9 topk2@0] [--jobs 2]
@@ -43,11 +44,24 @@ from p2pdiloco.config import load_config
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import nesterov_outer_step
 from p2pdiloco.data import evaluate
-from p2pdiloco.net import wire
+from p2pdiloco.net import sparse, wire
+
+
+DEFAULT_TOPK = sparse.TOPK
+
+
+def parse_config(config: str) -> tuple[str, float, int | None]:
+    """``codec[/k]@momentum`` -> (codec, momentum, k): ``k``, for ``topk2``, the entries kept of a
+    4096-element chunk (``net.sparse.TOPK``, 64 by default)."""
+    codec, momentum = config.split("@")
+    name, _, k = codec.partition("/")
+    return name, float(momentum), int(k) if k else None
 
 
 def run(learners: int, seed: int, steps: int, sync_every: int, codec: str, momentum: float,
-        lr: float = 0.7) -> dict[str, Any]:
+        lr: float = 0.7, topk: int | None = None) -> dict[str, Any]:
+    # a density scan: the codec's k for this run (the process runs one configuration at a time)
+    sparse.TOPK = topk or DEFAULT_TOPK
     common = {**MODEL, "seed": str(seed), "data.num_shards": str(learners), "outer.sync_every": str(sync_every),
               "outer.momentum": str(momentum), "outer.lr": str(lr), "inner.warmup_steps": str(steps // 20),
               "inner.total_steps": str(steps)}
@@ -88,10 +102,11 @@ def run(learners: int, seed: int, steps: int, sync_every: int, codec: str, momen
     heldout = evaluate(s.global_model([s.learner.global_states[0]]), s.heldout)
     per_round = (up + down) / (rounds * learners)  # bytes per learner per round (up + down, whole fragment)
     out = {"learners": learners, "seed": seed, "sync_every": sync_every, "codec": codec, "momentum": momentum,
+           "topk": sparse.TOPK if codec == "topk2" else None,
            "heldout": heldout, "params": params, "rounds": rounds, "up_bytes": up / (rounds * learners),
            "down_bytes": down / (rounds * learners), "ddp_ratio": 8 * params * sync_every / per_round,
            "seconds": time.monotonic() - t0}
-    print(f"L={learners} H={sync_every} {codec:5s} m={momentum} seed={seed} held-out {heldout:.4f} "
+    print(f"L={learners} H={sync_every} {codec:5s}/{sparse.TOPK} m={momentum} seed={seed} held-out {heldout:.4f} "
           f"up {out['up_bytes']:.0f} B down {out['down_bytes']:.0f} B x{out['ddp_ratio']:.0f} "
           f"({out['seconds']:.0f} s)", flush=True)
     return out
@@ -104,16 +119,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--sync-every", type=int, nargs="+", default=[100, 200])
     ap.add_argument("--configs", nargs="+", default=["fp32@0.9", "int4@0.9", "topk2@0.9", "topk2@0"],
-                    help="codec@outer-momentum; fp32@0.9 is the reference")
-    replica_main(ap, run, lambda a: [(a.learners, seed, a.steps, H, c.split("@")[0], float(c.split("@")[1]))
+                    help="codec[/k]@outer-momentum (k: topk2's entries kept of a 4096-element chunk, "
+                         f"{DEFAULT_TOPK} by default); fp32@0.9 is the reference")
+    ap.add_argument("--doc", default="codecs", help="name of the files written in docs/benchmarks (a scan: another)")
+    replica_main(ap, run, lambda a: [(a.learners, seed, a.steps, H, *parse_config(c)[:2], 0.7, parse_config(c)[2])
                                      for H in a.sync_every for c in a.configs for seed in a.seeds], report)
 
 
 def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, Any], seconds: float) -> None:
-    doc = Doc("codecs", "Wire codecs in DiLoCo's regime: bytes against DDP, loss against synchronous DiLoCo",
+    doc = Doc(a.doc, "Wire codecs in DiLoCo's regime: bytes against DDP, loss against synchronous DiLoCo",
               "python -m bench.codecs " + " ".join(
                   [f"--learners {a.learners}", f"--seeds {' '.join(map(str, a.seeds))}", f"--steps {a.steps}",
-                   f"--sync-every {' '.join(map(str, a.sync_every))}", f"--configs {' '.join(a.configs)}"]))
+                   f"--sync-every {' '.join(map(str, a.sync_every))}", f"--configs {' '.join(a.configs)}"]
+                  + ([f"--doc {a.doc}"] if a.doc != "codecs" else [])))
     paragraphs = __doc__.split("\n\n")
     doc.intro = [paragraphs[1], "", paragraphs[2], "", paragraphs[3], "",
                  f"{a.learners} learners, {a.steps} inner steps each ({a.steps * 8 * 64:,} tokens per learner), "
@@ -124,21 +142,22 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, An
         base = {r["seed"]: r["heldout"] for r in results
                 if (r["sync_every"], r["momentum"], r["codec"]) == (H, 0.9, "fp32")}
         for config in a.configs:
-            codec, mom = config.split("@")[0], float(config.split("@")[1])
-            rs = [r for r in results if (r["sync_every"], r["momentum"], r["codec"]) == (H, mom, codec)]
+            codec, mom, k = parse_config(config)
+            k = k or (DEFAULT_TOPK if codec == "topk2" else None)
+            rs = [r for r in results if (r["sync_every"], r["momentum"], r["codec"], r.get("topk", k)) == (H, mom, codec, k)]
             if not rs:
                 continue
             reference = (codec, mom) == ("fp32", 0.9)
             rel = [r["heldout"] / base[r["seed"]] - 1 for r in rs if r["seed"] in base]
             ratio = statistics.mean(r["ddp_ratio"] for r in rs)
-            rows.append([H, mom, codec, fmt(statistics.mean(r["heldout"] for r in rs), 4),
+            rows.append([H, mom, codec if k is None else f"{codec} ({k / 4096:.2%})", fmt(statistics.mean(r["heldout"] for r in rs), 4),
                          "" if reference or not rel else f"{statistics.mean(rel):+.2%}",
                          "" if reference or not rel else f"{max(rel):+.2%}",
                          f"{statistics.mean(r['up_bytes'] for r in rs):,.0f}",
                          f"{statistics.mean(r['down_bytes'] for r in rs):,.0f}", f"{ratio:,.0f}x"])
             goal = {"int4": 1000, "topk2": 4000}.get(codec)
             if goal and H == 200 and rel:
-                checks.append((f"H={H} {codec}@{mom:g}: >= {goal}x fewer payload bytes than DDP with held-out loss "
+                checks.append((f"H={H} {config}: >= {goal}x fewer payload bytes than DDP with held-out loss "
                                f"within 2% of synchronous DiLoCo", ratio >= goal and statistics.mean(rel) <= 0.02))
     doc.table(["H", "outer momentum", "codec", "held-out (mean)", "vs fp32 (mean)", "vs fp32 (worst seed)",
                "up B / learner / round", "down B / learner / round", "DDP bytes / ours"], rows,

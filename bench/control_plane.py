@@ -15,11 +15,11 @@ bootstrap peer included); *payload*: the nodes' RPC payload bytes (their reports
 ``bytes_out``: slices, merged slices, state downloads; headers not counted); *control* =
 bytes − payload. Per node per second (over the run's wall time) and per node per committed
 round (all control bytes over the rounds: background, start-up and settling included), and in
-the steady state: over a window that starts 5 s after every node trains and ends 20 s before
-the run's end (start-up and settling excluded), with and without the background (its rate
+the steady state: over a window that starts ``SETTLE_S`` (40 s) after every node trains and ends
+20 s before the run's end (start-up and settling excluded), with and without the background (its rate
 times the window, :func:`rounds_only`). Then the background: the same
 nodes training without merging (H beyond the run), socket bytes per node per second over a
-``--window`` that starts once every node trains (start-up excluded). The runs alternate
+``--window`` that starts ``SETTLE_S`` after every node trains (start-up excluded). The runs alternate
 between the commits (A B A B ...), so drifts in the machine's load fall on both. The nodes'
 RPCs are counted by name (report key ``rpc_by_name``), and one RPC's socket bytes are measured
 alone (bench/stream_cost.py), which together say where the per-round bytes go.
@@ -44,6 +44,8 @@ import common as c  # noqa: E402
 
 GOAL_PER_S = 1000  # issue 13: background control traffic at most 1 kB/s per node ...
 GOAL_PER_ROUND = 5000  # ... and at most 5 kB per node per round
+SETTLE_S = 40.0  # seconds after every node trains before a window starts: past the store of its new state
+# (joining -> training), which waits for statesync.RESTORE_S (30 s) after its first store, plus a publish period
 
 
 def checkout(commit: str, work: Path) -> tuple[str, Path]:
@@ -87,7 +89,7 @@ def run_once(src: Path, n: int, duration: float, work: Path, seed: int, sync_eve
             "steady": steady}
 
 
-def steady_window(ns: c.NetNS, nodes: list, window: float, warm: float = 5.0) -> dict:
+def steady_window(ns: c.NetNS, nodes: list, window: float, warm: float = SETTLE_S) -> dict:
     """The rounds' steady state: control bytes per node per round over ``window`` seconds that
     start ``warm`` seconds after every node trains and end before the first could stop (start-up
     and settling excluded), from the namespace's counter and the nodes' status files."""
@@ -119,7 +121,7 @@ def rounds_only(r: dict, nodes: int) -> float:
     return (s["bytes"] - s["payload"] - background) / max(1, s["rounds"])
 
 
-def background_once(src: Path, n: int, window: float, work: Path, seed: int, warm: float = 15.0) -> dict:
+def background_once(src: Path, n: int, window: float, work: Path, seed: int, warm: float = SETTLE_S) -> dict:
     """Socket bytes per node per second of ``n`` nodes that train without merging (H far beyond
     the run): the background, measured over ``window`` seconds once every node trains and
     ``warm`` seconds more (start-up, the first DHT reads and stores, excluded), minus the RPC
@@ -212,7 +214,7 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
                 f"{r['background']['payload'] / 1e3:.1f}", r["background"]["rounds"],
                 f"{r['background']['background_per_node_s']:,.0f}"] for r in runs],
               caption=f"Background: the same {a.nodes} nodes training without merging (H = 10^7), socket bytes over "
-                      f"a {a.window:g} s window that starts 15 s after every node trains:")
+                      f"a {a.window:g} s window that starts {SETTLE_S:g} s after every node trains:")
     doc.table(["figure", base, new, f"{new} / {base}", "goal"],
               [["background bytes per node per second (no rounds)", f"{mean[base]['background']:,.0f}",
                 f"{mean[new]['background']:,.0f}", f"{mean[new]['background'] / mean[base]['background']:.2f}",

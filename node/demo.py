@@ -80,6 +80,8 @@ def run_demo(args: argparse.Namespace) -> int:
     py = sys.executable
     try:
         maddr = children.start_bootstrap(work)
+        print(f"p2pdiloco demo: the whole swarm with: p2pdiloco swarm status --initial-peers {maddr} --run-id demo "
+              f"(the address is in {work / 'bootstrap.txt'})", flush=True)
         nodes = []
         for i in range(args.nodes):
             d = work / f"node{i}"

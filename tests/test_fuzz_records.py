@@ -46,7 +46,7 @@ VALID: dict[str, Any] = {
     "state_request": {"f": 1, "join": True},
     "state_answer": {"v": 3, "d": D, "l": [200, 4096, 8192.0, 512, 10**6]},
     "reduce_request": {"round": "abcd", "g": b"g" * 16, "r": 1, "tokens": 100,
-                       "steps": 4, "span": 2, "pos": 120, "k": b"k" * 32, "sig": b"s" * 64},
+                       "steps": 4, "span": 2, "pos": 120, "sig": b"s" * 64},
     "statement": {"c": [0, 2], "n": [2048, 120, 512], "sig": b"s" * 64, "rej": {}},
     "final_request": {"round": "abcd", "r": 0, "st": [[0, [0, 1], [2048, 120, 1024], b"h" * 32, b"s" * 64]]},
     "dialback_request": {"ports": [31337, 4001]},

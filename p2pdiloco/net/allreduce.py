@@ -14,10 +14,10 @@ request overtakes the leader's answer; a request whose fingerprint differs is re
 
 Signed updates (docs/trust.md). Each ``ar.reduce`` request carries the author's Ed25519
 signature (``signing.message("ar.contrib", ...)``: run, fragment, version, state digest,
-round id, member list, reducer index, tokens, steps, span, sha256 of the exact slice bytes) and
-the author's public key (``k``). The reducer verifies it against the key inlined in the
-sender's authenticated peer ID before it decodes anything. A slice that fails (``banned``,
-``wrong_key``, ``bad_signature``, ``bad_counters``, ``malformed``, ``non_finite``) is
+round id, member list, reducer index, tokens, steps, span, sha256 of the exact slice bytes).
+The reducer verifies it against the key inlined in the sender's authenticated peer ID before
+it decodes anything. A slice that fails (``banned``, ``wrong_key`` (a peer ID without an
+inlined Ed25519 key), ``bad_signature``, ``bad_counters``, ``malformed``, ``non_finite``) is
 rejected: the round goes on without it, the sender is banned for the rest of the run
 (``Swarm.bans``), and the rejection is logged and counted in ``AllReducer.stats.rejected``.
 The reducer merges what it accepted with :func:`p2pdiloco.core.merge.robust_merge`
@@ -262,8 +262,7 @@ class AllReducer:
         parts = self._parts(frag, len(members), group.shares)
         reducers = [r for r in range(len(members)) if parts[r]]
         base = {"round": group.round_id, "g": group_fingerprint(group), "tokens": contrib.tokens,
-                "steps": contrib.steps, "span": contrib.span, "pos": contrib.position,
-                "k": self.swarm.identity.public_key}
+                "steps": contrib.steps, "span": contrib.span, "pos": contrib.position}
 
         received: dict[int, torch.Tensor] = {}  # slot -> what the reducers decode from our slices
 
@@ -481,8 +480,7 @@ class AllReducer:
         if peer in self.swarm.bans:
             return "banned", []
         try:
-            if req.key != public_key_of(peer):
-                return "wrong_key", []
+            public_key_of(peer)  # the key the signature is checked with
         except ValueError:  # not an Ed25519 peer ID: it cannot sign
             return "wrong_key", []
         fields = signing.contribution_fields(self.run_id, rnd.fragment, rnd.version, rnd.digest, rnd.round_id,

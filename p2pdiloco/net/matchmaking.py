@@ -596,5 +596,6 @@ class Matchmaker:
                     gathering.signatures.pop(peer, None)
         if isinstance(result, Group):
             return {"members": list(result.members), "round": result.round_id, "t": result.formed_in,
-                    "s": list(result.shares), "bw": list(result.rates), "js": list(gathering.member_signatures)}, b""
+                    "s": list(result.shares), "bw": list(result.rates),  # not the joiner's own signature:
+                    "js": [b"" if m == peer else s for m, s in zip(result.members, gathering.member_signatures)]}, b""
         return {"status": "redirect"}, b""

@@ -324,8 +324,10 @@ def parse_join_request(header: Any, num_fragments: int) -> JoinRequest:
 class JoinAnswer:
     """A leader's answer to ``mm.join``: a closed group (``members``, ``round``, the members'
     all-reduce ``shares``, see :func:`shares`, link ``rates``, see :func:`rates`, and every
-    member's ``mm.join`` signature, ``signatures``, in member order), or a ``status`` of
-    "redirect" (another peer leads) or "closed"."""
+    member's ``mm.join`` signature, ``signatures``, in member order, 64 bytes each or empty:
+    the leader leaves out the joiner's own, which the joiner does not check, and an empty
+    one of another member fails the joiner's check), or a ``status`` of "redirect" (another
+    peer leads) or "closed"."""
 
     status: str
     members: tuple[str, ...] = ()
@@ -345,7 +347,7 @@ def parse_join_answer(header: Any) -> JoinAnswer:
             raise ProtocolError("join answer: expected one join signature per member")
         return JoinAnswer("group", group, round_id(h.get("round")), max(0.0, _finite(h.get("t", 0.0), "t")),
                           shares(h.get("s"), len(group)), rates(h.get("bw"), len(group)),
-                          tuple(_bytes(x, "join signature", 64) for x in sigs))
+                          tuple(x if x == b"" else _bytes(x, "join signature", 64) for x in sigs))
     status = h.get("status")
     if status not in ("redirect", "closed"):
         raise ProtocolError("join answer: neither a group nor a status")
@@ -465,8 +467,9 @@ class ReduceRequest:
         the signed slice as ``bad_counters`` and ban its author); span: rounds its progress
         spans (``Learner.span``; signed; values < 1 parse, rejected as ``bad_counters``
         too); position: its schedule position (``Learner.step``; signed; negative values
-        parse, rejected as ``bad_counters``); key: its raw Ed25519 public key (32 bytes);
-        signature: 64 bytes over ``signing.contribution_fields``.
+        parse, rejected as ``bad_counters``); signature: 64 bytes over
+        ``signing.contribution_fields`` by the key inlined in the sender's peer ID (the
+        transport authenticates the sender, so the request does not carry the key).
     """
 
     round: str
@@ -476,7 +479,6 @@ class ReduceRequest:
     steps: int
     span: int
     position: int
-    key: bytes
     signature: bytes
 
 
@@ -486,8 +488,7 @@ def parse_reduce_request(header: Any) -> ReduceRequest:
         round_id(h.get("round")), _bytes(h.get("g"), "group fingerprint", 16),
         _int(h.get("r"), "reducer", 0, MAX_GROUP - 1), _int(h.get("tokens"), "tokens", -MAX_COUNT),
         _int(h.get("steps"), "steps", -MAX_COUNT), _int(h.get("span"), "span", -MAX_COUNT),
-        _int(h.get("pos"), "position", -MAX_COUNT), _bytes(h.get("k"), "key", 32),
-        _bytes(h.get("sig"), "signature", 64))
+        _int(h.get("pos"), "position", -MAX_COUNT), _bytes(h.get("sig"), "signature", 64))
 
 
 @dataclass(frozen=True)

@@ -274,7 +274,7 @@ class Attacker:
                                              tokens, steps, span, position, signing.sha256(payload))
         group = Group(round_id, GroupKey(p, version, digest), tuple(members), 0.0)
         header = {"round": round_id, "g": group_fingerprint(group), "tokens": tokens, "steps": steps, "span": span,
-                  "pos": position, "k": self.swarm.identity.public_key, "r": reducer,
+                  "pos": position, "r": reducer,
                   "sig": signing.sign(self.swarm.identity, "ar.contrib", fields)}
         if name_members:
             header["members"] = list(members)
