@@ -83,9 +83,11 @@ class Status(Starting):
     dht_ops: Annotated[dict[str, int], "DHT reads and stores it made, by \"get:\" or \"store:\" and record kind "
                                        "(mm: matchmaking declarations, heads, ...)"]
     gathering_pushes: Annotated[dict[str, int], "gathering announcements pushed (net.gatherings): sent, failed, "
-                                                "received, other_run (refused: another run's or other settings')"]
+                                                "resent (a patch sent whole again: the receiver lacked its base, "
+                                                "net.patches), received, other_run (refused: another run's or other "
+                                                "settings')"]
     record_pushes: Annotated[dict[str, int], "heads records pushed to the learners it knows (net.statesync, "
-                                             "st.heads): sent, failed, received, other_run (refused)"]
+                                             "st.heads): sent, failed, resent, received, other_run (refused)"]
     link_bytes_per_s: Annotated[int | None, "measured link rate (median of large replies), bytes/s"]
     rejected: Annotated[dict[str, int], "contributions refused, by reason"]
     rejected_total: Annotated[int, "sum of rejected"]
