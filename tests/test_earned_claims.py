@@ -297,8 +297,9 @@ async def test_a_dead_peer_ignored_for_a_while_is_still_stale_when_its_ignore_en
 
 def test_a_new_life_cycle_state_is_stored_restore_s_after_the_last_store(monkeypatch) -> None:
     """``swarm status`` reads only the DHT, where a record is stored every STORE_EVERY_S (300 s):
-    a node's new state (joining -> training) is stored again RESTORE_S (30 s) after the last
-    store, so the table does not show a training node as joining for 5 minutes."""
+    a node's new state (joining -> training) is stored once it has lasted RESTORE_S (30 s), so
+    the table does not show a training node as joining for 5 minutes; a state that lasts less
+    (a catch-up's few seconds of "catching up") costs no store."""
     from p2pdiloco.net.statesync import RESTORE_S, STORE_EVERY_S
 
     now = [1000.0]
@@ -307,9 +308,12 @@ def test_a_new_life_cycle_state_is_stored_restore_s_after_the_last_store(monkeyp
     sync = StateSync(swarm, "run", [], lambda: [])
     sync.pusher.audience = lambda: ["p0"]  # a peer: the store period is STORE_EVERY_S, not STORE_ALONE_S
     stored = []
-    for dt, state in ((0.0, "joining"), (5.0, "training"), (RESTORE_S - 5.0, "training"), (RESTORE_S, "training"),
-                      (STORE_EVERY_S - RESTORE_S - 1.0, "training"), (1.0, "training")):
+    for dt, state in ((0.0, "joining"), (5.0, "training"), (RESTORE_S - 1.0, "training"), (1.0, "training"),
+                      (10.0, "catching up"), (3.0, "training"), (RESTORE_S, "training"),
+                      (STORE_EVERY_S - 43.0 - 1.0, "training"), (1.0, "training")):
         now[0] += dt
         asyncio.run(sync.publish({"state": state}))
         stored.append(swarm.stored)
-    assert stored == [1, 1, 2, 2, 2, 3]  # first; not yet; the new state 30 s on; unchanged; 300 s after the last
+    # first; training for 0 and 29 s: not yet; for 30 s: stored; a 3 s catch-up and after it: nothing new;
+    # 299 s after the last store: not yet; 300 s: stored
+    assert stored == [1, 1, 1, 2, 2, 2, 2, 2, 3]

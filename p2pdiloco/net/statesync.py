@@ -91,7 +91,8 @@ _FIGURES = {"t": 0.0, "step": 0, "tps": 0.0, "loss": None, "merged": 0, "mine": 
 # changed only these is a heartbeat: pushed to a peer every beat_period seconds at most
 STORE_EVERY_S = 300.0  # seconds between DHT stores of our record (tens of kB at 16 nodes), for nodes that know us not ...
 STORE_ALONE_S = 4.0  # ... but while we know none, every node is one that does not know us: stored this often
-RESTORE_S = 30.0  # ... and a new life-cycle state (joining -> training) is stored this long after the last store
+RESTORE_S = 30.0  # ... and a new life-cycle state (joining -> training) once it has lasted this long: a catch-up's
+# few seconds of "catching up" cost no store (each one tens of kB at 16 nodes)
 GREET_WAIT_S = 3.0  # seconds a joining node waits for the learners it found to push their records back
 PUSH_DEFER_S = 5.0  # seconds a push waits at most for a peer that knows its change
 READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused while no peer pushes to us ...
@@ -145,6 +146,7 @@ class StateSync:
         self.patches = Received(lambda peer, why: self.swarm.drop(peer, why))  # bases of authors' patches
         self._mine: HeadsRecord | None = None  # our last published record
         self._stored: tuple[float, str] = (-math.inf, "")  # monotonic s and life-cycle state of our last DHT store
+        self._state: tuple[str, float] = ("", -math.inf)  # our life-cycle state and since when (monotonic s)
         self._pushed_at = -math.inf  # monotonic s of the last record pushed to us
         self._heard = asyncio.Event()  # set at every record pushed to us (greet waits on it)
         self._read: tuple[float, dict[str, HeadsRecord], set[str]] = (-math.inf, {}, set())  # last DHT read:
@@ -207,7 +209,8 @@ class StateSync:
         (``pusher``, ``st.heads``; to those it is :meth:`known_by` with our next change; a record
         that changed only its ``_FIGURES`` at most every :func:`beat_period`), and stored in the DHT, where
         nodes that do not know us yet find it, when ``store`` or ``STORE_EVERY_S`` after the last
-        store (``STORE_ALONE_S`` while we know no other learner; ``RESTORE_S`` for a new state).
+        store (``STORE_ALONE_S`` while we know no other learner; a new life-cycle state once it has
+        lasted ``RESTORE_S``).
 
         Raises:
             NetworkError: the DHT store failed (the push is made all the same).
@@ -221,9 +224,12 @@ class StateSync:
         self._mine = record
         later, self._known_by = self._known_by or (), None
         self.pusher.set({"r": record.to_wire(), "run": self.run_id}, later, beat=beat)
-        since = swarm_clock.monotonic() - self._stored[0]
-        if store or since >= (STORE_EVERY_S if audience else STORE_ALONE_S) or (
-                record.state != self._stored[1] and since >= RESTORE_S):  # swarm status reads the DHT only
+        now = swarm_clock.monotonic()
+        if self._state[0] != record.state:
+            self._state = (record.state, now)
+        since = now - self._stored[0]
+        if store or since >= (STORE_EVERY_S if audience else STORE_ALONE_S) or (  # swarm status reads the DHT:
+                record.state != self._stored[1] and now - self._state[1] >= RESTORE_S):  # a lasting new state
             await self.swarm.store(self.heads_key, self.swarm.peer_id, record.to_wire(), HEAD_TTL, beam=NARROW_BEAM)
             self._stored = (swarm_clock.monotonic(), record.state)
 
