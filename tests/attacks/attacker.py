@@ -41,6 +41,7 @@ from p2pdiloco.errors import NetworkError, P2PDilocoError, ProtocolError
 from p2pdiloco.model import build_model
 from p2pdiloco.net import transport, wire
 from p2pdiloco.net.matchmaking import Group, GroupKey
+from p2pdiloco.net.patches import Received
 from p2pdiloco.net.rounds import group_fingerprint
 from p2pdiloco.net.transport import Swarm
 from p2pdiloco.trust import signing
@@ -158,11 +159,15 @@ class Attacker:
         swarm = await Swarm.start(initial_peers=[world.maddr], identity=identity or Identity.generate(),
                                   membership=membership)
         atk = cls(world, swarm)
+        bases = Received(swarm.drop)  # honest pushes are patches of the last record it took (net.patches)
 
         async def on_heads(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
+            if (header := bases.expand(peer, header)) is None:
+                return {"resend": True}, b""
             record = header.get("r") if isinstance(header, dict) else None
             if isinstance(record, dict) and len(atk.pushed) < 1024:
                 atk.pushed[peer] = record
+                bases.keep(peer, header)
             return {}, b""
 
         await swarm.add_handler("st.heads", on_heads)  # honest nodes push their records to it once they see it
