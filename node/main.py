@@ -176,7 +176,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "record_pushes": dict(node.sync.pusher.stats + node.sync.pushes_received),
         "link_bytes_per_s": round(link) if (link := swarm.stats.link.estimate()) else None,
         "rejected": rejected, "rejected_total": sum(rejected.values()),
-        "bans": dict(swarm.bans), "ignored": node.sync.ignoring(), "other_settings": node.sync.other_settings(),
+        "bans": dict(swarm.bans), "ignored": node.sync.strikes.ignoring(), "other_settings": node.sync.other_settings(),
         "passed_over": node.matchmaker.passing_over(), "ignored_groups": node.matchmaker.ignoring_groups(),
         "refused_states": node.sync.refused_states,
         "blocked": swarm.blocking(), "refused": dict(swarm.refused),

@@ -78,7 +78,7 @@ class Node:
         pushers = (self.matchmaker.gatherings.pusher, self.sync.pusher)  # announcements, records: to the learners
         self.matchmaker.gatherings.audience = self.sync.pusher.audience = lambda: self.view.others  # we know
         self.matchmaker.gatherings.on_heard = self.sync.on_heard = lambda peer, hello=False: [p.heard_from(peer, hello) for p in pushers]
-        self.matchmaker.undeliverable = lambda: self.sync.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
+        self.matchmaker.undeliverable = lambda: self.sync.strikes.ignoring().keys() if self.swarm.reach.state() == "behind NAT" else ()
         # the swarm's membership object itself: lists adopted here are what the transport checks
         self.revocations = RevocationWatch(swarm, swarm.membership)
         self.training: TrainingLoop | None = None
@@ -358,7 +358,7 @@ class Node:
     async def _alone_step(self) -> None:
         if self.training is not None and not self.done:
             # peers ignored for not delivering their state are nodes of the run too (behind NAT, say)
-            seen = len(self.view.others | self.sync.ignoring().keys())
+            seen = len(self.view.others | self.sync.strikes.ignoring().keys())
             self.solo.check(seen, self.sync.other_settings(), self.swarm.reach.advice())
 
     def state_name(self) -> str:

@@ -83,22 +83,22 @@ def test_strikes_ignore_a_holder_for_a_doubling_while_and_delivery_clears_them(m
     now = [1000.0]
     monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
     sync = StateSync(_Swarm(), "run", [], lambda: [])
-    sync._strike(X, "no answer", hard=True)
-    assert sync.ignoring() == {X: "no answer"}
+    sync.strikes.strike(X, "no answer", hard=True)
+    assert sync.strikes.ignoring() == {X: "no answer"}
     now[0] += IGNORE_S + 0.1
-    assert sync.ignoring() == {}
-    sync._strike(X, "no answer", hard=True)  # second strike: twice as long
+    assert sync.strikes.ignoring() == {}
+    sync.strikes.strike(X, "no answer", hard=True)  # second strike: twice as long
     now[0] += IGNORE_S + 0.1
-    assert X in sync.ignoring()
+    assert X in sync.strikes.ignoring()
     now[0] += IGNORE_S
-    assert X not in sync.ignoring()
-    sync._strike(B, "truncated", hard=False)  # a soft failure strikes from the second in a row
-    assert B not in sync.ignoring()
-    sync._strike(B, "truncated", hard=False)
-    assert B in sync.ignoring()
+    assert X not in sync.strikes.ignoring()
+    sync.strikes.strike(B, "truncated", hard=False)  # a soft failure strikes from the second in a row
+    assert B not in sync.strikes.ignoring()
+    sync.strikes.strike(B, "truncated", hard=False)
+    assert B in sync.strikes.ignoring()
     sync._delivered(X)
-    sync._strike(X, "no answer", hard=True)  # cleared: back to the first strike's length
-    assert sync.ignored[X][0] == pytest.approx(now[0] + IGNORE_S)
+    sync.strikes.strike(X, "no answer", hard=True)  # cleared: back to the first strike's length
+    assert sync.strikes.ignored[X][0] == pytest.approx(now[0] + IGNORE_S)
 
 
 def test_own_version_counts_so_a_newcomer_behind_does_not_hide_an_honest_lead() -> None:
@@ -248,13 +248,13 @@ async def test_silence_past_the_first_reply_deadline_strikes_a_stranger_at_once_
     sync = StateSync(swarm, "run", [Fragment(0, (TensorSlot("w", (2,), 2, False),))], lambda: [])
     with pytest.raises(StateSyncError, match="no answer within 1.0 s"):
         await sync.download(0, Head(7, D1, (X,)))
-    assert X in sync.ignoring()  # never delivered to us: struck at once
+    assert X in sync.strikes.ignoring()  # never delivered to us: struck at once
     sync._delivered(B)  # B delivered before
     sync._took.append(0.1)
     for attempt in (1, 2):
         with pytest.raises(StateSyncError, match="no answer within 0.5 s"):
             await sync.download(0, Head(7 + attempt, D1, (B,)))
-        assert (B in sync.ignoring()) == (attempt == 2)  # forgiven once
+        assert (B in sync.strikes.ignoring()) == (attempt == 2)  # forgiven once
     assert swarm.calls == [(X, 1.0), (B, 0.5), (B, 0.5)]
 
 
@@ -289,7 +289,7 @@ async def test_a_dead_peer_ignored_for_a_while_is_still_stale_when_its_ignore_en
     swarm = Dht()
     sync = StateSync(swarm, "run", [Fragment(0, (TensorSlot("w", (2,), 2, False),))], lambda: [ours])
     assert set(await sync.records()) == {me, b, c}
-    sync.ignored[c] = (now[0] + IGNORE_S, "did not deliver")  # e.g. struck for a failed download
+    sync.strikes.ignored[c] = (now[0] + IGNORE_S, "did not deliver")  # e.g. struck for a failed download
     now[0] += max(IGNORE_S, STALE_S) + 1.0  # the ignore has ended and c is stale
     swarm.t_b = 2.0
     assert set(await sync.records()) == {me, b}  # not "seen for the first time" again

@@ -22,7 +22,7 @@ import msgpack
 import pytest
 
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net import records as rec
+from p2pdiloco.net import records as rec, reduce_messages as rm
 from p2pdiloco.net import wire
 from p2pdiloco.trust.certificates import Certificate, RevocationList, SwarmKey
 from p2pdiloco.trust.errors import CertificateError
@@ -63,9 +63,9 @@ DECODERS: dict[str, Callable[[Any], Any]] = {
     "join_answer": rec.parse_join_answer,
     "state_request": lambda v: rec.parse_state_request(v, P),
     "state_answer": rec.parse_state_answer,
-    "reduce_request": rec.parse_reduce_request,
-    "statement": lambda v: rec.parse_statement(v, 3),
-    "final_request": rec.parse_final_request,
+    "reduce_request": rm.parse_reduce_request,
+    "statement": lambda v: rm.parse_statement(v, 3),
+    "final_request": rm.parse_final_request,
     "dialback_request": rec.parse_dialback_request,
     "dialback_answer": rec.parse_dialback_answer,
     "delta_request": lambda v: rec.parse_delta_request(v, P, 8),

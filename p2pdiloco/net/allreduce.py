@@ -79,7 +79,7 @@ from p2pdiloco.core.merge import (
     robust_merge,
 )
 from p2pdiloco.errors import NetworkError, ProtocolError, RoundFailed
-from p2pdiloco.net import clock as swarm_clock, records as rec, wire
+from p2pdiloco.net import clock as swarm_clock, reduce_messages as rm, wire
 from p2pdiloco.net.matchmaking import Group
 from p2pdiloco.net.rounds import (
     GROUP_WAIT_S,
@@ -384,7 +384,7 @@ class AllReducer:
         if "error" in reply:
             raise RoundFailed(f"reducer {group.members[r][-8:]}: {str(reply['error'])[:200]}")
         try:
-            statement = rec.parse_statement(reply, len(group.members))
+            statement = rm.parse_statement(reply, len(group.members))
         except ProtocolError as e:
             self.swarm.drop(group.members[r], "reducer_statement")
             raise RoundFailed(f"reducer {group.members[r][-8:]} sent a malformed statement: {e}") from None
@@ -405,7 +405,7 @@ class AllReducer:
     async def _on_reduce(self, peer: str, head: Header, payload: bytes) -> tuple[Header, bytes]:
         return await self._receive(peer, head, payload)
 
-    async def _round_for(self, peer: str, req: rec.ReduceRequest) -> _Round:
+    async def _round_for(self, peer: str, req: rm.ReduceRequest) -> _Round:
         """The round a request belongs to, created on its first slice from the group it names
         (waiting up to ``GROUP_WAIT_S`` for our matchmaking to give it). ProtocolError when
         we hold no such group, or this reducer and the sender are not both members of it, or
@@ -453,7 +453,7 @@ class AllReducer:
                 dropped and counted), names no round of ours, or is a duplicate.
         """
         try:
-            req = rec.parse_reduce_request(head)
+            req = rm.parse_reduce_request(head)
         except ProtocolError:
             self.swarm.drop(peer, "reduce_request")
             raise
@@ -475,7 +475,7 @@ class AllReducer:
         await rnd.decided.wait()
         return rnd.answer
 
-    def _check_slice(self, peer: str, rnd: _Round, req: rec.ReduceRequest, payload: bytes) -> tuple[str | None, list]:
+    def _check_slice(self, peer: str, rnd: _Round, req: rm.ReduceRequest, payload: bytes) -> tuple[str | None, list]:
         """(None, tensors) for a slice that verifies, else (reason, [])."""
         if peer in self.swarm.bans:
             return "banned", []
@@ -561,7 +561,7 @@ class AllReducer:
     async def _finalize(self, peer: str, head: Header) -> tuple[Header, bytes]:
         """Phase 2: verify every reducer's phase-1 statement, merge over their common set."""
         try:
-            req = rec.parse_final_request(head)
+            req = rm.parse_final_request(head)
         except ProtocolError:
             self.swarm.drop(peer, "final_request")
             raise

@@ -75,7 +75,6 @@ by ``mm.join``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import secrets
@@ -88,6 +87,7 @@ from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
 from p2pdiloco.net import records as rec
 from p2pdiloco.net.gatherings import FUTURE_SLACK_S, Gatherings
+from p2pdiloco.net.groups import Group, GroupKey, leader_rank  # noqa: F401  (importers take them from here too)
 from p2pdiloco.net.shares import bandwidth_shares, max_share
 from p2pdiloco.net.transport import Header, Swarm
 from p2pdiloco.trust import signing
@@ -103,43 +103,6 @@ PASS_OVER_MAX_S = 900.0
 FAILED_GROUP_WAIT_S = 10.0  # seconds a failed group's members still make us late (they may have committed)
 LEFT_KEEP_S = 120.0  # seconds a leader keeps announcing a key where it closed a group
 Outcome = Literal["group", "late", "no_quorum"]
-
-
-@dataclass(frozen=True)
-class GroupKey:
-    """What members of one group must share: fragment index, version and state digest."""
-
-    fragment: int
-    version: int
-    digest: str
-
-    def dht_key(self, run_id: str) -> str:
-        return f"{run_id}/mm/{self.fragment}/{self.version}/{self.digest[:16]}"
-
-
-@dataclass(frozen=True)
-class Group:
-    """A closed group: members sorted by peer ID; the same object on every member."""
-
-    round_id: str
-    key: GroupKey
-    members: tuple[str, ...]
-    formed_in: float  # seconds from declaring to the group closing, on this member
-    leader: str = ""  # the peer that closed it
-    shares: tuple[int, ...] = ()  # all-reduce share per member (core.fragments.assign_parts); () = equal
-    rates: tuple[int, ...] = ()  # link rate per member as the leader had it (KiB/s, 0 = unknown); () = none known
-
-    def share_of(self, peer: str) -> float:
-        """The part of the fragment's elements ``peer`` was given to reduce, in [0, 1] (its
-        share over their sum; 1/len(members) with equal shares). Raises ValueError for a
-        peer that is not a member."""
-        i = self.members.index(peer)
-        return self.shares[i] / sum(self.shares) if self.shares else 1 / len(self.members)
-
-
-def leader_rank(dht_key: str, peer: str) -> bytes:
-    """The order in which open peers lead at ``dht_key``: sha256(key, 0x00, peer ID); lowest leads."""
-    return hashlib.sha256(f"{dht_key}\x00{peer}".encode()).digest()
 
 
 @dataclass

@@ -39,7 +39,7 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   deadline) gets one too, or from the second time in a row if it delivered to us before; other
   failed deliveries (truncated, refused, an older state than claimed; a newer one is an honest
   holder that moved on) count a strike from the second in a row. A holder with strikes has its
-  records ignored for ``IGNORE_S`` × 2^(strikes − 1) seconds (at most ``IGNORE_MAX_S``); a
+  records ignored for ``IGNORE_S`` × 2^(strikes − 1) seconds (at most ``IGNORE_MAX_S``; ``net.strikes``); a
   successful delivery clears its strikes. Rotating digests do not reset anything: strikes
   belong to the peer. Answers that no honest peer sends (a header out of range, a body of the
   wrong size, bytes that do not hash to the digest the answer states) ban the sender.
@@ -75,6 +75,7 @@ from p2pdiloco.net.patches import Received
 from p2pdiloco.net.heads import LEAD, ROLLBACK_MAX, Head, claim_ceiling
 from p2pdiloco.net.pushes import MAX_PUSHED, STALE_S, Pusher, beat_period, stale_after
 from p2pdiloco.net.records import HeadsRecord
+from p2pdiloco.net.strikes import IGNORE_S, Strikes
 from p2pdiloco.net.transport import NARROW_BEAM, Header, Swarm
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,6 @@ MIN_RATE = 256 * 1024  # bytes/s: the slowest donor link a download waits for
 FIRST_REPLY_S = 1.0  # seconds a holder has to begin its answer once the stream is open, before any download...
 FIRST_REPLY_FACTOR = 4.0  # ... then this many times the slowest recent download,
 FIRST_REPLY_MIN_S = 0.5  # ... but never less than this (seconds), nor more than STATE_TIMEOUT_S
-IGNORE_S = 15.0  # seconds a holder that did not deliver is ignored after its first strike (doubling)
-IGNORE_MAX_S = 600.0
 _FIGURES = {"t": 0.0, "step": 0, "tps": 0.0, "loss": None, "merged": 0, "mine": 0, "beat": 0}  # a record that
 # changed only these is a heartbeat: pushed to a peer every beat_period seconds at most
 STORE_EVERY_S = 300.0  # seconds between DHT stores of our record (tens of kB at 16 nodes), for nodes that know us not ...
@@ -131,9 +130,7 @@ class StateSync:
         self._steps: dict[int, deque[float]] = {i: deque(maxlen=FOLLOW_HISTORY) for i in range(len(self.fragments))}
         self._own: dict[int, float] = {}  # fragment -> the outer step this node's own last contribution would make
         self._refused: set[tuple[int, int, str]] = set()  # (fragment, version, digest) not to follow
-        self._strikes: dict[str, int] = {}  # holder -> failed deliveries not yet cleared by a success
-        self._soft: dict[str, int] = {}  # holder -> failures that strike only from the second in a row
-        self.ignored: dict[str, tuple[float, str]] = {}  # holder -> (ignored until, monotonic s; reason)
+        self.strikes = Strikes()  # holders that did not deliver, and the peers ignored (net.strikes)
         self._pending: dict[tuple[int, int, str], asyncio.Future] = {}
         self._donors: dict[str, None] = {}  # holders that delivered a state to us (insertion-ordered set)
         self._took: deque[float] = deque(maxlen=FOLLOW_HISTORY)  # seconds of recent successful downloads
@@ -271,12 +268,6 @@ class StateSync:
         else ``READ_EVERY_S`` (module docstring)."""
         return READ_QUIET_S if swarm_clock.monotonic() - self._pushed_at <= STALE_S else READ_EVERY_S
 
-    def ignoring(self) -> dict[str, str]:
-        """Peers whose claims are ignored now, {peer ID: reason}."""
-        now = swarm_clock.monotonic()
-        self.ignored = {p: v for p, v in self.ignored.items() if v[0] > now}
-        return {p: why for p, (_, why) in self.ignored.items()}
-
     async def records(self, max_dht_age: float = 0.0) -> dict[str, HeadsRecord]:
         """Every live node's parsed record, {peer ID: record}: records under a peer ID, which
         the DHT accepted only when signed by that peer (and, in a private swarm, a member), or
@@ -292,7 +283,7 @@ class StateSync:
             NetworkError: the DHT could not be read.
         """
         self._observe()
-        ignoring = self.ignoring()
+        ignoring = self.strikes.ignoring()
         if swarm_clock.monotonic() - self._read[0] >= max_dht_age:
             began = swarm_clock.monotonic()
             others = self._read[2] - {self.swarm.peer_id}
@@ -324,8 +315,7 @@ class StateSync:
                     record = record.without(p)
             out[peer] = record
         for peer, why in self._uncorroborated(out).items():
-            self.ignored[peer] = (swarm_clock.monotonic() + IGNORE_S, why)
-            log.info("ignoring the records of %s for %.0f s: %s", peer[-8:], IGNORE_S, why)
+            self.strikes.ignore(peer, IGNORE_S, why)
             del out[peer]
         return out
 
@@ -432,26 +422,8 @@ class StateSync:
         log.warning("not following fragment %d v%d (%s): %s", p, state.version, state.short(), reason)
         raise StateSyncError(f"fragment {p} v{state.version} refused: {reason}")
 
-    # ---- strikes ---------------------------------------------------------------------------
-    def _strike(self, peer: str, reason: str, *, hard: bool) -> None:
-        """A failed delivery by ``peer``: ``hard`` (no answer in time) strikes at once, others
-        from the second in a row. Struck peers are ignored for a doubling while."""
-        if not hard:
-            self._soft[peer] = self._soft.get(peer, 0) + 1
-            if self._soft[peer] < 2:
-                return
-        self._soft.pop(peer, None)
-        n = self._strikes[peer] = min(self._strikes.get(peer, 0) + 1, 16)
-        seconds = min(IGNORE_MAX_S, IGNORE_S * 2 ** (n - 1))
-        self.ignored[peer] = (swarm_clock.monotonic() + seconds, reason)
-        log.info("ignoring the records of %s for %.0f s: %s", peer[-8:], seconds, reason)
-        if len(self._strikes) > 4096:  # bounded: forget the peers with the fewest strikes
-            for p in sorted(self._strikes, key=self._strikes.get)[:1024]:
-                del self._strikes[p]
-
     def _delivered(self, peer: str) -> None:
-        self._strikes.pop(peer, None)
-        self._soft.pop(peer, None)
+        self.strikes.delivered(peer)
         self._donors[peer] = None
         if len(self._donors) > 4096:  # bounded: forget the oldest donors
             for p in list(self._donors)[:1024]:
@@ -514,14 +486,14 @@ class StateSync:
             start = (int.from_bytes(hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "big") + fragment) % len(donors)
             donors = donors[start:] + donors[:start]
         last = "no other holder"
-        donors = [d for d in donors if d not in self.swarm.bans and d not in self.ignoring()]
+        donors = [d for d in donors if d not in self.swarm.bans and d not in self.strikes.ignoring()]
         if self.deltas is not None and donors:  # the rounds missed, if a holder has them and they cost less
             t0, mine = swarm_clock.monotonic(), self.committed()[fragment]
             try:
                 got = await self.deltas.fetch(donors[0], mine, head, STATE_TIMEOUT_S + self.deltas.most[fragment]
                                               / self.swarm.stats.link.held_to(MIN_RATE), self.first_reply_s())
             except NetworkError as e:  # struck as a failed download; the state from the others first
-                self._strike(donors[0], f"did not deliver the rounds of fragment {fragment}: {e}",
+                self.strikes.strike(donors[0], f"did not deliver the rounds of fragment {fragment}: {e}",
                              hard=isinstance(e, PeerTimeout))
                 donors, got = donors[1:] + donors[:1], None
             if got is not None:
@@ -537,7 +509,7 @@ class StateSync:
                 # silence past the whole deadline strikes at once; past the first-reply deadline
                 # too, unless the holder delivered to us before (that deadline adapts to this
                 # machine's recent transfers: one busy moment of a known donor is forgiven)
-                self._strike(donor, f"did not deliver fragment {fragment} v{head.version}: {e}",
+                self.strikes.strike(donor, f"did not deliver fragment {fragment} v{head.version}: {e}",
                              hard=isinstance(e, PeerTimeout) and not (isinstance(e, PeerSilent) and donor in self._donors))
                 last = str(e)
                 self._failed(fragment, head.version, donor, e)
@@ -545,7 +517,7 @@ class StateSync:
             if (state.version, state.digest) == (head.version, head.digest):
                 return self._accept(fragment, head, donor, state, t0, self.state_bytes(fragment), 0)
             if state.version <= head.version:  # a holder that moved on since its record is honest
-                self._strike(donor, f"served v{state.version} of fragment {fragment}, not the v{head.version} "
+                self.strikes.strike(donor, f"served v{state.version} of fragment {fragment}, not the v{head.version} "
                                     "it claims", hard=False)
             last = f"{donor[-8:]} now holds v{state.version}, not v{head.version}"
         raise StateSyncError(f"fragment {fragment} v{head.version}: {last}")
@@ -564,7 +536,7 @@ class StateSync:
             # a statistical bound, not a proof: every holder is ignored for a while
             # (strikes double), none is banned for the rest of the run
             for holder in head.holders:
-                self._strike(holder, str(e), hard=True)
+                self.strikes.strike(holder, str(e), hard=True)
             raise
         self.downloads += 1
         self.fetched[fragment] = (nbytes, rounds)
