@@ -108,7 +108,7 @@ def test_share_and_rate_fields_are_bounded():
     for bad in ([], [b"s" * 64] * 2, [b"s" * 63], ["s" * 64], None):
         with pytest.raises(ProtocolError):
             rec.parse_join_answer(dict(answer, js=bad))
-    req = {"f": 0, "v": 1, "d": "ab" * 32, "sig": b"s" * 64}
+    req = {"f": 0, "v": 1, "d": bytes.fromhex("ab" * 32), "sig": b"s" * 64}
     assert rec.parse_join_request(dict(req, bw=1024), 4).bandwidth == 1024
     for bad in (None, b"s" * 63, "s" * 64):
         with pytest.raises(ProtocolError):

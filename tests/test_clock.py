@@ -110,8 +110,8 @@ def test_gathering_announcements_older_than_the_runs_gathering_window_are_left_o
 
     fresh, crashed = Identity.generate().peer_id, Identity.generate().peer_id
     now, window = 5000.0, 10.0 + 3.0 + JOIN_SLACK_S  # quorum timeout 10 s, longest grace 3 s
-    records = {fresh: {"g": [[0, 7, "a" * 64]], "t": now - 12.0},
-               crashed: {"g": [[1, 7, "b" * 64]], "t": now - window - 1.0}}
+    records = {fresh: {"g": [[0, 7, bytes.fromhex("a" * 64)]], "t": now - 12.0},
+               crashed: {"g": [[1, 7, bytes.fromhex("b" * 64)]], "t": now - window - 1.0}}
     mm = Matchmaker(_Swarm({}, now), "run", 1, num_fragments=2)
     for peer, pushed in records.items():  # as pushed by their authors (mm.gather)
         asyncio.run(mm.gatherings._on_push(peer, {**pushed, "run": "run"}, b""))
@@ -127,9 +127,9 @@ def test_swarm_status_leaves_out_records_older_than_a_heartbeat() -> None:
 
     live, stored, dead = (Identity.generate().peer_id for _ in range(3))
     now = 2000.0
-    records = {live: {"f": [[3, "a" * 64]], "t": now - 2.0, "name": "live"},
-               stored: {"f": [[3, "a" * 64]], "t": now - STORE_EVERY_S - 5.0, "name": "stored"},  # stores that seldom
-               dead: {"f": [[5, "a" * 64]], "t": now - STORE_EVERY_S - 61.0, "name": "dead"},  # kept by the DHT
+    records = {live: {"f": [[3, bytes(32)]], "t": now - 2.0, "name": "live"},
+               stored: {"f": [[3, bytes(32)]], "t": now - STORE_EVERY_S - 5.0, "name": "stored"},  # stores that seldom
+               dead: {"f": [[5, bytes(32)]], "t": now - STORE_EVERY_S - 61.0, "name": "dead"},  # kept by the DHT
                "junk": "not a record"}
     view = summarize_swarm("r", records, now)
     assert [p["name"] for p in view["peers"]] == ["live", "stored"] and view["newest"] == [3]

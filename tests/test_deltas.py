@@ -121,10 +121,10 @@ def test_a_malformed_delta_answer_is_refused(header):
 
 
 def test_a_delta_request_asks_for_one_to_max_steps_rounds_ahead():
-    ok = {"f": 0, "v": 3, "d": "ab" * 32, "tv": 5, "td": "cd" * 32, "max": 1000}
+    ok = {"f": 0, "v": 3, "d": bytes.fromhex("ab" * 32), "tv": 5, "td": bytes.fromhex("cd" * 32), "max": 1000}
     assert parse_delta_request(ok, 1, deltas.MAX_STEPS).to_version == 5
     for bad in ({**ok, "tv": 3}, {**ok, "tv": 3 + deltas.MAX_STEPS + 1}, {**ok, "f": 1}, {**ok, "max": -1},
-                {**ok, "d": "xy"}):
+                {**ok, "d": "xy"}, {**ok, "d": "ab" * 32}):
         with pytest.raises(ProtocolError):
             parse_delta_request(bad, 1, deltas.MAX_STEPS)
 

@@ -50,7 +50,8 @@ def test_a_joining_node_follows_only_a_state_two_peers_hold() -> None:
 
 
 def test_heads_parse_raw_records_and_drop_out_of_range_versions() -> None:
-    raw = {A: {"f": [[3, D1]]}, X: {"f": [[2**63, D2]]}, C: {"f": [[float("inf"), D2]]}}
+    w1, w2 = bytes.fromhex(D1), bytes.fromhex(D2)  # as sent
+    raw = {A: {"f": [[3, w1]]}, X: {"f": [[2**63, w2]]}, C: {"f": [[float("inf"), w2]]}}
     assert newest_heads(raw, 1) == [Head(3, D1, (A,))]
 
 
@@ -172,7 +173,7 @@ def test_a_node_with_many_peers_beats_less_often_and_its_readers_wait_longer(mon
     assert (stale_after(20), stale_after(38), stale_after(160)) == (STALE_S, 83.0, 205.0) and STALE_S == 65.0
     wire = HeadsRecord(((4, D1),), beat=38).to_wire()
     assert wire["b"] == 38 and parse_heads(wire, 1).beat == 38
-    assert parse_heads({"f": [[4, D1]]}, 1).beat == 20  # a record without "b": the shortest period
+    assert parse_heads({"f": [[4, bytes.fromhex(D1)]]}, 1).beat == 20  # a record without "b": the shortest period
     for bad in (0, 161, 600, 20.0, True, "38"):
         with pytest.raises(ProtocolError):
             parse_heads({**wire, "b": bad}, 1)

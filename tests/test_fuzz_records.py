@@ -33,7 +33,7 @@ SLOW_S = 1.0  # seconds of this thread's CPU per decode (tracemalloc on): far be
 PEAK_BYTES = 64 << 20
 P = 4
 PEERS = sorted(Identity.generate().peer_id for _ in range(3))
-D = "ab" * 32
+D = bytes.fromhex("ab" * 32)  # a sha256 digest as sent: 32 bytes
 
 VALID: dict[str, Any] = {
     "heads": {"f": [[3, D], [2, D], None, [0, D]], "r": ["a1", "", "b2", ""], "t": 1.5, "name": "n0",

@@ -16,6 +16,7 @@ from p2pdiloco.net.matchmaking import GroupKey, Matchmaker, leader_rank
 from p2pdiloco.net.memory import Link, MemoryNet
 
 pytestmark = pytest.mark.looptime(end=3600)
+AB, CD, ZERO, KEY_D = (bytes.fromhex(d) for d in ("ab" * 32, "cd" * 32, "00" * 32, KEY.digest))  # digests as sent
 
 
 @pytest.mark.asyncio
@@ -47,7 +48,7 @@ async def test_a_gathering_is_pushed_to_the_audience_and_withdrawn_without_dht_r
         finally:
             pusher.cancel()
         with pytest.raises(ProtocolError, match="another run"):
-            await c.call(b.peer_id, "mm.gather", {"g": [[0, 9, KEY.digest]], "t": c.clock.now(), "run": "other"},
+            await c.call(b.peer_id, "mm.gather", {"g": [[0, 9, KEY_D]], "t": c.clock.now(), "run": "other"},
                          timeout=5)
         assert mm_b.gatherings.stats["other_run"] == 1 and mm_b.open_gatherings() == {} and b.bans == {}
 
@@ -57,12 +58,12 @@ async def test_a_malformed_push_is_dropped_and_its_author_banned_and_a_late_push
     async with memory_swarms(2, MemoryNet(default=Link(latency=0.01))) as (net, (a, b)):
         mm_b = Matchmaker(b, "run", 1, num_fragments=2)
         await mm_b.start()
-        newer = {"g": [[1, 4, "cd" * 32]], "t": b.clock.now(), "run": "run"}
+        newer = {"g": [[1, 4, CD]], "t": b.clock.now(), "run": "run"}
         await a.call(b.peer_id, "mm.gather", newer, timeout=5)
-        await a.call(b.peer_id, "mm.gather", {**newer, "g": [[1, 3, "ab" * 32]], "t": newer["t"] - 1}, timeout=5)
+        await a.call(b.peer_id, "mm.gather", {**newer, "g": [[1, 3, AB]], "t": newer["t"] - 1}, timeout=5)
         assert mm_b.open_gatherings() == {1: {GroupKey(1, 4, "cd" * 32)}}
         with pytest.raises(ProtocolError):  # fragment 7 of 2
-            await a.call(b.peer_id, "mm.gather", {"g": [[7, 1, "ab" * 32]], "t": 1.0, "run": "run"}, timeout=5)
+            await a.call(b.peer_id, "mm.gather", {"g": [[7, 1, AB]], "t": 1.0, "run": "run"}, timeout=5)
         assert b.drop_reasons["gathering_push"] == 1 and a.peer_id in b.bans
         assert mm_b.open_gatherings() == {}  # a banned author's pushes are ignored
         with pytest.raises(ProtocolError):
@@ -108,21 +109,21 @@ async def test_no_push_hides_another_a_future_one_is_refused_and_one_fragment_tw
         mm_b = Matchmaker(b, "run", 1, num_fragments=2)
         await mm_b.start()
         now = b.clock.now()
-        await honest.call(b.peer_id, "mm.gather", {"g": [[0, 3, "ab" * 32]], "t": now, "run": "run"}, timeout=5)
-        await hostile.call(b.peer_id, "mm.gather", {"g": [[0, 4, "00" * 32]], "t": now, "run": "run"}, timeout=5)
+        await honest.call(b.peer_id, "mm.gather", {"g": [[0, 3, AB]], "t": now, "run": "run"}, timeout=5)
+        await hostile.call(b.peer_id, "mm.gather", {"g": [[0, 4, ZERO]], "t": now, "run": "run"}, timeout=5)
         assert mm_b.open_gatherings() == {0: {GroupKey(0, 3, "ab" * 32), GroupKey(0, 4, "00" * 32)}}
         with pytest.raises(ProtocolError, match="future"):
-            await hostile.call(b.peer_id, "mm.gather", {"g": [[0, 5, "00" * 32]], "t": now + 3600, "run": "run"},
+            await hostile.call(b.peer_id, "mm.gather", {"g": [[0, 5, ZERO]], "t": now + 3600, "run": "run"},
                                timeout=5)
         assert b.drop_reasons["gathering_future"] == 1 and b.bans == {}
         with pytest.raises(ProtocolError):
-            await hostile.call(b.peer_id, "mm.gather", {"g": [[0, 4, "00" * 32], [0, 4, "00" * 32]], "t": now,
+            await hostile.call(b.peer_id, "mm.gather", {"g": [[0, 4, ZERO], [0, 4, ZERO]], "t": now,
                                                         "run": "run"}, timeout=5)
         assert set(b.bans) == {hostile.peer_id}
         assert mm_b.open_gatherings() == {0: {GroupKey(0, 3, "ab" * 32)}}
         with pytest.raises(ProtocolError):  # a closed key named twice for one fragment: banned too
             await honest.call(b.peer_id, "mm.gather", {"g": [], "t": now, "run": "run",
-                                                       "l": [[0, 1, "ab" * 32, now], [0, 2, "ab" * 32, now]]},
+                                                       "l": [[0, 1, AB, now], [0, 2, AB, now]]},
                               timeout=5)
         assert set(b.bans) == {hostile.peer_id, honest.peer_id} and b.drop_reasons["gathering_push"] == 2
 

@@ -82,9 +82,9 @@ def test_a_heads_patch_after_a_round_and_after_a_heartbeat_is_a_fraction_of_the_
         return {"r": record.to_wire(), "run": "demo-0123456789"}
 
     t = time.time()
-    frags = [(120 + i, f"{i:02x}" * 8) for i in range(4)]
+    frags = [(120 + i, f"{i:02x}" * 32) for i in range(4)]  # sha256 digests
     before = push(tuple(frags), ("ab" * 8,) * 4, t, 24000, 65993.1, 2.0837, 10_000_000)
-    frags[2] = (123, "ff" * 8)
+    frags[2] = (123, "ff" * 32)
     after_round = push(tuple(frags), ("ab" * 8, "ab" * 8, "cd" * 8, "ab" * 8), t + 0.9, 24100, 66001.4, 2.0812,
                        10_400_000)
     beat = push(tuple(frags), ("ab" * 8, "ab" * 8, "cd" * 8, "ab" * 8), t + 20.1, 26300, 65870.2, 2.0790, 10_400_000)
@@ -95,7 +95,7 @@ def test_a_heads_patch_after_a_round_and_after_a_heartbeat_is_a_fraction_of_the_
     whole = size(dict(before, _v=7))
     round_patch = size({"_v": 8, "_b": 7, "_p": patch_of(before, after_round)})
     beat_patch = size({"_v": 9, "_b": 8, "_p": patch_of(after_round, beat)})
-    assert 300 <= whole <= 340 and 120 <= round_patch <= 160 and 60 <= beat_patch <= 80, (whole, round_patch, beat_patch)
+    assert 360 <= whole <= 390 and 135 <= round_patch <= 165 and 60 <= beat_patch <= 80, (whole, round_patch, beat_patch)
     assert apply_patch(before, patch_of(before, after_round)) == after_round
 
 

@@ -351,7 +351,7 @@ def test_reachability_and_views_of_crafted_records():
     assert reachability(["/ip4/127.0.0.1/tcp/1", "/ip4/192.168.1.5/tcp/1"]) == "direct, private network only"
     assert reachability(["/ip4/8.8.8.8/tcp/1"]) == "direct"
     assert reachability(["/ip4/8.8.8.8/tcp/1/p2p/Qm/p2p-circuit"]) == "relayed"
-    a, b = "a" * 64, "b" * 64
+    a, b = bytes.fromhex("a" * 64), bytes.fromhex("b" * 64)  # digests as sent
     now = 1000.0
     peer_a, peer_b = Identity.generate().peer_id, Identity.generate().peer_id
     records = {

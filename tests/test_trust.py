@@ -377,7 +377,8 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
             raise AssertionError(f"dropped a well-formed record of {peer}: {reason}")
 
         async def get(self, key, beam=None):
-            return {honest: {"f": [[4, states[0].digest]]}, attacker: {"f": [[5, wrecked.digest]]}}
+            return {honest: {"f": [[4, bytes.fromhex(states[0].digest)]]},
+                    attacker: {"f": [[5, bytes.fromhex(wrecked.digest)]]}}
 
     honest, attacker = Identity.generate().peer_id, Identity.generate().peer_id
     sync.swarm = Stub()

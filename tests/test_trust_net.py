@@ -326,7 +326,7 @@ async def test_matchmaking_ignores_banned_peers():
                                                   mm_b.form_group(KEY, grace=1.0, quorum_timeout=3.0, expected=2))
         assert oa == ob == "group" and ga.members == (a.peer_id,) and gb.members == (b.peer_id,)
         with pytest.raises(ProtocolError, match="excluded from this run"):
-            await mm_a._on_join(b.peer_id, {"f": 0, "v": 3, "d": KEY.digest, "sig": bytes(64)}, b"")
+            await mm_a._on_join(b.peer_id, {"f": 0, "v": 3, "d": bytes.fromhex(KEY.digest), "sig": bytes(64)}, b"")
         # gathering announcements are pushed by their authors; a banned peer's are ignored
         a.bans.clear()
         b.bans.clear()
@@ -361,7 +361,7 @@ async def test_a_leader_admits_only_joiners_that_signed_and_members_check_every_
         await mm_l.start()
         await mm_j.start()
         fields = signing.join_fields("run", KEY.fragment, KEY.version, KEY.digest, leader.peer_id)
-        request = {"f": KEY.fragment, "v": KEY.version, "d": KEY.digest}
+        request = {"f": KEY.fragment, "v": KEY.version, "d": bytes.fromhex(KEY.digest)}
         gathering = lambda: mm_l._gatherings.get(0)  # noqa: E731
 
         # 1. a forged signature: refused at once, and its sender banned by the leader
@@ -384,7 +384,7 @@ async def test_a_leader_admits_only_joiners_that_signed_and_members_check_every_
         fields2 = signing.join_fields("run", key2.fragment, key2.version, key2.digest, leader.peer_id)
         leading = asyncio.create_task(mm_l.form_group(key2, grace=1.0, quorum_timeout=10.0, expected=3))
         await until(lambda: gathering() and gathering().key == key2, 10, "the leader's gathering", every=0.05)
-        signed = {"f": key2.fragment, "v": key2.version, "d": key2.digest,
+        signed = {"f": key2.fragment, "v": key2.version, "d": bytes.fromhex(key2.digest),
                   "sig": signing.sign(c.identity, "mm.join", fields2)}
         joining_c = asyncio.create_task(c.call(leader.peer_id, "mm.join", signed, timeout=10.0))
         (outcome_l, group_l), (outcome_j, group_j) = await asyncio.gather(

@@ -178,36 +178,39 @@ def test_byte_swap_helper() -> None:
 
 # ---- records: newest heads and is_behind ---------------------------------------------------
 
-D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64  # sha256 hex digests have one length
+D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64  # sha256 hex digests have one length ...
+W1, W2, W3 = (bytes.fromhex(d) for d in (D1, D2, D3))  # ... and are 32 bytes on the wire
 
 
 def test_highest_version_wins_even_with_fewer_holders() -> None:
-    records = {"A": {"f": [[3, D2], [1, D1]]}, "B": {"f": [[2, D1], [1, D1]]}, "C": {"f": [[2, D1], [0, D3]]}}
+    records = {"A": {"f": [[3, W2], [1, W1]]}, "B": {"f": [[2, W1], [1, W1]]}, "C": {"f": [[2, W1], [0, W3]]}}
     assert newest_heads(records, 2) == [Head(3, D2, ("A",)), Head(1, D1, ("A", "B"))]
 
 
 def test_equal_version_more_holders_wins() -> None:
-    records = {"A": {"f": [[5, D1]]}, "B": {"f": [[5, D2]]}, "C": {"f": [[5, D2]]}}
+    records = {"A": {"f": [[5, W1]]}, "B": {"f": [[5, W2]]}, "C": {"f": [[5, W2]]}}
     assert newest_heads(records, 1) == [Head(5, D2, ("B", "C"))]
 
 
 def test_equal_version_and_holders_smaller_digest_wins() -> None:
-    records = {"A": {"f": [[5, D2]]}, "B": {"f": [[5, D1]]}}
+    records = {"A": {"f": [[5, W2]]}, "B": {"f": [[5, W1]]}}
     assert newest_heads(records, 1) == [Head(5, D1, ("B",))]
     assert newest_heads(dict(reversed(records.items())), 1) == [Head(5, D1, ("B",))]  # order-independent
 
 
 def test_malformed_records_are_ignored() -> None:
     records = {
-        "good": {"f": [[1, D1], [2, D2]], "t": 0.0, "step": 10},
-        "not-a-dict": [[9, D3], [9, D3]],
-        "no-f": {"x": [[9, D3], [9, D3]]},
+        "good": {"f": [[1, W1], [2, W2]], "t": 0.0, "step": 10},
+        "not-a-dict": [[9, W3], [9, W3]],
+        "no-f": {"x": [[9, W3], [9, W3]]},
         "f-not-list": {"f": "9"},
-        "wrong-count": {"f": [[9, D3]]},
-        "bad-items": {"f": [[9], ["9", D3]]},
-        "half-bad": {"f": [[9, 3], [4, D3]]},  # one bad entry: the whole record is dropped
-        "huge-version": {"f": [[2**63, D3], [2**63, D3]]},
-        "inf-version": {"f": [[float("inf"), D3], [4, D3]]},
+        "wrong-count": {"f": [[9, W3]]},
+        "bad-items": {"f": [[9], ["9", W3]]},
+        "half-bad": {"f": [[9, 3], [4, W3]]},  # one bad entry: the whole record is dropped
+        "huge-version": {"f": [[2**63, W3], [2**63, W3]]},
+        "inf-version": {"f": [[float("inf"), W3], [4, W3]]},
+        "hex-digest": {"f": [[9, D3], [9, D3]]},  # the node's own form, not the wire's
+        "short-digest": {"f": [[9, W3[:31]], [9, W3]]},
     }
     assert newest_heads(records, 2) == [Head(1, D1, ("good",)), Head(2, D2, ("good",))]
 

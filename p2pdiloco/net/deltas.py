@@ -137,7 +137,8 @@ class RoundLog:
 
 def answer(chain: Sequence[LoggedRound]) -> tuple[dict, bytes]:
     """The ``state.deltas`` answer for ``chain``: header and body (the slices, in order)."""
-    steps = [[e.step.digest, e.step.tokens, e.step.position, e.step.first, e.step.members, e.step.precision,
+    steps = [[rec.wire_digest(e.step.digest), e.step.tokens, e.step.position, e.step.first, e.step.members,
+              e.step.precision,
               [[list(slots), n] for slots, n in e.step.parts]] for e in chain]
     return {"s": steps}, b"".join(b for e in chain for b in e.bodies)
 
@@ -201,7 +202,8 @@ class Deltas:
         frag = self.fragments[p]
         if not 0 < n <= MAX_STEPS or n * wire.wire_nbytes([s.shape for s in frag.slots], self.precision) > self.most[p]:
             return None
-        request = {"f": p, "v": mine.version, "d": mine.digest, "tv": head.version, "td": head.digest, "max": self.most[p]}
+        request = {"f": p, "v": mine.version, "d": rec.wire_digest(mine.digest), "tv": head.version,
+                   "td": rec.wire_digest(head.digest), "max": self.most[p]}
         try:  # a NetworkError (no answer in time, unreachable) is the caller's to count
             reply, body = await self.swarm.call(donor, "state.deltas", request, timeout=timeout, max_reply=self.most[p],
                                                 first_reply=first_reply)

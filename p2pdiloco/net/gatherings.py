@@ -96,8 +96,10 @@ class Gatherings:
         :meth:`push_forever` pushes it, to the ``later`` peers (the group just closed, who need
         not hear of it) with our next announcement they do not know, and to nobody now when
         ``quiet`` (``Pusher.set``)."""
-        self.pusher.set({"g": keys, "l": list(left), "t": self.swarm.clock.now(), "run": self.run_id}, later,
-                        quiet=quiet)
+        wire = {"g": [[p, v, rec.wire_digest(d)] for p, v, d in keys],
+                "l": [[p, v, rec.wire_digest(d), t] for p, v, d, t in left], "t": self.swarm.clock.now(),
+                "run": self.run_id}
+        self.pusher.set(wire, later, quiet=quiet)
 
     def open(self) -> dict[int, set[tuple[int, str]]]:
         """Fragments other learners gather a group for now, by their pushes: {fragment: every

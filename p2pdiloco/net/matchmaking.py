@@ -471,7 +471,7 @@ class Matchmaker:
     async def _join(self, leader: str, key: GroupKey, timeout: float) -> Group | str:
         rate = self.swarm.stats.link.estimate()
         signature = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key, leader))
-        request = {"f": key.fragment, "v": key.version, "d": key.digest, "sig": signature,
+        request = {"f": key.fragment, "v": key.version, "d": rec.wire_digest(key.digest), "sig": signature,
                    "bw": min(rec.MAX_RATE_KIB, round(rate / 1024)) if rate else 0}
         try:
             reply, _ = await self.swarm.call(leader, "mm.join", request, timeout=timeout)

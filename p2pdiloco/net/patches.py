@@ -4,9 +4,9 @@ acknowledged last (issue 13 of this project: the control plane).
 A node pushes the same small value (its heads record, ``st.heads``; its gathering
 announcement, ``mm.gather``) to each peer again and again, and most fields do not change
 between two pushes: after a round, one fragment's version, digest and round ID and a few
-figures; in a heartbeat, the figures alone. A heads record of 4 fragments is pushed as 305
-bytes of msgpack header, a round's patch of it as 131, a heartbeat's as 68
-(``tests/test_patches.py``).
+figures; in a heartbeat, the figures alone. A heads record of 4 fragments is pushed as 373
+bytes of msgpack header, a round's patch of it as 148, a heartbeat's as 68
+(``tests/test_patches.py``; digests as 32 bytes, ``records.wire_digest``).
 
 Wire form. Every push of ``net.pushes.Pusher`` names its value by the pusher's change counter,
 ``"_v"`` (an int). A peer that acknowledged value ``b`` gets ``{"_v": v, "_b": b, "_p":

@@ -12,7 +12,8 @@ Bounds (module constants; far above anything an honest peer sends):
 
 * versions: ``0 <= v <= MAX_VERSION`` (2**48: one outer step a millisecond for 8,900
   years; ``fragment_digest`` packs versions as int64, so 2**63 would not even hash);
-* digests: 64 lower-case hex digits (sha256); round IDs: 1 to ``MAX_ROUND_ID`` characters;
+* digests: sha256, 32 bytes on the wire (:func:`wire_digest`; 64 lower-case hex digits in the
+  node, what :func:`digest` returns); round IDs: 1 to ``MAX_ROUND_ID`` characters;
 * fragment indices: ``0 <= p < num_fragments`` (the run's P, at most ``MAX_FRAGMENTS``);
 * member lists: 1 to ``MAX_GROUP`` Ed25519 peer IDs, sorted, no duplicates;
 * counters (tokens, steps): ``0 <= n <= MAX_COUNT`` (2**53, exact in a float); heartbeat
@@ -47,7 +48,6 @@ MAX_RATE_KIB = 2**32  # KiB/s: 4 TiB/s
 BEAT_S = 20  # seconds: the shortest heartbeat period a node states (pushes.beat_period), and a record's without "b"
 MAX_BEAT_S = 160  # ... and the longest (pushes.beat_period at MAX_AUDIENCE): a dead record lives 205 s at most
 SHARE_GRID = 1000  # all-reduce shares are integers in [0, SHARE_GRID] (shares.bandwidth_shares)
-_HEX = frozenset("0123456789abcdef")
 
 
 # ---- field checks ---------------------------------------------------------------------------
@@ -76,10 +76,21 @@ def _bytes(x: Any, what: str, size: int) -> bytes:
 
 
 def digest(x: Any, what: str = "digest") -> str:
-    """A sha256 hex digest: exactly 64 lower-case hex digits."""
-    if not isinstance(x, str) or len(x) != 64 or not _HEX.issuperset(x):
-        raise ProtocolError(f"{what}: expected 64 lower-case hex digits")
-    return x
+    """A sha256 digest as sent (:func:`wire_digest`: exactly 32 bytes), returned in the node's
+    own form, 64 lower-case hex digits."""
+    if not isinstance(x, bytes) or len(x) != 32:
+        raise ProtocolError(f"{what}: expected 32 bytes")
+    return x.hex()
+
+
+def wire_digest(d: str) -> bytes:
+    """The wire form of the node's digest ``d`` (64 hex digits): its 32 bytes, half the size
+    (issue 13: a digest is in most pushes and matchmaking calls). :func:`digest` reads it back.
+
+    Raises:
+        ValueError: ``d`` is not hex (the node's own digests always are).
+    """
+    return bytes.fromhex(d)
 
 
 def version(x: Any, what: str = "version") -> int:
@@ -179,8 +190,8 @@ class HeadsRecord:
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able form that :func:`parse_heads` reads back."""
-        return {"f": [list(f) if f is not None else None for f in self.fragments], "r": list(self.rounds),
-                "t": self.t, "name": self.name, "state": self.state, "done": self.done, "step": self.step,
+        return {"f": [[f[0], wire_digest(f[1])] if f is not None else None for f in self.fragments],
+                "r": list(self.rounds), "t": self.t, "name": self.name, "state": self.state, "done": self.done, "step": self.step,
                 "tps": self.tps, "loss": self.loss, "g": self.tag, "m": self.merged, "k": self.mine,
                 "reach": self.reach, "b": self.beat}
 

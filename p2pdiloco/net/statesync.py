@@ -579,5 +579,5 @@ class StateSync:
             raise
         state = self.committed()[request.fragment]
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
-        return {"v": state.version, "d": state.digest, "l": state.ledger.to_list()}, body
+        return {"v": state.version, "d": rec.wire_digest(state.digest), "l": state.ledger.to_list()}, body
 

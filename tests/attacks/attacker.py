@@ -117,6 +117,19 @@ def _parts(numels: tuple[int, ...], members: int) -> tuple[tuple[int, ...], ...]
     return assign_parts(list(numels), members)  # about a second for 100,000 members: computed once
 
 
+def as_sent(d: str) -> bytes:
+    """A digest (64 hex digits) as nodes send it: 32 bytes (``records.wire_digest``)."""
+    return bytes.fromhex(d)
+
+
+def _claim(item: Any) -> tuple[int, str] | None:
+    """A heads record's [version, digest] entry as (version, hex digest), None if it is not one."""
+    if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], bytes) \
+            and len(item[1]) == 32:
+        return item[0], item[1].hex()
+    return None
+
+
 def random_digest() -> str:
     return secrets.token_hex(32)
 
@@ -202,8 +215,8 @@ class Attacker:
             if not isinstance(frags, list) or len(frags) != self.world.fragments:
                 continue
             for p, item in enumerate(frags):
-                if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str):
-                    best[p] = max(best[p], (item[0], item[1]))
+                if (claim := _claim(item)) is not None:
+                    best[p] = max(best[p], claim)
         return best
 
     async def honest_keys(self) -> set[tuple[int, int, str]]:
@@ -212,8 +225,8 @@ class Attacker:
         for rec in (await self.honest_records()).values():
             frags = rec.get("f")
             for p, item in enumerate(frags if isinstance(frags, list) else ()):
-                if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str):
-                    keys.add((p, item[0], item[1]))
+                if (claim := _claim(item)) is not None:
+                    keys.add((p, *claim))
         return {k for k in keys if 0 <= k[0] < self.world.fragments}
 
     # ---- writing --------------------------------------------------------------------------
@@ -230,13 +243,18 @@ class Attacker:
         return ok
 
     async def publish_heads(self, frags: Any, **extra: Any) -> bool:
+        """Store and push a heads record of ``frags``: its well-formed claims ([version, 64 hex
+        digits]) go as nodes send them (the digest as 32 bytes), anything else as given."""
+        claims = [[item[0], item[1]] for item in frags if isinstance(item, list) and len(item) == 2
+                  and type(item[0]) is int and isinstance(item[1], str) and len(item[1]) == 64] \
+            if isinstance(frags, list) else []
+        if isinstance(frags, list):
+            frags = [[item[0], as_sent(item[1])] if item in claims else item for item in frags]
         record = {"f": frags, "t": time.time(), "name": "attacker", "state": "training", "done": False,
                   "step": 100, "tps": 1000.0, "loss": 1.0, "r": [""] * self.world.fragments, **extra}
-        if isinstance(frags, list):
-            for item in frags:
-                if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str):
-                    self.claims.add(item[1])
-                    self.max_claim = max(self.max_claim, item[0])
+        for v, d in claims:
+            self.claims.add(d)
+            self.max_claim = max(self.max_claim, v)
         stored = await self.publish(self.world.heads_key, record)
         await self.push_heads(record)
         return stored
@@ -347,9 +365,10 @@ async def gathering_crash(atk: Attacker, targets: Sequence[str], until: float) -
     """Attack 1: gathering announcements whose entries hold a float infinity, then an empty map,
     pushed (``mm.gather``) to every target under the run's name, as honest learners push theirs."""
     run = atk.world.gathering_run
-    records = [{"g": [[0, float("inf"), "ab" * 32]], "t": time.time(), "run": run},
+    d = as_sent("ab" * 32)
+    records = [{"g": [[0, float("inf"), d]], "t": time.time(), "run": run},
                {"g": [{}], "t": time.time(), "run": run},
-               {"g": [[float("inf"), 0, "ab" * 32], {}, [], "x"], "t": time.time(), "run": run}]
+               {"g": [[float("inf"), 0, d], {}, [], "x"], "t": time.time(), "run": run}]
     i = 0
     async for _ in _every(1.0, until):
         for target in targets:
@@ -416,7 +435,7 @@ async def state_answer_crash(atk: Attacker, targets: Sequence[str], until: float
     async def on_get(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
         p, v, d, n = _asked(atk, peer, header, current)
         bad = float("inf") if n % 2 == 0 else 2**63
-        return {"v": bad, "d": d, "l": NO_LEDGER}, bytes(atk.world.state_bytes(p))
+        return {"v": bad, "d": as_sent(d), "l": NO_LEDGER}, bytes(atk.world.state_bytes(p))
 
     await atk.serve("state.get", on_get)
     await _claim_ahead(atk, until, 1, 0.5, False, current)
@@ -432,13 +451,13 @@ async def state_answer_garbage(atk: Attacker, targets: Sequence[str], until: flo
         size = atk.world.state_bytes(p)
         mode = n % 5
         if mode == 0:
-            return {"v": v, "d": d, "l": NO_LEDGER}, bytes(size // 2)  # too short
+            return {"v": v, "d": as_sent(d), "l": NO_LEDGER}, bytes(size // 2)  # too short
         if mode == 1:
-            return {"v": v, "d": d, "l": NO_LEDGER}, bytes(size + 4096)  # too long
+            return {"v": v, "d": as_sent(d), "l": NO_LEDGER}, bytes(size + 4096)  # too long
         if mode == 2:
-            return {"v": v, "d": d, "l": NO_LEDGER}, random.randbytes(size)  # right size, wrong digest
+            return {"v": v, "d": as_sent(d), "l": NO_LEDGER}, random.randbytes(size)  # right size, wrong digest
         if mode == 3:
-            return {"v": -5, "d": d, "l": NO_LEDGER}, bytes(size)
+            return {"v": -5, "d": as_sent(d), "l": NO_LEDGER}, bytes(size)
         return {"v": [v], "d": {"x": d}}, b"\x00"
 
     await atk.serve("state.get", on_get)
@@ -459,7 +478,7 @@ async def takeover(atk: Attacker, targets: Sequence[str], until: float) -> None:
         p = header.get("f") if type(header.get("f")) is int and header["f"] in states else 0
         version, digest, body = states[p]
         atk.stats["state_answers"] += 1
-        return {"v": version, "d": digest, "l": NO_LEDGER}, body
+        return {"v": version, "d": as_sent(digest), "l": NO_LEDGER}, body
 
     await atk.serve("state.get", on_get)
     async for _ in _every(1.0, until):
