@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 WIRE_VERSION = 12  # bump on any change of the RPC formats (6: signed mm.join, st.heads pushes, topk2; 7: state.deltas;
 # 8: heartbeat pushes every 20 s, records stale after 65 s, st.heads hello; 9: heads records state their heartbeat period;
 # 10: small calls in sessions, one stream per peer pair; 11: pushes as patches of the value the peer took last;
-# 12: digests as 32 bytes)
+# 12: digests as 32 bytes, group members as public keys)
 
 
 def protocol_tag(cfg, fragments) -> str:

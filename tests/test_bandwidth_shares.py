@@ -95,7 +95,7 @@ def test_round_wait_scales_with_payload_over_the_slowest_link():
 
 
 def test_share_and_rate_fields_are_bounded():
-    answer = {"members": [Identity.generate().peer_id], "round": "r", "t": 0.1, "s": [1000], "js": [b"s" * 64]}
+    answer = {"members": [Identity.generate().public_key], "round": "r", "t": 0.1, "s": [1000], "js": [b"s" * 64]}
     assert rec.parse_join_answer(answer).shares == (1000,)
     assert rec.parse_join_answer(dict(answer, s=[])).shares == ()
     for bad in ([1001], [0], [500, 500], [True], "x", [1.0]):

@@ -33,6 +33,7 @@ SLOW_S = 1.0  # seconds of this thread's CPU per decode (tracemalloc on): far be
 PEAK_BYTES = 64 << 20
 P = 4
 PEERS = sorted(Identity.generate().peer_id for _ in range(3))
+KEYS = rec.wire_members(PEERS)  # as sent: their public keys
 D = bytes.fromhex("ab" * 32)  # a sha256 digest as sent: 32 bytes
 
 VALID: dict[str, Any] = {
@@ -41,7 +42,7 @@ VALID: dict[str, Any] = {
     "gathering": {"g": [[0, 3, D], [2, 1, D]], "t": 5.0, "l": [[1, 3, D, 4.5], [0, 2, D, 3.0]]},
     "declaration": {"open": False, "t": 5.0, "g": True},
     "join_request": {"f": 1, "v": 3, "d": D, "sig": b"s" * 64, "bw": 6104},
-    "join_answer": {"members": PEERS, "round": "abcd", "t": 0.5, "s": [500, 500, 0], "bw": [6104, 6104, 244],
+    "join_answer": {"members": KEYS, "round": "abcd", "t": 0.5, "s": [500, 500, 0], "bw": [6104, 6104, 244],
                     "js": [b"s" * 64] * 3},
     "state_request": {"f": 1, "join": True},
     "state_answer": {"v": 3, "d": D, "l": [200, 4096, 8192.0, 512, 10**6]},
@@ -74,7 +75,7 @@ DECODERS: dict[str, Callable[[Any], Any]] = {
 NASTY: list[Any] = [None, True, False, 0, -1, 1, 2**31, 2**48 + 1, 2**63, -(2**63), 2**64 - 1, 1.5, -0.0,
                     math.inf, -math.inf, math.nan, 1e308, "", "x" * 10_000, D, D.upper(), "12D3KooW", b"", b"\x00" * 64,
                     [], {}, [None] * 5000, list(range(100_000)), {str(i): i for i in range(64)}, [[[[[]]]]],
-                    PEERS[0], PEERS[::-1], [PEERS[0]] * 2]
+                    PEERS[0], PEERS[::-1], [PEERS[0]] * 2, KEYS[::-1], [KEYS[0]] * 2, KEYS[0][:31]]
 
 
 def mutate(value: Any, rng: random.Random, depth: int = 0) -> Any:

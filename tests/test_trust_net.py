@@ -22,6 +22,7 @@ from p2pdiloco.core.fragments import Fragment, TensorSlot, assign_parts
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import FragmentState, span_fraction
 from p2pdiloco.errors import ProtocolError, RoundFailed
+from p2pdiloco.net import records as rec
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker, leader_rank
 from p2pdiloco.net.statesync import StateSync
@@ -392,7 +393,7 @@ async def test_a_leader_admits_only_joiners_that_signed_and_members_check_every_
         reply, _ = await joining_c
         members = tuple(sorted([a.peer_id, b.peer_id, c.peer_id]))
         assert outcome_l == outcome_j == "group" and group_l.members == group_j.members == members
-        assert reply["members"] == list(members) and len(reply["js"]) == 3
+        assert rec.parse_join_answer(reply).members == members and len(reply["js"]) == 3
         assert all(signing.verify_by_peer(m, "mm.join", fields2, sig) if m != c.peer_id else sig == b""
                    for m, sig in zip(members, reply["js"]))  # c's own signature is left out: c need not check it
         assert leader.bans == {} and joiner.bans == {}
@@ -408,7 +409,7 @@ async def test_a_leader_admits_only_joiners_that_signed_and_members_check_every_
             group = sorted([peer, c.peer_id, other.peer_id])
             own = signing.sign(c.identity, "mm.join", signing.join_fields("run", 0, 5, "ef" * 32, c.peer_id))
             sigs = [header["sig"] if m == peer else own if m == c.peer_id else stolen for m in group]
-            return {"members": group, "round": "r3", "t": 0.1, "s": [], "bw": [], "js": sigs}, b""
+            return {"members": rec.wire_members(group), "round": "r3", "t": 0.1, "s": [], "bw": [], "js": sigs}, b""
 
         await c.add_handler("mm.join", forging_leader)
         assert await mm_j._join(c.peer_id, key3, 10.0) == "gone" and c.peer_id in joiner.bans

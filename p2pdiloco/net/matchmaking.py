@@ -558,7 +558,7 @@ class Matchmaker:
                 if not gathering.closed:  # left before the group closed: its signature goes too
                     gathering.signatures.pop(peer, None)
         if isinstance(result, Group):
-            return {"members": list(result.members), "round": result.round_id, "t": result.formed_in,
+            return {"members": rec.wire_members(result.members), "round": result.round_id, "t": result.formed_in,
                     "s": list(result.shares), "bw": list(result.rates),  # not the joiner's own signature:
                     "js": [b"" if m == peer else s for m, s in zip(result.members, gathering.member_signatures)]}, b""
         return {"status": "redirect"}, b""

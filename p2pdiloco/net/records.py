@@ -15,7 +15,8 @@ Bounds (module constants; far above anything an honest peer sends):
 * digests: sha256, 32 bytes on the wire (:func:`wire_digest`; 64 lower-case hex digits in the
   node, what :func:`digest` returns); round IDs: 1 to ``MAX_ROUND_ID`` characters;
 * fragment indices: ``0 <= p < num_fragments`` (the run's P, at most ``MAX_FRAGMENTS``);
-* member lists: 1 to ``MAX_GROUP`` Ed25519 peer IDs, sorted, no duplicates;
+* member lists: 1 to ``MAX_GROUP`` Ed25519 public keys (32 bytes) whose peer IDs are sorted, no
+  duplicates;
 * counters (tokens, steps): ``0 <= n <= MAX_COUNT`` (2**53, exact in a float); heartbeat
   periods 1 to ``MAX_BEAT_S`` seconds; other numbers finite; names and states at most
   ``MAX_TEXT`` characters; signatures 64 bytes, public keys 32 bytes;
@@ -30,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from p2pdiloco.core.outer import FRACTION_GRID, Ledger
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.trust.identity import is_peer_id
+from p2pdiloco.trust.identity import is_peer_id, peer_id_of, public_key_of
 
 MAX_VERSION = 2**48
 MAX_FRAGMENTS = 1024
@@ -108,14 +110,28 @@ def round_id(x: Any) -> str:
 
 
 def members(x: Any) -> tuple[str, ...]:
-    """A group's member list: 1 to MAX_GROUP sorted, distinct Ed25519 peer IDs (length checked first)."""
+    """A group's member list as sent (:func:`wire_members`): 1 to MAX_GROUP Ed25519 public keys
+    of 32 bytes (length checked first) whose peer IDs are sorted and distinct; returned as those
+    peer IDs."""
     if not isinstance(x, list) or not 1 <= len(x) <= MAX_GROUP:
-        raise ProtocolError(f"members: expected a list of 1 to {MAX_GROUP} peer IDs")
-    if not all(isinstance(m, str) for m in x) or x != sorted(set(x)):
+        raise ProtocolError(f"members: expected a list of 1 to {MAX_GROUP} public keys")
+    if not all(isinstance(m, bytes) and len(m) == 32 for m in x):
+        raise ProtocolError("members: expected 32-byte Ed25519 public keys")
+    peers = [peer_id_of(m) for m in x]
+    if peers != sorted(set(peers)):
         raise ProtocolError("members: expected sorted, distinct peer IDs")
-    if not all(is_peer_id(m) for m in x):
-        raise ProtocolError("members: not an Ed25519 peer ID")
-    return tuple(x)
+    return tuple(peers)
+
+
+def wire_members(peers: Sequence[str]) -> list[bytes]:
+    """The wire form of a member list of Ed25519 peer IDs: their public keys, 32 bytes each (the
+    peer ID inlines the key; its base58 text takes 52 characters, issue 13), which
+    :func:`members` reads back.
+
+    Raises:
+        ValueError: a peer ID that inlines no Ed25519 key (the node's groups hold none).
+    """
+    return [public_key_of(p) for p in peers]
 
 
 def shares(x: Any, group_size: int) -> tuple[int, ...]:
@@ -524,4 +540,5 @@ def parse_many(values: dict[str, Any], parse, *args) -> tuple[dict[str, Any], li
 
 __all__ = [n for n in dir() if n.startswith(("parse_", "MAX_")) or n in (
     "HeadsRecord", "Gathering", "JoinRequest", "JoinAnswer", "StateRequest", "StateAnswer", "ReduceRequest",
-    "ReducerStatement", "FinalRequest", "DialbackAnswer", "digest", "version", "fragment", "members", "round_id")]
+    "ReducerStatement", "FinalRequest", "DialbackAnswer", "digest", "version", "fragment", "members", "round_id",
+    "wire_digest", "wire_members")]

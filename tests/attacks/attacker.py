@@ -45,7 +45,7 @@ from p2pdiloco.net.patches import Received
 from p2pdiloco.net.rounds import group_fingerprint
 from p2pdiloco.net.transport import Swarm
 from p2pdiloco.trust import signing
-from p2pdiloco.trust.identity import Identity, is_peer_id
+from p2pdiloco.trust.identity import Identity, is_peer_id, public_key_of
 
 from node.runtime import protocol_tag
 
@@ -500,20 +500,22 @@ async def stall(atk: Attacker, targets: Sequence[str], until: float) -> None:
     await _claim_ahead(atk, until, 1, 3.0, True, current)
 
 
-def _mm_reply(mode: str, joiner: str, ghost: str, fakes: list[str], joiner_sig: object = b"") -> dict:
+def _mm_reply(mode: str, joiner: str, ghost: str, fakes: list[bytes], joiner_sig: object = b"") -> dict:
+    """A hostile join answer; members as nodes send them, public keys (``records.wire_members``)."""
     round_id = secrets.token_hex(8)
+    key = public_key_of
     if mode == "ghost":  # the joiner's own join signature, and a made-up one for the ghost
         members = sorted([joiner, ghost])
         sigs = [joiner_sig if m == joiner else secrets.token_bytes(64) for m in members]
-        return {"members": members, "round": round_id, "t": 0.5, "js": sigs}
+        return {"members": [key(m) for m in members], "round": round_id, "t": 0.5, "js": sigs}
     elif mode == "unsorted":
-        members = sorted([joiner, ghost], reverse=True)
+        members = [key(m) for m in sorted([joiner, ghost], reverse=True)]
     elif mode == "huge":
-        members = sorted([joiner, *fakes])
+        members = [key(joiner), *fakes]
     elif mode == "duplicate":
-        members = [joiner, joiner]
+        members = [key(joiner), key(joiner)]
     elif mode == "nonstr":
-        members = [0, joiner]
+        members = [0, key(joiner)]
     else:
         raise ValueError(mode)
     return {"members": members, "round": round_id, "t": 0.5}
@@ -524,9 +526,9 @@ async def mm_hijack(atk: Attacker, targets: Sequence[str], until: float, *,
     """Attack 4: an identity sorting below the honest ones declares itself open under every
     matchmaking key the honest nodes hold or gather at, and answers ``mm.join`` with a member
     list of the joiner and a peer that does not exist (``modes``: also unsorted lists, 10,000
-    members, duplicates, non-string members, in turn)."""
+    members, duplicates, members that are not keys, in turn)."""
     ghost = Identity.generate().peer_id
-    fakes = [f"z{i:04d}" for i in range(9_999)]  # made-up members (sort after every peer ID)
+    fakes = [secrets.token_bytes(32) for _ in range(9_999)]  # made-up members (public keys)
 
     async def on_join(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
         mode = modes[atk.stats["joins"] % len(modes)]
