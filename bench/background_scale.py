@@ -6,7 +6,7 @@ against a baseline commit, in the same run.
 
 Each size and commit runs ``bench/control_plane.py``'s background measurement (a clean clone
 at the commit, its own network namespace with only ``lo``, a bootstrap peer and the nodes,
-socket bytes over ``--window`` seconds that start 15 s after every node trains), commits
+socket bytes over ``--window`` seconds that start ``SETTLE_S`` (40 s) after every node trains), commits
 alternating at each size. Every node trains on this machine's cores, so at 16 nodes each gets a
 fraction of a core: the figure is bytes, which do not depend on the training speed without
 rounds, but the start-up takes longer. What the nodes did in the window is counted from their
