@@ -96,6 +96,27 @@ def test_signed_message_layout_and_verification() -> None:
         signing.message("anything", [])
 
 
+def test_keys_of_small_order_verify_nothing() -> None:
+    """A "public key" of small order (the identity point 01 00..00, say) has, over any
+    message, a signature R || 0 with R of small order that OpenSSL's check accepts: a hostile
+    leader could list such members in a join answer with signatures that pass the ghost check.
+    Every such encoding (both x signs) is refused, whatever R; a real key is not."""
+    import secrets  # noqa: PLC0415
+
+    from p2pdiloco.trust.identity import _SMALL_ORDER, is_small_order, verify_raw  # noqa: PLC0415
+
+    encodings = [*_SMALL_ORDER, *(e[:31] + bytes([e[31] | 0x80]) for e in _SMALL_ORDER)]
+    assert len(set(encodings)) == 14 and all(is_small_order(e) for e in encodings)
+    ident = Identity.generate()
+    assert not is_small_order(ident.public_key)
+    for key in encodings:
+        for _ in range(4):
+            message = secrets.token_bytes(16)
+            assert not any(verify_raw(key, message, r + bytes(32)) for r in encodings)
+            assert not signing.verify_by_peer(peer_id_of(key), "mm.join", [message], secrets.token_bytes(64))
+    assert verify_raw(ident.public_key, b"m", ident.sign_raw(b"m"))
+
+
 # ---- certificates ------------------------------------------------------------------------
 
 NOW = 1_800_000_000

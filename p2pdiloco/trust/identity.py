@@ -36,11 +36,24 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from p2pdiloco.trust.errors import IdentityError
 
-__all__ = ["Identity", "peer_id_of", "public_key_of", "is_peer_id", "verify_raw", "b58encode", "b58decode"]
+__all__ = ["Identity", "peer_id_of", "public_key_of", "is_peer_id", "is_small_order", "verify_raw", "b58encode",
+           "b58decode"]
 
 _LIBP2P_PRIVATE_PREFIX = bytes([0x08, 0x01, 0x12, 0x40])  # PrivateKey{Type: Ed25519, Data: 64 bytes}
 _LIBP2P_PUBLIC_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])  # PublicKey{Type: Ed25519, Data: 32 bytes}
 _IDENTITY_MULTIHASH = bytes([0x00, 0x24])  # identity hash function, 36 bytes of digest
+# The encodings of Ed25519's 8 points of small order (and the non-canonical ones of 0 and 1),
+# with the x-sign bit (bit 255) cleared: libsodium's blocklist (ge25519_has_small_order). A
+# signature of such a "key" verifies over any message for one of a few R, S = 0 (OpenSSL's
+# cofactorless check accepts them: tests/test_trust.py), so it proves nothing.
+_SMALL_ORDER = frozenset(bytes.fromhex(h) for h in (
+    "00" * 32,  # y = 0: order 4
+    "01" + "00" * 31,  # y = 1: the identity
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",  # order 8
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a",  # order 8
+    "ec" + "ff" * 30 + "7f",  # y = p - 1: order 2
+    "ed" + "ff" * 30 + "7f",  # y = p (0, not canonical)
+    "ee" + "ff" * 30 + "7f"))  # y = p + 1 (1, not canonical)
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 _B58_INDEX = {c: i for i, c in enumerate(_B58)}
 
@@ -100,9 +113,17 @@ def is_peer_id(text: object) -> bool:
     return True
 
 
+def is_small_order(public_key: bytes) -> bool:
+    """True when the 32 bytes ``public_key`` encode a point of small order (``_SMALL_ORDER``):
+    a key whose signatures anyone can make."""
+    return len(public_key) == 32 and bytes(public_key[:31]) + bytes([public_key[31] & 0x7F]) in _SMALL_ORDER
+
+
 def verify_raw(public_key: bytes, message: bytes, signature: bytes) -> bool:
-    """Ed25519 verification of ``signature`` over ``message``; False on any malformed input."""
-    if not isinstance(signature, (bytes, bytearray)) or len(signature) != 64 or len(public_key) != 32:
+    """Ed25519 verification of ``signature`` over ``message``; False on any malformed input
+    and for a key of small order (:func:`is_small_order`: its signatures prove nothing)."""
+    if not isinstance(signature, (bytes, bytearray)) or len(signature) != 64 or len(public_key) != 32 \
+            or is_small_order(public_key):
         return False
     try:
         Ed25519PublicKey.from_public_bytes(bytes(public_key)).verify(bytes(signature), message)
