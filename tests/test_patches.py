@@ -72,6 +72,30 @@ def test_a_receiver_expands_patches_of_its_base_only_and_keeps_bounded_bases(mon
     assert [got.expand(p, {"_v": 2, "_b": 1, "_p": {}}) is not None for p in "PQR"] == [False, True, True]
 
 
+def test_a_base_takes_the_memory_of_its_bytes_on_the_wire():
+    """A hostile value of many small parts (8,100 empty maps: 8.1 kB of msgpack, over 0.5 MB
+    decoded) is kept as it came: 200 authors' bases take about their bytes on the wire, not
+    100 MB; a patch still applies to it."""
+    import tracemalloc  # noqa: PLC0415
+
+    from p2pdiloco.net import framing  # noqa: PLC0415
+
+    got = Received(lambda *a: None)
+    sent = framing.pack({"_v": 1, "junk": [{}] * 8100, "run": "x"})
+    assert len(sent) <= patches.MAX_KEPT_BYTES
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200):
+            got.keep(f"P{i}", framing.unpack(sent))  # each decoded anew, as pushes arrive
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 200 * 2 * len(sent), kept
+    value = got.expand("P7", {"_v": 2, "_b": 1, "_p": {"s": {"run": "y"}}})
+    assert value == {"junk": [{}] * 8100, "run": "y", "_v": 2}
+
+
 def test_a_heads_patch_after_a_round_and_after_a_heartbeat_is_a_fraction_of_the_record():
     """The sizes the module docstring states: a 4-fragment heads record as pushed, and the
     patches a round (one fragment's version, digest and round ID, and the figures) and a

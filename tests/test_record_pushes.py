@@ -211,6 +211,27 @@ async def test_a_change_its_peers_know_is_pushed_to_them_with_the_next_one_or_af
 
 
 @pytest.mark.asyncio
+async def test_a_value_too_large_to_keep_as_a_base_is_pushed_whole_without_a_resend(monkeypatch):
+    """A receiver keeps no value over ``patches.MAX_KEPT_BYTES`` as a base, so a patch of one
+    would only be answered "resend" (two calls a push, for ever): the pusher sends it whole.
+    A small value after it goes whole once (the receiver holds no base of ours), then as a
+    patch: no push is ever resent."""
+    async with swarms(2) as (a, b):
+        got, _ = await receivers(monkeypatch, b)
+        pusher = Pusher(a, "t.push")
+        pusher.audience = lambda: [b.peer_id]
+        task = asyncio.create_task(pusher.push_forever())
+        try:
+            for n, blob in enumerate(["x" * 9000, "y" * 9000, "y", "z"], 1):
+                pusher.set({"n": n, "blob": blob})
+                await until(lambda n=n: got[b.peer_id][-1:] == [n] and not pusher._sending, 10, f"push {n}",
+                            every=0.02)
+            assert got[b.peer_id] == [1, 2, 3, 4] and pusher.stats["sent"] == 4 and pusher.stats["resent"] == 0
+        finally:
+            task.cancel()
+
+
+@pytest.mark.asyncio
 async def test_a_heartbeat_reaches_each_peer_once_per_beat_every_and_a_change_at_once(monkeypatch):
     """``Pusher.set``'s ``beat``: a value that only refreshes figures reaches a peer holding the
     last substantive change at the first change ``beat_every`` seconds after its last push; a

@@ -30,15 +30,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
-
 from p2pdiloco.errors import ProtocolError
+from p2pdiloco.net import framing
 
-__all__ = ["MAX_DEPTH", "MAX_KEPT", "MAX_KEPT_BYTES", "Received", "apply_patch", "patch_of"]
+__all__ = ["MAX_DEPTH", "MAX_KEPT", "MAX_KEPT_BYTES", "Received", "apply_patch", "keepable", "patch_of"]
 
 MAX_DEPTH = 1  # maps within maps a patch may reach into
 MAX_KEPT = 1024  # authors whose last value a receiver keeps as a base (the least recent go first)
-MAX_KEPT_BYTES = 8 << 10  # bytes (msgpack) of a value kept as a base at most; a larger one is not kept
+MAX_KEPT_BYTES = 8 << 10  # bytes (msgpack) of a value kept as a base at most; a larger one is not kept (and
+# pushed whole: keepable), so that the bases of MAX_KEPT authors take MAX_KEPT_BYTES each at most, as sent
 _ENVELOPE = ("_v", "_b", "_p", "hello")  # keys of the push, not of the value
 _MISSING = object()
 
@@ -103,6 +103,13 @@ def apply_patch(old: dict[str, Any], patch: Any, depth: int = MAX_DEPTH) -> dict
     return out
 
 
+def keepable(value: dict[str, Any]) -> bool:
+    """Whether a receiver keeps ``value`` (a pushed value, without the push's own keys) as a
+    base: at most ``MAX_KEPT_BYTES`` of msgpack. A pusher sends a larger value whole, always: a
+    patch of it would only be answered with ``{"resend": true}``."""
+    return len(framing.pack(value)) <= MAX_KEPT_BYTES
+
+
 class Received:
     """The last value each author pushed us under a change counter: the bases its patches
     apply to (module docstring). One per pushed RPC, owned by its handler's owner.
@@ -113,7 +120,7 @@ class Received:
 
     def __init__(self, drop: Callable[[str, str], None]):
         self._drop = drop
-        self._kept: OrderedDict[str, tuple[int, dict[str, Any]]] = OrderedDict()
+        self._kept: OrderedDict[str, tuple[int, bytes]] = OrderedDict()  # author -> (counter, value as msgpack)
         self.patches = 0  # patches expanded
         self.resends = 0  # patches answered with "resend" (no base, or another one)
 
@@ -136,7 +143,7 @@ class Received:
             self.resends += 1
             return None
         try:
-            value = apply_patch(held[1], header["_p"])
+            value = apply_patch(framing.unpack(held[1]), header["_p"])
         except ProtocolError:
             self._drop(peer, "push_patch")
             raise
@@ -145,12 +152,14 @@ class Received:
 
     def keep(self, peer: str, header: dict[str, Any]) -> None:
         """Keep ``header``, a whole value of ``peer`` its owner parsed and took, as the base of
-        ``peer``'s next patch (when it has a change counter and is at most ``MAX_KEPT_BYTES``)."""
+        ``peer``'s next patch (when it has a change counter and is at most ``MAX_KEPT_BYTES``).
+        It is kept as msgpack, the size it came in: decoded, a hostile value of many small
+        parts that its owner's parser never reads takes tens of times more memory."""
         version = header.get("_v")
         self._kept.pop(peer, None)
-        value = {k: v for k, v in header.items() if k not in _ENVELOPE}
-        if type(version) is not int or len(msgpack.packb(value, use_bin_type=True)) > MAX_KEPT_BYTES:
+        packed = framing.pack({k: v for k, v in header.items() if k not in _ENVELOPE})
+        if type(version) is not int or len(packed) > MAX_KEPT_BYTES:
             return
-        self._kept[peer] = (version, value)
+        self._kept[peer] = (version, packed)
         while len(self._kept) > MAX_KEPT:
             self._kept.popitem(last=False)

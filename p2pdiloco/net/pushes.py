@@ -40,7 +40,7 @@ from typing import Any
 
 from p2pdiloco.errors import NetworkError, ProtocolError
 from p2pdiloco.net import clock as swarm_clock
-from p2pdiloco.net.patches import patch_of
+from p2pdiloco.net.patches import keepable, patch_of
 from p2pdiloco.net.records import BEAT_S
 from p2pdiloco.net.transport import Swarm
 
@@ -210,6 +210,7 @@ class Pusher:
         """Push ``value`` (change ``version``) to ``peer``: a patch of the value it acknowledged
         last when there is one, the whole value when it asks (``net.patches``); ``base``: the
         value is one it may keep as a base (not a push_now ``hello``)."""
+        base = base and keepable(value)  # a value the receiver would not keep goes whole, always
         try:
             acked = self._acked.get(peer) if base else None
             whole = dict(value, _v=version) if base else value
@@ -220,6 +221,8 @@ class Pusher:
                 await self.swarm.call(peer, self.method, whole, timeout=PUSH_TIMEOUT_S)
             if base:
                 self._acked[peer] = (version, value)
+            else:  # a value it does not keep (too large, or a hello): it holds no base of ours now
+                self._acked.pop(peer, None)
             self.stats["sent"] += 1
             self._held[peer], self._pushed_at[peer] = version, swarm_clock.monotonic()
             self._held_substance[peer] = substance
