@@ -15,9 +15,8 @@ longer than a round trip. A value can spare the peers that already know what cha
 (:meth:`Pusher.set`'s ``later``: the members of a round just committed, or of the group a
 leader just closed; ``quiet``: everyone, for a withdrawal that changes nothing a receiver
 does): they get it with the next change they do not know, at the first change ``max_defer``
-seconds after their last push, or once spared ``max_deferred`` changes of one topic in a row
-(``set``'s ``topics``: for a heads record, the fragments whose state changed; issue 13: every
-push is a call of about 0.2 kB on the wire beside its header, docs/benchmarks/control_plane.md).
+seconds after their last push, or once spared ``max_deferred`` changes in a row (issue 13:
+every push is a libp2p stream of about 0.9 kB on the wire, docs/benchmarks/control_plane.md).
 A change that only refreshes figures (``set``'s ``beat``: a heads record whose versions,
 digests and settings are those of the last substantive change) is a heartbeat: a peer that
 holds the last substantive change gets it only ``beat_every`` seconds after its last push, so
@@ -35,7 +34,7 @@ import asyncio
 import random
 from collections import Counter
 import math
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from p2pdiloco.errors import NetworkError, ProtocolError
@@ -96,8 +95,7 @@ class Pusher:
         self._held_substance: dict[str, int] = {}  # peer -> the substantive change that value held
         self._greet: set[str] = set()  # peers that pushed to us and get our value outside the audience
         self._sending: set[str] = set()  # peers with a push in flight
-        self._defer: dict[str, Counter] = {}  # peer -> changes since the value it holds (all of which it
-        # knows), by topic
+        self._defer: dict[str, int] = {}  # peer -> changes since the value it holds, all of which it knows
         self._pushed_at: dict[str, float] = {}  # peer -> monotonic s of our last push it took
         self._acked: dict[str, tuple[int, dict[str, Any]]] = {}  # peer -> (version, value) it took last: a patch's base
 
@@ -120,30 +118,24 @@ class Pusher:
             self._changed.set()  # the newest value now, not at our next change
 
     def set(self, value: dict[str, Any], later: Collection[str] = (), *, quiet: bool = False,
-            beat: bool = False, topics: Collection[Hashable] = ()) -> None:
+            beat: bool = False) -> None:
         """Push ``value`` (an RPC header) next; a value not pushed yet is replaced.
 
         Args:
             later: peers that know what changed since our last value (they took part in the
                 change): each gets this value with the next change it does not know, or at the
                 first change ``max_defer`` seconds after its last push, or once it would be spared
-                more than ``max_deferred`` changes of one of ``topics`` in a row, whichever
-                comes first; a peer still owed an earlier change gets it now.
+                more than ``max_deferred`` changes in a row, whichever comes first;
+                a peer still owed an earlier change gets it now.
             quiet: every peer gets it later (nothing is pushed for this change).
             beat: the change only refreshes figures: a peer that holds the last change made
                 without ``beat`` gets it at the first change ``beat_every`` seconds after its
                 last push (a peer that lacks that change gets it as any other change).
-            topics: what the change is about (a heads record: the fragments whose state it
-                changes), each counted on its own against ``max_deferred``: a peer spared one
-                change of each of 4 fragments lags one version of each, no more (none given:
-                one topic for every change).
         """
         knows = set(later) if not quiet else {p for p, v in self._held.items() if v == self._version} | set(self._defer)
         most = math.inf if self.max_deferred is None else self.max_deferred
-        about = Counter(topics or (None,))
-        self._defer = {p: self._defer.get(p, Counter()) + about for p in knows
-                       if (p in self._defer or self._held.get(p) == self._version)
-                       and all(self._defer.get(p, Counter())[t] < most for t in about)}
+        self._defer = {p: self._defer.get(p, 0) + 1 for p in knows
+                       if (p in self._defer or self._held.get(p) == self._version) and self._defer.get(p, 0) < most}
         self._value = value
         self._version += 1
         self._substance += 0 if beat else 1

@@ -175,11 +175,10 @@ class StateSync:
     def known_by(self, peers: Iterable[str]) -> None:
         """``peers`` know the change our next publish carries: they committed the same round
         (the members of a group), so the push to them waits for our next change, at most
-        ``PUSH_DEFER_S`` (``Pusher.set``'s ``later``); one such change per fragment at a time
-        (``Pusher.set``'s ``topics``), so that the version they see us at is at most one behind
-        in each fragment, within ``heads.LEAD`` (a node more than that ahead of the others'
-        records falls back: ``heads.runaway_heads``). Several calls before one publish: the
-        peers in all of them."""
+        ``PUSH_DEFER_S`` (``Pusher.set``'s ``later``); one such change at a time, so that the
+        version they see us at is at most one behind, within ``heads.LEAD`` (a node more than
+        that ahead of the others' records falls back: ``heads.runaway_heads``). Several calls
+        before one publish: the peers in all of them."""
         self._known_by = set(peers) if self._known_by is None else self._known_by & set(peers)
 
     async def greet(self, extra: dict[str, Any], timeout: float = GREET_WAIT_S) -> int:
@@ -219,11 +218,9 @@ class StateSync:
                              tag=self.tag, beat=self.pusher.beat_every, **extra)
         beat = self._mine is not None and record.beat <= self._mine.beat and replace(  # a longer period: at once
             record, **_FIGURES) == replace(self._mine, **_FIGURES)
-        changed = [i for i, (a, b) in enumerate(zip(self._mine.fragments, record.fragments)) if a != b] \
-            if self._mine is not None else []
         self._mine = record
         later, self._known_by = self._known_by or (), None
-        self.pusher.set({"r": record.to_wire(), "run": self.run_id}, later, beat=beat, topics=changed)
+        self.pusher.set({"r": record.to_wire(), "run": self.run_id}, later, beat=beat)
         now = swarm_clock.monotonic()
         if self._state[0] != record.state:
             self._state = (record.state, now)
