@@ -130,6 +130,12 @@ def _claim(item: Any) -> tuple[int, str] | None:
     return None
 
 
+def _hex_claim(item: Any) -> bool:
+    """Whether ``item`` is a well-formed [version, 64 hex digits] claim in the node's own form."""
+    return isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str) \
+        and len(item[1]) == 64
+
+
 def random_digest() -> str:
     return secrets.token_hex(32)
 
@@ -245,11 +251,9 @@ class Attacker:
     async def publish_heads(self, frags: Any, **extra: Any) -> bool:
         """Store and push a heads record of ``frags``: its well-formed claims ([version, 64 hex
         digits]) go as nodes send them (the digest as 32 bytes), anything else as given."""
-        claims = [[item[0], item[1]] for item in frags if isinstance(item, list) and len(item) == 2
-                  and type(item[0]) is int and isinstance(item[1], str) and len(item[1]) == 64] \
-            if isinstance(frags, list) else []
-        if isinstance(frags, list):
-            frags = [[item[0], as_sent(item[1])] if item in claims else item for item in frags]
+        claims = [item for item in frags if _hex_claim(item)] if isinstance(frags, list) else []
+        if claims:
+            frags = [[item[0], as_sent(item[1])] if _hex_claim(item) else item for item in frags]
         record = {"f": frags, "t": time.time(), "name": "attacker", "state": "training", "done": False,
                   "step": 100, "tps": 1000.0, "loss": 1.0, "r": [""] * self.world.fragments, **extra}
         for v, d in claims:
