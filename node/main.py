@@ -420,9 +420,11 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
                             "model", name, hw["rss_mib"], hw["memory_limit_mib"])
             if status_path is not None:
                 await asyncio.to_thread(write_json_atomic, status_path, board.latest, durable=False)
-            # on whole seconds of the clock: the snapshots of several nodes on one machine (the
-            # chaos and attack harnesses, a person comparing two nodes) are taken at one instant
-            await asyncio.sleep(1.0 - time.time() % 1.0)
+            # on whole multiples of the period on the clock: the snapshots of several nodes on one
+            # machine (the chaos and attack harnesses, a person comparing two nodes) are taken at one
+            # instant; the live view redraws every second, so it takes a snapshot every second
+            every = 1.0 if progress else cfg.status_every
+            await asyncio.sleep(every - time.time() % every)
 
     async with asyncio.TaskGroup() as tg:
         background = [tg.create_task(write_status()), tg.create_task(view.refresh_forever(node, swarm)),

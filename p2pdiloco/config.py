@@ -226,6 +226,7 @@ class NodeConfig:
     trace_dir: str = ""  # when set, every committed round's inputs and result are saved here
     metrics_port: int = 0  # Prometheus endpoint on http://metrics_host:PORT/metrics; 0: off
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 exposes the metrics to the network
+    status_every: float = 5.0  # seconds between status snapshots (status file, metrics); the live view and `node status` are fresh
     checkpoint_every: float = 10.0  # seconds between local checkpoints, at least 20x the last one's duration (needs data_dir; 0: off)
     settle: float = 10.0  # seconds a node that spent its budget keeps serving until peers agree
     alone_after: float = 180.0  # seconds of training without merging with another node before it says it is alone
@@ -245,6 +246,7 @@ class NodeConfig:
             ("device", self.device in ("auto", "cpu", "cuda", "mps") or (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()), "must be auto, cpu, cuda, cuda:N or mps"),
             ("memory_limit", self.memory_limit >= 0, "must be >= 0 (MiB; 0: no limit)"),
+            ("status_every", 0.1 <= self.status_every <= 3600, "must be in 0.1..3600 (seconds)"),
             ("checkpoint_every", 0 <= self.checkpoint_every <= MAX_DURATION_S, f"must be in 0..{MAX_DURATION_S:g} (seconds; 0: off)"),
             ("settle", 0 <= self.settle <= MAX_WAIT_S, f"must be in 0..{MAX_WAIT_S:g} (seconds)"),
             ("alone_after", 0 < self.alone_after <= MAX_DURATION_S, f"must be in (0, {MAX_DURATION_S:g}] (seconds)"),

@@ -11,7 +11,7 @@ DEMO = {
     "outer.fragments": "4", "outer.sync_every": "40", "outer.overlap": "2", "outer.min_quorum": "1",
     "outer.grace_min": "1.0", "outer.grace_max": "3.0", "outer.lr": "0.7", "outer.momentum": "0.9",
     "data.batch_size": "16", "data.max_bytes": "3000000", "data.eval_batches": "8",
-    "eval_every": "100",
+    "eval_every": "100", "status_every": "1",  # its view of every node redraws each second
 }
 
 # 1 layer, 64 wide, 2 fragments: several nodes on 2 cores, real text, real sockets.
@@ -22,6 +22,7 @@ TINY = {
     "outer.grace_min": "1.0", "outer.grace_max": "3", "outer.quorum_timeout": "8",
     "outer.liveness_timeout": "8",
     "data.batch_size": "8", "data.max_bytes": "200000", "data.eval_batches": "4", "eval_every": "40",
+    "status_every": "1",
 }
 
 PRESETS = {"demo": DEMO, "tiny": TINY}  # copy before changing: dict(PRESETS[name])

@@ -203,6 +203,7 @@ def test_config_bounds_match_what_records_and_groups_can_carry() -> None:
     ("model.n_layer", "100000"), ("model.n_embd", "65536"), ("inner.lr", "1e3"), ("inner.total_steps", str(10**15)),
     ("data.batch_size", str(10**9)), ("data.num_shards", str(10**9)), ("settle", "1e12"),
     ("duration", "nan"), ("alone_after", "inf"), ("threads", "100000"), ("trust.outlier_factor", "1e300"),
+    ("status_every", "0"), ("status_every", "1e9"),
 ])
 def test_absurd_values_that_a_type_allows_are_refused_in_one_line(key: str, value: str) -> None:
     """Upper bounds: a value of the right type but far beyond any run (what a signed manifest or

@@ -128,12 +128,12 @@ async def write_message(writer: asyncio.StreamWriter, header: Header, payload: b
         ProtocolError / TypeError: as :func:`frame`.
         ConnectionError: the stream broke.
     """
-    writer.write(frame(header, len(payload)))
     view = memoryview(payload)[: len(payload) if stop_after is None else stop_after]
-    for i in range(0, len(view), CHUNK_BYTES):
+    writer.writelines((frame(header, len(payload)), view[:CHUNK_BYTES]))  # one send: the header with the first chunk
+    await writer.drain()
+    for i in range(CHUNK_BYTES, len(view), CHUNK_BYTES):
         writer.write(view[i : i + CHUNK_BYTES])
         await writer.drain()
-    await writer.drain()
 
 
 def payload_deadline(n: int) -> float:

@@ -148,8 +148,7 @@ class Session:
                 if self.closed:
                     raise PeerUnreachable(f"{name} to {self.peer[-8:]} failed: session closed")
                 try:
-                    self._writer.write(head)
-                    self._writer.write(payload)
+                    self._writer.writelines((head, payload))  # one send: header and payload travel in one frame
                     self.used = sent = monotonic()
                     await self._writer.drain()
                     written = True
@@ -273,7 +272,6 @@ async def write_reply(writer: asyncio.StreamWriter, lock: asyncio.Lock, rid: int
         async with lock:
             if writer.is_closing():
                 return False
-            writer.write(head)
-            writer.write(body if stop_after is None else body[:stop_after])
+            writer.writelines((head, body if stop_after is None else body[:stop_after]))  # one send, one frame
             await writer.drain()
     return True
