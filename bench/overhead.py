@@ -99,6 +99,9 @@ def main() -> None:
     p.add_argument("--window", type=float, default=30.0)
     p.add_argument("--settle", type=float, default=30.0,
                    help="seconds more before the background window: the deferred DHT store of the training state")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting for every process of every phase (model.n_embd=128: a slower inner step)")
+    p.add_argument("--doc", default="overhead", help="name of the files written in docs/benchmarks")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
@@ -110,6 +113,11 @@ def main() -> None:
     m, t0 = c.machine(), time.monotonic()
     n = a.nodes
     base = c.settings(inner__total_steps=100_000)
+    for kv in a.overrides:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            p.error(f"--set {kv!r}: expected KEY=VALUE")
+        base[key] = value
     results: dict[str, list[dict]] = {}
 
     def alone(label: str) -> None:
@@ -150,16 +158,18 @@ def main() -> None:
             step()
         except RuntimeError as e:
             print(f"overhead: failed: {e}", flush=True)
-    write(a, results, m, time.monotonic() - t0, work)
+    write(a, results, m, time.monotonic() - t0, work, int(base["data.batch_size"]) * int(base["model.block_size"]))
     sys.exit(0 if all(k in results for k in ("alone", "swarm", "alone again")) else 1)
 
 
-def write(a: argparse.Namespace, results: dict, m: dict, seconds: float, work: Path) -> None:
-    cmd = "python bench/overhead.py" + (" --quick" if a.quick else "")
-    doc = c.Doc("overhead", "Benchmark 3: swarm overhead on one node", cmd)
+def write(a: argparse.Namespace, results: dict, m: dict, seconds: float, work: Path, tokens_per_step: int) -> None:
+    cmd = " ".join(["python bench/overhead.py", *(f"--set {kv}" for kv in a.overrides),
+                    *([f"--window {a.window:g}"] if a.window != 30.0 and not a.quick else []),
+                    *([f"--doc {a.doc}"] if a.doc != "overhead" else []), *(["--quick"] if a.quick else [])])
+    doc = c.Doc(a.doc, "Benchmark 3: swarm overhead on one node", cmd)
     doc.intro = [
         f"{a.nodes} p2pdiloco nodes (H = {a.H}, {a.precision} on the wire, 4 fragments, quorum 1) on the benchmark "
-        f"model, against {a.nodes} lone learners (`bench/workers.py standalone`: the same model, AdamW, batch "
+        f"model{' with ' + ', '.join(a.overrides) if a.overrides else ''}, against {a.nodes} lone learners (`bench/workers.py standalone`: the same model, AdamW, batch "
         "and data, no network), so the machine runs the same number of training processes in both phases. "
         "Primary figure: tokens trained per CPU-second, where a node's CPU time is its Python process plus its "
         "p2pd (so every cycle spent on the DHT, matchmaking, encoding and merging counts against it) and the "
@@ -200,7 +210,7 @@ def write(a: argparse.Namespace, results: dict, m: dict, seconds: float, work: P
              f"(its p2pd {p2pd:.3f}). That counts the swarm's own CPU (below, measured directly) and also a "
              "training thread that trains fewer tokens per CPU-second beside an event loop and a daemon (shared "
              "caches and interpreter lock on 2 cores), and the outer rounds' work in that thread.")
-    cpu_rows, split = [], cpu_split(results)
+    cpu_rows, split = [], cpu_split(results, tokens_per_step)
     for label, key in (("swarm (rounds)", "swarm"), ("swarm without rounds", "background")):
         if key in results:
             ph = results[key]
@@ -228,15 +238,15 @@ def write(a: argparse.Namespace, results: dict, m: dict, seconds: float, work: P
     doc.text(f"Goal: the swarm costs a node under {100 * GOAL:.0f}% of its standalone tokens/s. Result, per "
              f"CPU-second: {100 * over_cpu:.1f}% {c.verdict(over_cpu < GOAL)}; per wall-clock second: "
              f"{100 * over_wall:.1f}% (noisier: it also moves with the other jobs on the machine).")
-    doc.text("![overhead](overhead.png)")
+    doc.text(f"![overhead]({a.doc}.png)")
     doc.write(m, seconds, {"results": results, "overhead_cpu": over_cpu, "overhead_wall": over_wall,
                            "cpu_split": split, "workdir": str(work)})
-    plot(results, c.DOCS / "overhead.png")
-    print(f"overhead: wrote {c.DOCS / 'overhead.md'} ({seconds / 60:.1f} min): CPU {100 * over_cpu:.1f}%, "
+    plot(results, c.DOCS / f"{a.doc}.png")
+    print(f"overhead: wrote {c.DOCS / (a.doc + '.md')} ({seconds / 60:.1f} min): CPU {100 * over_cpu:.1f}%, "
           f"wall {100 * over_wall:.1f}%", flush=True)
 
 
-def cpu_split(results: dict) -> dict | None:
+def cpu_split(results: dict, tokens_per_step: int) -> dict | None:
     """The swarm's CPU per node as a cost per second without rounds plus a cost per committed
     outer round (means over nodes); None without both swarm phases."""
     sw, bg = results.get("swarm"), results.get("background")
@@ -247,7 +257,7 @@ def cpu_split(results: dict) -> dict | None:
     tokens = statistics.fmean(r["tokens_per_s"] for r in sw)
     return {"swarm_cores": swarm, "background_cores": background, "rounds_per_s": rate,
             "ms_per_round": 1000 * (swarm - background) / rate if rate > 0 else None,
-            "step_s": c.TOKENS_PER_STEP / tokens if tokens > 0 else None}
+            "step_s": tokens_per_step / tokens if tokens > 0 else None}
 
 
 def plot(results: dict, path: Path) -> None:
