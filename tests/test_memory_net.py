@@ -82,6 +82,25 @@ async def test_bytes_arrive_in_the_order_written(link: Link):
 
 
 @pytest.mark.asyncio
+async def test_the_first_bytes_of_a_large_write_arrive_before_its_last():
+    """As over TCP, one write of a 100-byte header and a 1 MiB payload over a 10 ms, 1 MiB/s
+    link delivers its first segment (SEGMENT bytes) after 10 ms + 64 KiB / 1 MiB/s = 72.5 ms,
+    and the whole after 10 ms + 1 s: a reader's deadline for the header (a reply's first
+    bytes within 1 s) holds while the payload is still crossing."""
+    from p2pdiloco.net.memory import SEGMENT
+
+    async with memory_swarms(2, MemoryNet(default=Link(latency=0.01, rate=2**20))) as (net, (a, b)):
+        (_, writer), (reader, _) = net.stream_pair(a.peer_id, b.peer_id)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        writer.writelines((b"h" * 100, b"x" * 2**20))
+        assert await reader.readexactly(100) == b"h" * 100
+        assert loop.time() - t0 == pytest.approx(0.01 + SEGMENT / 2**20, abs=1e-6)
+        assert await reader.readexactly(2**20) == b"x" * 2**20
+        assert loop.time() - t0 == pytest.approx(0.01 + (2**20 + 100) / 2**20, abs=1e-6)
+
+
+@pytest.mark.asyncio
 async def test_a_stream_across_a_partition_stalls_and_never_skips_a_hole():
     """Bytes a partition swallowed are not followed by later ones after the heal (TCP delivers
     in order or not at all): the reader sees what arrived before the partition, then nothing,

@@ -439,6 +439,20 @@ def test_a_lone_peers_step_after_group_rounds_is_followed_within_ten_own_steps()
         sync._check_plausible(FragmentState.create(0, 4, (mine + 3.25,), zeros))  # 6.5 > 6
 
 
+def test_a_version_may_hold_the_progress_of_a_whole_grace_window() -> None:
+    """A learner trains on while its round waits: with H = 20 steps of 8.5 ms (a 0.17 s period)
+    and a 3 s grace window, one lone version may hold 1 + 3 / 0.17 = 18.6 periods of progress;
+    with a 40 s period (DiLoCo's regime) 1.075; never over 1 + SPAN_PERIODS; 1 while the step
+    time is unknown (a CI run's restarted node refused 5.4 against 10 x 0.298 and forked)."""
+    from p2pdiloco.net.bounded_moves import SPAN_PERIODS, periods_per_version
+
+    assert periods_per_version(3.0, 20, 0.0085) == pytest.approx(1 + 3.0 / 0.17)  # 18.65
+    assert periods_per_version(3.0, 100, 0.4) == pytest.approx(1.075)
+    assert periods_per_version(3.0, 20, 1e-9) == 1 + SPAN_PERIODS == 33.0
+    assert periods_per_version(3.0, 20, None) == periods_per_version(3.0, 20, 0.0) == 1.0
+    assert periods_per_version(3.0, 20, float("nan")) == 1.0
+
+
 def test_two_lone_runs_are_as_far_apart_as_both_together() -> None:
     """Two honest nodes that merged alone for a while after their last group round (anchor v3,
     result v4; then 6 lone rounds here, 7 there, in opposite directions) are 15 versions apart

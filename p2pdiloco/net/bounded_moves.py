@@ -31,12 +31,34 @@ import torch
 
 from p2pdiloco.core.outer import FragmentState
 
-__all__ = ["FOLLOW_FACTOR", "FOLLOW_HISTORY", "FOLLOW_RELATIVE", "OWN_RELATIVE", "distance", "implausible"]
+__all__ = ["FOLLOW_FACTOR", "FOLLOW_HISTORY", "FOLLOW_RELATIVE", "OWN_RELATIVE", "SPAN_PERIODS", "distance",
+           "implausible", "periods_per_version"]
 
 FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the largest recent step per version
 FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
 FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
+SPAN_PERIODS = 32.0  # most periods beyond the first one version is taken to hold (periods_per_version)
 OWN_RELATIVE = 16.0  # ... or, before any step was seen, FOLLOW_FACTOR x our own step, up to this many times ‖Θ‖
+
+
+def periods_per_version(grace_max: float, sync_every: int, t_step: float | None) -> float:
+    """How many periods of one learner's progress a version may hold: 1 + grace_max / (H × t_step),
+    at most 1 + ``SPAN_PERIODS``; 1 while the step time is unknown (None or 0).
+
+    A learner trains on while its round of a fragment is in flight (up to ``grace_max`` seconds
+    in the gathering), and its next contribution carries that progress: where a period (H inner
+    steps) is shorter than the grace window, a peer merging alone after a long round steps by
+    several periods' progress at once. The node's own step (``StateSync.own_step``) is scaled by
+    this factor; it comes from the node's own settings and step time, which no peer sets.
+
+    Args:
+        grace_max: the grace window's upper bound (seconds, ``outer.grace_max``).
+        sync_every: H, inner steps per period.
+        t_step: this node's seconds per inner step (an average), or None.
+    """
+    if not t_step or t_step <= 0 or not math.isfinite(t_step):
+        return 1.0
+    return 1.0 + min(grace_max / (sync_every * t_step), SPAN_PERIODS)
 
 
 def distance(a: FragmentState, b: FragmentState) -> float:

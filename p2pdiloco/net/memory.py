@@ -13,8 +13,11 @@ Model (per :class:`MemoryNet`):
 - Streams are asyncio ``StreamReader`` / ``StreamWriter`` pairs over a :class:`_Pipe`
   transport (``asyncio.Transport``, the public base class for transports). Each direction of
   a stream delivers its bytes after the link's one-way ``latency`` (seconds) plus their
-  serialisation at ``rate`` (bytes/s), in order; ``loss`` (probability per write) adds a
-  retransmission timeout (``RTO_S``) to that write, as TCP turns a lost segment into delay.
+  serialisation at ``rate`` (bytes/s), in order, in segments of at most ``SEGMENT`` bytes
+  (a write's first bytes arrive before its last, as over TCP: a header sent in one write
+  with a large payload is read before the payload has crossed); ``loss`` (probability per
+  write) adds a retransmission timeout (``RTO_S``) to that write, as TCP turns a lost segment
+  into delay.
   Links are per stream, not shared between a peer's streams (no congestion between them).
 - ``partition(groups)``: peers in different groups cannot open streams (the dial hangs until
   the caller's deadline, as a dial into a black hole does) and bytes in flight between them
@@ -60,6 +63,7 @@ from p2pdiloco.trust.certificates import Membership
 from p2pdiloco.trust.identity import Identity
 
 RTO_S = 0.2  # seconds a lost write is delayed by (TCP's minimum retransmission timeout, RFC 6298: 1 s; Linux: 200 ms)
+SEGMENT = 64 << 10  # bytes delivered at once (TCP delivers a write progressively; 64 KiB: a loopback segment)
 SOCKET_BUFFER = 256 << 10  # bytes in flight a stream holds as a kernel's send buffer would (not "buffered")
 HIGH_WATER, LOW_WATER = 64 << 10, 16 << 10  # bytes beyond it at which a writer's drain() waits / resumes
 
@@ -108,11 +112,14 @@ class _Pipe(asyncio.Transport):
         if self._closing or self._lost or not data:
             return
         data, link, now = bytes(data), self._net.link(self._src, self._dst), self._loop.time()
-        self._free_at = max(self._free_at, now) + len(data) / link.rate
         delay = link.latency + (RTO_S if link.loss and self._net.rng.random() < link.loss else 0.0)
         self._queued += len(data)
         self._net.bytes_sent[self._src] += len(data)
-        self._send(data, self._free_at + delay)
+        self._free_at = max(self._free_at, now)
+        for i in range(0, len(data), SEGMENT):  # each segment arrives once serialised
+            segment = data[i : i + SEGMENT]
+            self._free_at += len(segment) / link.rate
+            self._send(segment, self._free_at + delay)
         if not self._paused and self.get_write_buffer_size() > HIGH_WATER:
             self._paused = True
             self._protocol.pause_writing()

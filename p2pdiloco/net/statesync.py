@@ -395,8 +395,9 @@ class StateSync:
 
     def own_step(self, fragment: int, size: float) -> None:
         """Record the outer step (L2 distance of Θ) this node's own contribution to ``fragment``
-        would make alone (lr·(1 + μ)·‖Δ‖ from a zero buffer, per H steps of progress): one
-        honest step no peer can inflate, bounding followed states (:meth:`_check_plausible`:
+        would make alone (lr·(1 + μ)·‖Δ‖ from a zero buffer, per H steps of progress, times the
+        periods one version may hold: ``bounded_moves.periods_per_version``): one honest step no
+        peer can inflate, bounding followed states (:meth:`_check_plausible`:
         ``FOLLOW_FACTOR`` times it per version, at most ``OWN_RELATIVE`` × ‖Θ‖; once this node
         has seen steps, when larger than the largest of them). Non-finite or negative sizes are ignored."""
         if math.isfinite(size) and size >= 0:
