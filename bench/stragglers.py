@@ -10,6 +10,8 @@ its own CPU-quota cgroup (CFS bandwidth control, ``cpu.cfs_quota_us``), ``--cap`
 the normal nodes and ``--cap / --slow`` for the slow one; a p2pdiloco node's cgroup also holds
 its p2pd. The
 slow node trains the same model on the same batch size; it only gets a quarter of the CPU.
+``--set KEY=VALUE`` changes a setting of every process of every system (a slower model:
+DiLoCo's regime), ``--doc NAME`` the files' name.
 
 Phases, back to back, all under the same caps: (1) the four learners alone (no network:
 ``bench/workers.py standalone``), (2) the p2pdiloco swarm, (3) DDP, (4) synchronous DiLoCo,
@@ -73,9 +75,14 @@ def main() -> None:
     p.add_argument("--warm", type=float, default=10.0)
     p.add_argument("--window", type=float, default=30.0, help="seconds measured per baseline phase")
     p.add_argument("--swarm-window", type=float, default=60.0, help="seconds measured for p2pdiloco")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting for every process of every system (model.n_embd=128: a slower inner step)")
+    p.add_argument("--doc", default="stragglers", help="name of the files written in docs/benchmarks")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
+    if not 0 < a.cap <= 64 or not a.slow >= 1 or a.nodes < 2:
+        p.error("need 0 < --cap <= 64 cores, --slow >= 1 and --nodes >= 2")
     if a.quick:
         a.warm, a.window, a.swarm_window = 5.0, 10.0, 15.0
     c.install_signal_handlers()
@@ -84,6 +91,11 @@ def main() -> None:
     m, t0 = c.machine(), time.monotonic()
     n, caps = a.nodes, caps_for(a.nodes, a.cap, a.slow)
     base = c.settings(inner__total_steps=100_000)
+    for kv in a.overrides:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            p.error(f"--set {kv!r}: expected KEY=VALUE")
+        base[key] = value
     life = 3600  # processes are ended after their window; this only bounds a forgotten one
 
     def standalone(folder: Path):
@@ -138,14 +150,20 @@ def main() -> None:
 
 
 def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, seconds: float, work: Path) -> None:
-    cmd = "python bench/stragglers.py" + (" --quick" if a.quick else "")
-    doc = c.Doc("stragglers", "Benchmark 2: a 4x-slowed node", cmd)
+    defaults = {"nodes": 4, "cap": 0.15, "slow": 4.0, "H": 100, "precision": "int4", "warm": 10.0, "window": 30.0,
+                "swarm_window": 60.0}
+    changed = [f"--{k.replace('_', '-')} {getattr(a, k)}" for k, v in defaults.items()
+               if getattr(a, k) != v and not a.quick]  # --quick sets the windows itself
+    cmd = " ".join(["python bench/stragglers.py", *changed, *(f"--set {kv}" for kv in a.overrides),
+                    *([f"--doc {a.doc}"] if a.doc != "stragglers" else []), *(["--quick"] if a.quick else [])])
+    doc = c.Doc(a.doc, f"Benchmark 2: a {a.slow:g}x-slowed node", cmd)
     doc.intro = [
-        f"{a.nodes} processes per system on the benchmark model (2 layers, 64 wide, batch 16 x 64 bytes). Once it "
+        f"{a.nodes} processes per system on the benchmark model (2 layers, 64 wide, batch 16 x 64 bytes"
+        f"{'; with ' + ', '.join(a.overrides) if a.overrides else ''}). Once it "
         f"trains, every process runs in its own CPU-quota cgroup (CFS bandwidth control): {a.cap:g} cores for nodes 0 to "
         f"{a.nodes - 2}, {a.cap / a.slow:g} cores (1/{a.slow:g}) for node {a.nodes - 1}, the straggler. A p2pdiloco "
         "node's cgroup holds its Python process and its p2pd, so the swarm's own work counts against its quota. "
-        "The slow node trains the same model on the same batch size; it just gets a quarter of the CPU time.",
+        f"The slow node trains the same model on the same batch size; it just gets 1/{a.slow:g} of the CPU time.",
         "",
         f"p2pdiloco: H = {a.H}, {a.precision} on the wire, 4 fragments, quorum 1, grace 1-3 s. Synchronous DiLoCo: "
         f"H = {a.H}, gloo all-reduce. DDP: gloo all-reduce of the gradients every step.",
@@ -156,7 +174,7 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
         "tokens trained per second (synchronous DiLoCo: the number of ranks times the straggler's rate, "
         "since every rank trains exactly H steps per all-reduce and the fast ones wait for it; their own counters move "
         "in bursts of H steps, too coarse for the window). Rates are least-squares slopes of the counters "
-        "read about every second over the window. Reference: the sum of the four learners' throughputs when each trains alone "
+        f"read about every second over the window. Reference: the sum of the {a.nodes} learners' throughputs when each trains alone "
         "(no network) under the same caps, measured before and after the systems (mean of the two).",
     ]
     ref = [results[k] for k in ("standalone", "standalone again") if k in results]
@@ -212,14 +230,14 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
             lines.append(f"{k} merges {100 * summary[k]['share']:.1f}% (every rank waits for the straggler at each "
                          f"{'step' if k == 'DDP' else 'all-reduce'}).")
     doc.text(" ".join(lines))
-    doc.text("![stragglers](stragglers.png)")
+    doc.text(f"![stragglers]({a.doc}.png)")
     doc.write(m, seconds, {"results": results, "summary": summary, "reference_tokens_per_s": total_ref,
                            "measured_slowdown": factor, "workdir": str(work)})
-    plot(summary, total_ref, c.DOCS / "stragglers.png")
-    print(f"stragglers: wrote {c.DOCS / 'stragglers.md'} ({seconds / 60:.1f} min)", flush=True)
+    plot(summary, total_ref, c.DOCS / f"{a.doc}.png", a.nodes, a.slow)
+    print(f"stragglers: wrote {c.DOCS / (a.doc + '.md')} ({seconds / 60:.1f} min)", flush=True)
 
 
-def plot(summary: dict, total_ref: float, path: Path) -> None:
+def plot(summary: dict, total_ref: float, path: Path, nodes: int, slow: float) -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -234,7 +252,7 @@ def plot(summary: dict, total_ref: float, path: Path) -> None:
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, v + 1, f"{v:.0f}%", ha="center", fontsize=9)
     ax.set_ylabel("merged tokens/s, % of the sum of standalone rates")
-    ax.set_title(f"4 nodes, one slowed 4x (reference {total_ref:,.0f} tokens/s)")
+    ax.set_title(f"{nodes} nodes, one slowed {slow:g}x (reference {total_ref:,.0f} tokens/s)")
     ax.set_ylim(0, 115)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
