@@ -13,9 +13,11 @@ slow node trains the same model on the same batch size; it only gets a quarter o
 ``--set KEY=VALUE`` changes a setting of every process of every system (a slower model:
 DiLoCo's regime), ``--doc NAME`` the files' name.
 
-Phases, back to back, all under the same caps: (1) the four learners alone (no network:
-``bench/workers.py standalone``), (2) the p2pdiloco swarm, (3) DDP, (4) synchronous DiLoCo,
-(5) the learners alone again (the machine is shared: the reference is the mean of 1 and 5).
+Phases, back to back, all under the same caps: the learners alone (no network:
+``bench/workers.py standalone``), then ``--repeats`` times the p2pdiloco swarm and the learners
+alone again, then DDP, synchronous DiLoCo and the learners alone a last time. Each system is
+measured against the mean of the standalone phases just before and after it (the machine is
+shared: its speed drifts).
 Each phase waits until every process trains, lets ``--warm`` seconds pass, then measures
 over ``--window`` seconds from the processes' own status files.
 
@@ -35,6 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c  # noqa: E402
 
 GOAL = 0.05  # a 4x-slowed node may cost the swarm at most 5% of its merged-token rate
+
+
+def swarm_label(k: int) -> str:
+    return "p2pdiloco" if k == 1 else f"p2pdiloco {k}"
+
+
+def standalone_label(k: int) -> str:
+    return "standalone" if k == 1 else f"standalone {k}"
 
 
 def caps_for(n: int, cap: float, slow: float) -> list[float]:
@@ -75,14 +85,15 @@ def main() -> None:
     p.add_argument("--warm", type=float, default=10.0)
     p.add_argument("--window", type=float, default=30.0, help="seconds measured per baseline phase")
     p.add_argument("--swarm-window", type=float, default=60.0, help="seconds measured for p2pdiloco")
+    p.add_argument("--repeats", type=int, default=1, help="swarm phases, each between two standalone phases")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a setting for every process of every system (model.n_embd=128: a slower inner step)")
     p.add_argument("--doc", default="stragglers", help="name of the files written in docs/benchmarks")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
-    if not 0 < a.cap <= 64 or not a.slow >= 1 or a.nodes < 2:
-        p.error("need 0 < --cap <= 64 cores, --slow >= 1 and --nodes >= 2")
+    if not 0 < a.cap <= 64 or not a.slow >= 1 or a.nodes < 2 or not 1 <= a.repeats <= 20:
+        p.error("need 0 < --cap <= 64 cores, --slow >= 1, --nodes >= 2 and 1 <= --repeats <= 20")
     if a.quick:
         a.warm, a.window, a.swarm_window = 5.0, 10.0, 15.0
     c.install_signal_handlers()
@@ -117,29 +128,34 @@ def main() -> None:
 
     swarm_values = {**base, **c.SWARM, "outer.sync_every": str(a.H), "outer.wire_precision": a.precision,
                     "eval_every": "100000"}
-    swarm_dir = work / "p2pdiloco"
-    booted: dict = {}
+    def swarm(swarm_dir: Path):
+        booted: dict = {}
 
-    def swarm(procs: c.Processes, i: int, prefix: list[str]):
-        # the bootstrap peer (uncapped, in the namespace) starts with node 0
-        if "maddr" not in booted:
-            swarm_dir.mkdir(parents=True, exist_ok=True)
-            booted["maddr"] = procs.start_bootstrap(swarm_dir, tuple(prefix), timeout=90)
-        d = swarm_dir / f"node{i}"
-        d.mkdir(parents=True, exist_ok=True)
-        argv = [c.PY, "-m", "node", "run", "--initial-peers", booted["maddr"], "--host", "127.0.0.1", "--port", "0",
-                "--name", f"node{i}", "--data-dir", str(d), "--status-file", str(d / "status.json"),
-                "--report-file", str(d / "report.json"), "--run-id", "straggler", "--no-progress",
-                "--duration", str(life), "--set", f"data.shard_index={i}", "--set", f"data.num_shards={n}",
-                *c.set_args(swarm_values)]
-        return procs.start([*prefix, *argv], d / "node.log"), d / "status.json"
+        def start(procs: c.Processes, i: int, prefix: list[str]):
+            # the bootstrap peer (uncapped, in the namespace) starts with node 0
+            if "maddr" not in booted:
+                swarm_dir.mkdir(parents=True, exist_ok=True)
+                booted["maddr"] = procs.start_bootstrap(swarm_dir, tuple(prefix), timeout=90)
+            d = swarm_dir / f"node{i}"
+            d.mkdir(parents=True, exist_ok=True)
+            argv = [c.PY, "-m", "node", "run", "--initial-peers", booted["maddr"], "--host", "127.0.0.1",
+                    "--port", "0", "--name", f"node{i}", "--data-dir", str(d), "--status-file", str(d / "status.json"),
+                    "--report-file", str(d / "report.json"), "--run-id", "straggler", "--no-progress",
+                    "--duration", str(life), "--set", f"data.shard_index={i}", "--set", f"data.num_shards={n}",
+                    *c.set_args(swarm_values)]
+            return procs.start([*prefix, *argv], d / "node.log"), d / "status.json"
+        return start
 
     results: dict[str, list[dict]] = {}
-    order = [("standalone", standalone(work / "alone1"), a.window),
-             ("p2pdiloco", swarm, a.swarm_window),
-             ("DDP", sync("ddp", work / "ddp"), a.window),
-             ("sync DiLoCo", sync("diloco", work / "diloco"), a.window),
-             ("standalone again", standalone(work / "alone2"), a.window)]
+    # the swarm runs between two standalone phases each time (S P S P ... S): each swarm phase is
+    # measured against the mean of the two around it, so a drift of the machine falls on both
+    order = [("standalone", standalone(work / "alone1"), a.window)]
+    for k in range(1, a.repeats + 1):
+        order += [(swarm_label(k), swarm(work / f"p2pdiloco{k}"), a.swarm_window),
+                  (standalone_label(k + 1), standalone(work / f"alone{k + 1}"), a.window)]
+    order += [("DDP", sync("ddp", work / "ddp"), a.window),
+              ("sync DiLoCo", sync("diloco", work / "diloco"), a.window),
+              ("standalone again", standalone(work / "alone-last"), a.window)]
     for label, start, window in order:
         try:
             results[label] = phase(label, n, caps, start, a.warm, window, work)
@@ -151,7 +167,7 @@ def main() -> None:
 
 def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, seconds: float, work: Path) -> None:
     defaults = {"nodes": 4, "cap": 0.15, "slow": 4.0, "H": 100, "precision": "int4", "warm": 10.0, "window": 30.0,
-                "swarm_window": 60.0}
+                "swarm_window": 60.0, "repeats": 1}
     changed = [f"--{k.replace('_', '-')} {getattr(a, k)}" for k, v in defaults.items()
                if getattr(a, k) != v and not a.quick]  # --quick sets the windows itself
     cmd = " ".join(["python bench/stragglers.py", *changed, *(f"--set {kv}" for kv in a.overrides),
@@ -175,52 +191,71 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
         "since every rank trains exactly H steps per all-reduce and the fast ones wait for it; their own counters move "
         "in bursts of H steps, too coarse for the window). Rates are least-squares slopes of the counters "
         f"read about every second over the window. Reference: the sum of the {a.nodes} learners' throughputs when each trains alone "
-        "(no network) under the same caps, measured before and after the systems (mean of the two).",
+        "(no network) under the same caps, in the standalone phases just before and just after the system's phase "
+        "(mean of the two). The phases run S P S P ... S (``--repeats`` swarm phases), then DDP, synchronous DiLoCo "
+        "and a last standalone phase, so a drift of the machine's speed falls on a phase and its reference alike.",
     ]
-    ref = [results[k] for k in ("standalone", "standalone again") if k in results]
-    if not ref:
+    alone = [k for k in results if k.startswith("standalone")]
+    if not alone:
         doc.text("The standalone phases failed; no reference.")
         doc.write(m, seconds, {"results": results, "workdir": str(work)})
         return
-    per_node = [sum(r[i]["tokens_per_s"] for r in ref) / len(ref) for i in range(a.nodes)]
-    total_ref = sum(per_node)
-    fast = sorted(per_node[:-1])[len(per_node[:-1]) // 2]
-    factor = fast / per_node[-1] if per_node[-1] > 0 else float("inf")
+    keys = list(results)  # in the order the phases ran
+
+    def per_node(labels: list[str]) -> list[float]:
+        return [sum(results[k][i]["tokens_per_s"] for k in labels) / len(labels) for i in range(a.nodes)]
+
+    def around(label: str) -> list[str]:  # the standalone phases just before and just after it
+        i = keys.index(label)
+        return [k for k in keys[:i] if k in alone][-1:] + [k for k in keys[i + 1:] if k in alone][:1]
+
+    every = per_node(alone)
+    fast = sorted(every[:-1])[len(every[:-1]) // 2]
+    factor = fast / every[-1] if every[-1] > 0 else float("inf")
     rows = []
     summary = {}
     for label, rates in results.items():
         merged = sum(r["merged_per_s"] for r in rates)
         trained = sum(r["tokens_per_s"] for r in rates)
+        if label in alone:
+            rows.append([label, f"{trained:,.0f}", "", "", "", " / ".join(f"{r['tokens_per_s']:,.0f}" for r in rates), ""])
+            continue
         if label == "sync DiLoCo":
             # every rank trains exactly H steps per all-reduce, so all run at the slowest rank's
             # pace; the others' counters move in bursts of H steps, too coarse for the window
             merged = trained = a.nodes * rates[-1]["tokens_per_s"]  # the straggler never waits
-        share = merged / total_ref
-        summary[label] = {"merged_per_s": merged, "tokens_per_s": trained, "share": share,
-                          "per_node": [r["tokens_per_s"] for r in rates]}
-        if label.startswith("standalone"):
-            rows.append([label, f"{trained:,.0f}", "", "", " / ".join(f"{r['tokens_per_s']:,.0f}" for r in rates), ""])
-            continue
-        rows.append([label, f"{trained:,.0f}", f"{merged:,.0f}", f"{100 * share:.1f}%",
+        ref = sum(per_node(around(label)))
+        share = merged / ref
+        summary[label] = {"merged_per_s": merged, "tokens_per_s": trained, "share": share, "reference": ref,
+                          "reference_phases": around(label), "per_node": [r["tokens_per_s"] for r in rates]}
+        rows.append([label, f"{trained:,.0f}", f"{merged:,.0f}", f"{ref:,.0f}", f"{100 * share:.1f}%",
                      " / ".join(f"{r['tokens_per_s']:,.0f}" for r in rates),
-                     f"{100 * (1 - share):.1f}%" + (f" {c.verdict(1 - share < GOAL)}" if label == "p2pdiloco" else "")])
-    doc.table(["system", "tokens trained / s", "tokens merged / s", "merged / sum of standalone",
+                     f"{100 * (1 - share):.1f}%" + (f" {c.verdict(1 - share < GOAL)}" if label.startswith("p2pdiloco")
+                                                   else "")])
+    doc.table(["system", "tokens trained / s", "tokens merged / s", "reference / s", "merged / reference",
                "per node trained / s (node 0 ... straggler)", "cost of the straggler"], rows,
-              f"Sum of the standalone throughputs (reference): {total_ref:,.0f} tokens/s; the straggler's standalone "
-              f"rate is 1/{factor:.2f} of a normal node's (median), the measured slowdown.")
-    p2p = summary.get("p2pdiloco")
+              "Reference: the sum of the standalone throughputs in the standalone phases just before and just after "
+              f"the system's phase (mean of the two); the straggler's standalone rate is 1/{factor:.2f} of a normal "
+              "node's (median over every standalone phase), the measured slowdown.")
+    swarms = [summary[k] for k in summary if k.startswith("p2pdiloco")]
     lines = [f"Goal: the slowed node costs the swarm under {100 * GOAL:.0f}% of its merged-token rate, i.e. the swarm "
-             "merges at least 95% of the sum of the nodes' standalone throughputs."]
-    if p2p:
-        lines.append(f"Result: p2pdiloco merges {100 * p2p['share']:.1f}% of the standalone sum (cost "
-                     f"{100 * (1 - p2p['share']):.1f}%): {c.verdict(1 - p2p['share'] < GOAL)}. Split: the nodes "
-                     f"trained {100 * p2p['tokens_per_s'] / total_ref:.1f}% of the standalone sum (the rest is the "
+             f"merges at least {100 - 100 * GOAL:.0f}% of the sum of the nodes' standalone throughputs."]
+    if swarms:
+        share = sum(x["share"] for x in swarms) / len(swarms)
+        trained = sum(x["tokens_per_s"] / x["reference"] for x in swarms) / len(swarms)
+        merged = sum(x["merged_per_s"] / max(1e-9, x["tokens_per_s"]) for x in swarms) / len(swarms)
+        each = ", ".join(f"{100 * x['share']:.1f}%" for x in swarms)
+        spread = f" (mean of {len(swarms)} swarm phases: {each})" if len(swarms) > 1 else ""
+        summary["p2pdiloco mean"] = {"share": share, "phases": len(swarms)}
+        lines.append(f"Result: p2pdiloco merges {100 * share:.1f}% of the standalone sum{spread} (cost "
+                     f"{100 * (1 - share):.1f}%): {c.verdict(1 - share < GOAL)}. Split: the nodes "
+                     f"trained {100 * trained:.1f}% of the standalone sum (the rest is the "
                      "swarm's own CPU inside each node's quota, benchmark 3, plus load drift), and "
-                     f"{100 * p2p['merged_per_s'] / max(1e-9, p2p['tokens_per_s']):.1f}% of what they trained was "
+                     f"{100 * merged:.1f}% of what they trained was "
                      "merged in the window (merges in the window also carry tokens trained before it); no node "
                      "waits for the straggler.")
-        slow = results["p2pdiloco"][-1]
-        if slow["merged_per_s"] <= 0 and slow["tokens_per_s"] > 0:
+        slow = results["p2pdiloco"][-1] if "p2pdiloco" in results else None
+        if slow and slow["merged_per_s"] <= 0 and slow["tokens_per_s"] > 0:
             lines.append(f"The straggler merged nothing in the window: at {slow['tokens_per_s']:,.0f} tokens/s its "
                          f"first fragment is due after about {a.H * c.TOKENS_PER_STEP / slow['tokens_per_s']:.0f} s "
                          f"(H = {a.H} steps), after the window; until then it follows the others' merges and keeps "
@@ -231,6 +266,7 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
                          f"{'step' if k == 'DDP' else 'all-reduce'}).")
     doc.text(" ".join(lines))
     doc.text(f"![stragglers]({a.doc}.png)")
+    total_ref = sum(every)
     doc.write(m, seconds, {"results": results, "summary": summary, "reference_tokens_per_s": total_ref,
                            "measured_slowdown": factor, "workdir": str(work)})
     plot(summary, total_ref, c.DOCS / f"{a.doc}.png", a.nodes, a.slow)
@@ -243,9 +279,10 @@ def plot(summary: dict, total_ref: float, path: Path, nodes: int, slow: float) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    labels = [k for k in ("p2pdiloco", "DDP", "sync DiLoCo") if k in summary]
+    labels = [k for k in ("p2pdiloco mean", "DDP", "sync DiLoCo") if k in summary]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     vals = [100 * summary[k]["share"] for k in labels]
+    labels = ["p2pdiloco" if k == "p2pdiloco mean" else k for k in labels]
     bars = ax.bar(labels, vals, color=["tab:green", "black", "tab:blue"][:len(labels)])
     ax.axhline(100, color="#888", lw=1)
     ax.axhline(95, color="tab:red", ls="--", lw=1, label="goal: 95%")
