@@ -25,7 +25,7 @@ from p2pdiloco.core.learner import lr_at
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, run_tokens
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
-from p2pdiloco.net.bounded_moves import periods_per_version
+from p2pdiloco.net.bounded_moves import own_step
 from p2pdiloco.net.deltas import logged
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
 from p2pdiloco.net.records import HeadsRecord
@@ -220,14 +220,8 @@ class Node:
         out = self.cfg.outer
         result: FragmentState | None = None
         left = False  # our contribution went to peers: their state may hold it (Delivery.left)
-        # the step H steps of our own progress would make, times the periods one version may
-        # hold: a reference for the states we may follow (StateSync.own_step). A learner trains
-        # on while its round is in flight, so a round that waited up to grace_max seconds sends
-        # that progress in the next: with periods shorter than that, a peer merging alone steps
-        # by several periods' progress at once (its group rounds took a fraction of a second)
-        periods = periods_per_version(out.grace_max, out.sync_every, self.training.stats.t_step.value)
-        self.sync.own_step(p, out.lr * (1 + out.momentum) * math.sqrt(sum(float(d.norm()) ** 2 for d in contrib.delta))
-                           * out.sync_every / max(contrib.steps, out.sync_every) * periods)
+        # the step our own progress would make: a reference for the states we may follow
+        self.sync.own_step(p, own_step(out, contrib.delta, contrib.steps, self.training.stats.t_step.value))
         self._stepped.add(p)
         try:
             anchor, records, ours = await self._rebase_if_behind(p)  # Δ is the same progress against it

@@ -453,6 +453,22 @@ def test_a_version_may_hold_the_progress_of_a_whole_grace_window() -> None:
     assert periods_per_version(3.0, 20, float("nan")) == 1.0
 
 
+def test_a_nodes_own_step_is_per_period_of_progress_times_the_periods_a_version_may_hold() -> None:
+    """lr 0.7, μ 0.9, H = 20, grace_max 3 s: Δ of norm 1.0 over 40 steps is 0.5 per period, an
+    outer step of 0.7 x 1.9 x 0.5 = 0.665 from a zero buffer; at 8.5 ms a step a version may hold
+    18.65 periods: 12.40. Over 10 steps (less than a period) it is not scaled up: 1.33 x 18.65."""
+    import dataclasses
+
+    from p2pdiloco.config import OuterConfig
+    from p2pdiloco.net.bounded_moves import own_step
+
+    outer = dataclasses.replace(OuterConfig(), lr=0.7, momentum=0.9, sync_every=20, grace_max=3.0)
+    delta = (torch.full((4,), 0.5),)  # norm 1.0
+    assert own_step(outer, delta, 40, 0.0085) == pytest.approx(0.665 * (1 + 3.0 / 0.17))
+    assert own_step(outer, delta, 40, None) == pytest.approx(0.665)
+    assert own_step(outer, delta, 10, 0.0085) == pytest.approx(1.33 * (1 + 3.0 / 0.17))
+
+
 def test_two_lone_runs_are_as_far_apart_as_both_together() -> None:
     """Two honest nodes that merged alone for a while after their last group round (anchor v3,
     result v4; then 6 lone rounds here, 7 there, in opposite directions) are 15 versions apart

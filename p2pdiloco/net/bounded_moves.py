@@ -25,14 +25,15 @@ al., arXiv 1803.01498), applied to outer steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
+from p2pdiloco.config import OuterConfig
 from p2pdiloco.core.outer import FragmentState
 
 __all__ = ["FOLLOW_FACTOR", "FOLLOW_HISTORY", "FOLLOW_RELATIVE", "OWN_RELATIVE", "SPAN_PERIODS", "distance",
-           "implausible", "periods_per_version"]
+           "implausible", "own_step", "periods_per_version"]
 
 FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the largest recent step per version
 FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
@@ -59,6 +60,16 @@ def periods_per_version(grace_max: float, sync_every: int, t_step: float | None)
     if not t_step or t_step <= 0 or not math.isfinite(t_step):
         return 1.0
     return 1.0 + min(grace_max / (sync_every * t_step), SPAN_PERIODS)
+
+
+def own_step(outer: OuterConfig, delta: Sequence[torch.Tensor], steps: int, t_step: float | None) -> float:
+    """The outer step (L2 distance of Θ) this node's contribution ``delta`` (fp32 tensors, the
+    fragment's slots) of ``steps`` inner steps would make alone, from a zero momentum buffer:
+    lr·(1 + μ)·‖Δ‖ (``core.outer.nesterov_outer_step``) per H steps of progress, times the periods
+    one version may hold (:func:`periods_per_version`). ``StateSync.own_step`` keeps it."""
+    norm = math.sqrt(sum(float(torch.linalg.vector_norm(d)) ** 2 for d in delta))
+    return (outer.lr * (1 + outer.momentum) * norm * outer.sync_every / max(steps, outer.sync_every)
+            * periods_per_version(outer.grace_max, outer.sync_every, t_step))
 
 
 def distance(a: FragmentState, b: FragmentState) -> float:
