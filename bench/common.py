@@ -63,6 +63,21 @@ def settings(**over: Any) -> dict[str, str]:
     return out
 
 
+def add_set_option(p: Any) -> None:
+    """``--set KEY=VALUE`` (repeatable) on an argparse parser: a setting for every process."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting for every process of every phase (model.n_embd=128: a slower inner step)")
+
+
+def apply_overrides(p: Any, values: dict[str, str], pairs: list[str]) -> None:
+    """Put ``--set`` pairs into ``values``; a pair without ``=`` or key is a usage error (exit 2)."""
+    for kv in pairs:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            p.error(f"--set {kv!r}: expected KEY=VALUE")
+        values[key] = value
+
+
 def set_args(values: dict[str, str]) -> list[str]:
     out = []
     for k, v in values.items():

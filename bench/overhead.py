@@ -99,8 +99,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=30.0)
     p.add_argument("--settle", type=float, default=30.0,
                    help="seconds more before the background window: the deferred DHT store of the training state")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a setting for every process of every phase (model.n_embd=128: a slower inner step)")
+    c.add_set_option(p)
     p.add_argument("--doc", default="overhead", help="name of the files written in docs/benchmarks")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workdir", type=Path, default=None)
@@ -113,11 +112,7 @@ def main() -> None:
     m, t0 = c.machine(), time.monotonic()
     n = a.nodes
     base = c.settings(inner__total_steps=100_000)
-    for kv in a.overrides:
-        key, sep, value = kv.partition("=")
-        if not sep or not key:
-            p.error(f"--set {kv!r}: expected KEY=VALUE")
-        base[key] = value
+    c.apply_overrides(p, base, a.overrides)
     results: dict[str, list[dict]] = {}
 
     def alone(label: str) -> None:

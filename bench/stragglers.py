@@ -86,8 +86,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=30.0, help="seconds measured per baseline phase")
     p.add_argument("--swarm-window", type=float, default=60.0, help="seconds measured for p2pdiloco")
     p.add_argument("--repeats", type=int, default=1, help="swarm phases, each between two standalone phases")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a setting for every process of every system (model.n_embd=128: a slower inner step)")
+    c.add_set_option(p)
     p.add_argument("--doc", default="stragglers", help="name of the files written in docs/benchmarks")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workdir", type=Path, default=None)
@@ -102,11 +101,7 @@ def main() -> None:
     m, t0 = c.machine(), time.monotonic()
     n, caps = a.nodes, caps_for(a.nodes, a.cap, a.slow)
     base = c.settings(inner__total_steps=100_000)
-    for kv in a.overrides:
-        key, sep, value = kv.partition("=")
-        if not sep or not key:
-            p.error(f"--set {kv!r}: expected KEY=VALUE")
-        base[key] = value
+    c.apply_overrides(p, base, a.overrides)
     life = 3600  # processes are ended after their window; this only bounds a forgotten one
 
     def standalone(folder: Path):

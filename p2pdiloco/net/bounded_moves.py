@@ -9,7 +9,9 @@ honest step moves Θ by several ‖Θ‖), or, once this node has seen a step of
 than ``FOLLOW_FACTOR`` × (versions apart) × the largest of the last ``FOLLOW_HISTORY``
 per-version steps it saw or, when larger, its own step (at most ``OWN_RELATIVE`` /
 ``FOLLOW_FACTOR`` × ‖Θ‖): a peer merging alone after group rounds steps by one learner's
-unaveraged progress, which may exceed ten group steps. Versions apart count both paths from the last state this node knows
+unaveraged progress, which may exceed ten group steps. The own step counts the periods of
+progress one version may hold (:func:`periods_per_version`: a learner trains on while its
+round waits, up to ``grace_max``). Versions apart count both paths from the last state this node knows
 another peer held too (a group formed at it, or a download: ``StateSync.shared``): two honest
 nodes that both merged alone for a while are as far apart as the sum of their lone runs, not
 as their version gap. The claimed versions are capped by the corroboration rule
@@ -38,8 +40,8 @@ __all__ = ["FOLLOW_FACTOR", "FOLLOW_HISTORY", "FOLLOW_RELATIVE", "OWN_RELATIVE",
 FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the largest recent step per version
 FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
 FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
-SPAN_PERIODS = 32.0  # most periods beyond the first one version is taken to hold (periods_per_version)
 OWN_RELATIVE = 16.0  # ... or, before any step was seen, FOLLOW_FACTOR x our own step, up to this many times ‖Θ‖
+SPAN_PERIODS = 32.0  # most periods beyond the first one version is taken to hold (periods_per_version)
 
 
 def periods_per_version(grace_max: float, sync_every: int, t_step: float | None) -> float:
