@@ -22,7 +22,7 @@ from typing import Any
 
 from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.learner import lr_at
-from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, run_tokens
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, run_tokens, with_error_feedback
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.bounded_moves import own_step
@@ -246,9 +246,9 @@ class Node:
                 t1 = time.monotonic()
                 if len(group.members) > 1:  # every member held the anchor: a common ancestor
                     self.sync.shared(p, anchor.version)
-                residual = self.committed.residual(p)  # error feedback: what lossy wire coding left out last time
-                if residual is not None:
-                    contrib = dataclasses.replace(contrib, delta=tuple(d + e for d, e in zip(contrib.delta, residual)))
+                if (residual := self.committed.residual(p)) is not None:  # error feedback: what wire coding left out
+                    contrib = dataclasses.replace(contrib, delta=tuple(with_error_feedback(
+                        contrib.delta, residual, out.error_feedback_decay)))
                 left = len(group.members) > 1
                 merged = await self.allreducer.run(group, contrib)
                 self.grace.t_sync.update(time.monotonic() - t1)

@@ -70,6 +70,10 @@ class OuterConfig:
     quorum_timeout: float = 10.0  # seconds to wait for K members
     liveness_timeout: float = 10.0  # seconds a reducer waits for a missing member
     wire_precision: str = "fp32"
+    # beta of the error feedback of lossy wire precisions: a member sends Δ + beta·e, e what coding
+    # left out of its last round (SparseLoCo, arXiv 2508.15706). 1 carries e whole (right for the
+    # dense precisions); topk2 trains best with 0.65, momentum 0, lr 2.5 (docs/architecture.md)
+    error_feedback_decay: float = 1.0
     # Baseline for comparisons, not for production: every round waits (up to quorum_timeout)
     # for all live learners and training blocks until it is applied, as in synchronous
     # DiLoCo (OpenDiLoCo, arXiv 2407.07852; torchft's DiLoCo).
@@ -94,6 +98,7 @@ class OuterConfig:
             ("quorum_timeout", 0 < self.quorum_timeout <= MAX_WAIT_S, f"must be in (0, {MAX_WAIT_S:g}] (seconds)"),
             ("liveness_timeout", 0 < self.liveness_timeout <= MAX_WAIT_S, f"must be in (0, {MAX_WAIT_S:g}] (seconds)"),
             ("wire_precision", self.wire_precision in WIRE_PRECISIONS, f"must be one of {', '.join(WIRE_PRECISIONS)}"),
+            ("error_feedback_decay", 0 <= self.error_feedback_decay <= 1, "must be in [0, 1]"),
             ("on_arrival", self.on_arrival in ("keep", "overwrite"), "must be keep or overwrite"),
         )
 

@@ -113,7 +113,7 @@ def test_unknown_keys_in_every_source(tmp_path: Path) -> None:
     assert "data_dir" in known and "seed" in known
     assert f"colour: unknown setting; known: {known}; " \
            f"or SECTION.FIELD with a section among {', '.join(SECTIONS)} (in {path})" in lines
-    assert any(line.startswith("outer.lrr: unknown setting; known: fragments, grace_gamma") and
+    assert any(line.startswith("outer.lrr: unknown setting; known: error_feedback_decay, fragments, grace_gamma") and
                line.endswith(f"(in {path})") for line in lines)
     assert any(line.startswith("swarm.hostt: unknown setting; known: announce, host, initial_peers, port, reachability, relay, run_id")
                and line.endswith("(from environment variable P2PDILOCO_SWARM_HOSTT)") for line in lines)
@@ -203,7 +203,8 @@ def test_config_bounds_match_what_records_and_groups_can_carry() -> None:
     ("model.n_layer", "100000"), ("model.n_embd", "65536"), ("inner.lr", "1e3"), ("inner.total_steps", str(10**15)),
     ("data.batch_size", str(10**9)), ("data.num_shards", str(10**9)), ("settle", "1e12"),
     ("duration", "nan"), ("alone_after", "inf"), ("threads", "100000"), ("trust.outlier_factor", "1e300"),
-    ("status_every", "0"), ("status_every", "1e9"),
+    ("status_every", "0"), ("status_every", "1e9"), ("outer.error_feedback_decay", "1.5"),
+    ("outer.error_feedback_decay", "-0.1"),
 ])
 def test_absurd_values_that_a_type_allows_are_refused_in_one_line(key: str, value: str) -> None:
     """Upper bounds: a value of the right type but far beyond any run (what a signed manifest or

@@ -268,3 +268,22 @@ def test_the_first_period_counts_the_progress_since_step_0_as_that_many_periods(
     assert (f, led.rate) == (1.0, 1000.0)
     f, led = round_fraction(Ledger(), 1000, 100, 100, first=1.0)  # fragment 0: position H, unchanged
     assert round_fraction(led, 1000, 200, 100, first=1.0)[1].rate == 1000.0
+
+
+def test_error_feedback_adds_the_decayed_residual_to_the_pseudo_gradient() -> None:
+    """Δ + β·e, hand-computed in binary fractions (exact in fp32): β = 0.75 of e = (4, -8)
+    is (3, -6); with Δ = (0.5, 0.25): (3.5, -5.75). β = 1 carries e whole, β = 0 drops it,
+    no residual returns Δ."""
+    from p2pdiloco.core.outer import with_error_feedback
+
+    delta, residual = [torch.tensor([0.5, 0.25])], [torch.tensor([4.0, -8.0])]
+    assert torch.equal(with_error_feedback(delta, residual, 0.75)[0], torch.tensor([3.5, -5.75]))
+    assert torch.equal(with_error_feedback(delta, residual, 1.0)[0], torch.tensor([4.5, -7.75]))
+    assert torch.equal(with_error_feedback(delta, residual, 0.0)[0], torch.tensor([0.5, 0.25]))
+    assert with_error_feedback(delta, None, 0.5)[0] is delta[0]
+    with pytest.raises(ValueError, match="decay"):
+        with_error_feedback(delta, residual, 1.5)
+    with pytest.raises(ValueError, match="shape"):
+        with_error_feedback(delta, [torch.zeros(3)], 1.0)
+    with pytest.raises(ValueError, match="residual tensors"):
+        with_error_feedback(delta, [], 1.0)

@@ -113,8 +113,9 @@ def test_a_node_frozen_for_a_few_rounds_catches_up_from_the_rounds_it_missed(har
     the same global state."""
     maddr = harness.bootstrap()
     # H = 200: a version of a fragment every few seconds, so the freeze costs a few (net.deltas.MAX_STEPS: 8)
+    # error feedback decayed (beta 0.9): a member's own choice, which leaves the merge every node applies alike
     settings = {**TINY, "data.num_shards": "3", "outer.wire_precision": "int4", "outer.min_quorum": "2",
-                "outer.sync_every": "200"}
+                "outer.sync_every": "200", "outer.error_feedback_decay": "0.9"}
     nodes = [harness.node(maddr, f"n{i}", {**settings, "data.shard_index": str(i)}, "--duration", "24",
                           "--set", "settle=30") for i in range(3)]
     proc, d = nodes[2]

@@ -27,7 +27,7 @@ from torch import Tensor
 from .merge import contribution_weight
 
 __all__ = ["FragmentState", "Ledger", "run_tokens", "fragment_digest", "nesterov_outer_step", "span_fraction", "round_fraction",
-           "FRACTION_GRID", "MAX_SPAN", "RATE_DECAY"]
+           "with_error_feedback", "FRACTION_GRID", "MAX_SPAN", "RATE_DECAY"]
 
 FRACTION_GRID = 1024  # a round's fraction is a multiple of 1/FRACTION_GRID (exact in fp32)
 MAX_SPAN = 64  # a contribution is counted as spread over at most this many rounds
@@ -312,3 +312,31 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
         theta.append(th.sub(u.mul_(lr * fraction)))  # Θ ← Θ − (lr·f)·u
         buf.append(nb)
     return FragmentState._seal(state.index, state.version + 1, theta, buf, state.ledger if ledger is None else ledger)
+
+
+def with_error_feedback(delta: Sequence[Tensor], residual: Sequence[Tensor] | None,
+                        decay: float = 1.0) -> list[Tensor]:
+    """What a member sends of a fragment: its pseudo-gradient plus what wire coding left out of
+    its last committed round, decayed: ``e ← β·e + Δ`` (SparseLoCo, Sarfi et al., arXiv
+    2508.15706, section 3, whose decayed error-feedback buffer takes the part of DiLoCo's outer
+    momentum). β = 1 carries the residual whole (classic error feedback: nothing is lost, only
+    delayed); β < 1 lets an entry that top-k never picks fade instead of piling up
+    (docs/benchmarks/codecs.md measures β for ``topk2``).
+
+    delta: one fp32 tensor per slot (slot shapes); residual: the same shapes, or None (nothing
+    left out: Δ is returned as it is, as a list). Returns new fp32 tensors, each Δ + β·e
+    computed as one multiply then one add (each rounded once).
+    Raises ValueError on a count or shape mismatch, or β outside [0, 1].
+    """
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"error-feedback decay must be in [0, 1], got {decay}")
+    if residual is None:
+        return list(delta)
+    if len(residual) != len(delta):
+        raise ValueError(f"{len(residual)} residual tensors for {len(delta)} slots")
+    out = []
+    for d, e in zip(delta, residual):
+        if d.shape != e.shape:
+            raise ValueError(f"residual shape {tuple(e.shape)} != pseudo-gradient shape {tuple(d.shape)}")
+        out.append(d + (e if decay == 1.0 else e * decay))
+    return out

@@ -9,7 +9,7 @@ row-major order; the last chunk of a tensor may be shorter and chunks never span
 
 Contribution (a member's slice; :func:`encode` / :func:`decode`, size fixed by the shapes).
 A chunk of m elements keeps its ``k(m) = ceil(m * TOPK / SPARSE_CHUNK)`` entries of largest
-magnitude (TOPK = 64: 1.5625% of a full chunk; ties go to the lower index). Of those, the
+magnitude (TOPK = 128: 3.125% of a full chunk; ties go to the lower index). Of those, the
 ``ceil(k/2)`` largest get magnitude ``hi`` = the mean of their magnitudes, the others ``lo`` =
 the mean of theirs (``lo = hi`` when k = 1): two levels per sign, 2 bits per value. A chunk
 that holds a non-finite element has ``lo = hi = NaN``, so receivers' finiteness checks reject
@@ -50,7 +50,7 @@ import torch
 from p2pdiloco.errors import ProtocolError
 
 SPARSE_CHUNK = 4096  # elements per chunk
-TOPK = 64  # entries kept of a full chunk (1.5625%)
+TOPK = 128  # entries kept of a full chunk (3.125%; 64 until wire version 13: docs/benchmarks/codecs.md)
 INDEX_BITS = 12  # bits of an index within a chunk: SPARSE_CHUNK == 2 ** INDEX_BITS
 CODE_BITS = 2
 assert SPARSE_CHUNK == 1 << INDEX_BITS
