@@ -256,7 +256,7 @@ def test_config_that_is_not_toml(results: Runs) -> None:
 def test_config_with_an_unknown_key(results: Runs) -> None:
     line = one_line(results["unknown key"], code=2)
     path = results.tmp / "unknown.toml"
-    assert line.startswith("p2pdiloco: invalid configuration: outer.lrr: unknown setting; known: fragments, ")
+    assert line.startswith("p2pdiloco: invalid configuration: outer.lrr: unknown setting; known: error_feedback_decay, fragments, ")
     assert line.endswith(f"(in {path})")
 
 
