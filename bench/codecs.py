@@ -56,12 +56,12 @@ DEFAULT_TOPK = sparse.TOPK
 
 def parse_config(config: str) -> tuple[str, float, int | None, float, float]:
     """``codec[/k]@momentum[,lr=X][,ef=B]`` -> (codec, momentum, k, lr, ef): ``k``, for ``topk2``,
-    the entries kept of a 4096-element chunk (``net.sparse.TOPK``, 64 by default); ``lr`` the outer
+    the entries kept of a 4096-element chunk (``net.sparse.TOPK``, 128, by default); ``lr`` the outer
     learning rate (0.7); ``ef`` the error-feedback decay beta (1: the residual is carried whole;
     SparseLoCo's e <- beta e + delta, arXiv 2508.15706, section 3).
 
     Raises:
-        ValueError: a malformed configuration or an unknown option.
+        ValueError: a malformed configuration, an unknown codec or option, or a value out of range.
     """
     head, *options = config.split(",")
     codec, momentum = head.split("@")
@@ -74,7 +74,16 @@ def parse_config(config: str) -> tuple[str, float, int | None, float, float]:
         if key not in opts:
             raise ValueError(f"unknown option {key!r} in {config!r} (lr=, ef=)")
         opts[key] = float(value)
-    return name, float(momentum), int(k) if k else None, opts["lr"], opts["ef"]
+    mom, topk = float(momentum), int(k) if k else None
+    if not 0 <= mom < 1:
+        raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
+    if not 0 < opts["lr"] <= 100:
+        raise ValueError(f"outer lr must be in (0, 100], got {opts['lr']}")
+    if not 0 <= opts["ef"] <= 1:
+        raise ValueError(f"error-feedback decay must be in [0, 1], got {opts['ef']}")
+    if k and (name != "topk2" or not 1 <= topk <= sparse.SPARSE_CHUNK):
+        raise ValueError(f"/k is topk2's entries of a {sparse.SPARSE_CHUNK}-element chunk, 1..{sparse.SPARSE_CHUNK}")
+    return name, mom, topk, opts["lr"], opts["ef"]
 
 
 def checked(config: str) -> str:

@@ -187,6 +187,8 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "fragment_status": fragments, "swarm": swarm_figures,
         "global_digest": global_digest(node), "time": round(time.time(), 3),
         "hardware": hardware(node.cfg, node.setup),
+        "outer": {k: getattr(node.cfg.outer, k) for k in ("fragments", "sync_every", "lr", "momentum", "wire_precision",
+                                                          "error_feedback_decay", "min_quorum")},
         "progress": progress(run_tokens(node.committed), st.tokens_merged,
                              ((extra or {}).get("manifest") or {}).get("target_tokens", 0),
                              swarm_rate(view.records) if view else None), "clock": swarm.clock.status(),

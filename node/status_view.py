@@ -198,6 +198,12 @@ def node_lines(s: dict[str, Any]) -> Table:
         g.add_row(Text("hardware", style="bold yellow" if hw.get("over_memory_limit") else "bold"),
                   f"{hw.get('device')}, {plural(hw.get('threads') or 1, 'CPU thread')}, {hw.get('rss_mib')} MiB "
                   f"resident{limit}")
+    out = s.get("outer")
+    if isinstance(out, dict):
+        feedback = f" (error feedback decay {out.get('error_feedback_decay')})" if out.get("wire_precision") != "fp32" else ""
+        g.add_row("outer", f"{out.get('wire_precision')} on the wire{feedback}, a round every {out.get('sync_every')} "
+                           f"inner steps per fragment, {out.get('fragments')} fragments, lr {out.get('lr')}, "
+                           f"momentum {out.get('momentum')}, quorum {out.get('min_quorum')}")
     if "step" in s:
         g.add_row("training", f"inner step {s.get('step', 0)}   {fmt_count(s.get('tokens'))} tokens   "
                               f"{fmt_num(s.get('tokens_per_s'), ',.0f')} tokens/s")

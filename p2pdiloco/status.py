@@ -111,6 +111,8 @@ class Status(Starting):
     global_digest: Annotated[str, "one hash over every fragment's (version, digest): equal iff the models are"]
     time: Annotated[float, "Unix time of the snapshot, s"]
     hardware: Annotated[dict[str, Any], "device, threads, rss_mib, memory_limit_mib, over_memory_limit"]
+    outer: Annotated[dict[str, Any], "the outer settings it runs (config.OuterConfig): fragments, sync_every, lr, "
+                                     "momentum, wire_precision, error_feedback_decay, min_quorum"]
     progress: Annotated[dict[str, Any], "the run's progress: tokens, target_tokens, done, tokens_per_s, eta_s, share"]
     clock: Annotated[dict[str, Any], "clock offset to the swarm (net.clock `status`): offset_s, synced, ..."]
 

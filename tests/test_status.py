@@ -382,6 +382,17 @@ def test_reachability_and_views_of_crafted_records():
     assert "starting" in console.export_text()
 
 
+def test_the_view_names_the_codec_and_its_error_feedback():
+    from rich.console import Console
+
+    outer = {"fragments": 4, "sync_every": 100, "lr": 2.5, "momentum": 0.0, "wire_precision": "topk2",
+             "error_feedback_decay": 0.65, "min_quorum": 1}
+    console = Console(width=200, record=True)
+    console.print(render_node({"name": "x", "run_id": "r", "state": "training", "pid": 1, "uptime_s": 3, "outer": outer}))
+    text = console.export_text()
+    assert "topk2 on the wire (error feedback decay 0.65)" in text and "lr 2.5" in text
+
+
 def test_node_without_data_dir_gets_a_private_socket_and_stale_ones_are_swept():
     async def go() -> None:
         server = await ControlServer.start(None)

@@ -121,6 +121,8 @@ def test_a_node_frozen_for_a_few_rounds_catches_up_from_the_rounds_it_missed(har
     proc, d = nodes[2]
     wait_for(lambda: (status(d) or {}).get("rounds_with_peers", 0) >= 2, 120, "n2 merging with the others",
              tick=harness.track_daemons)
+    outer = status(d)["outer"]  # what it runs, as `node status` shows it
+    assert (outer["wire_precision"], outer["error_feedback_decay"], outer["sync_every"]) == ("int4", 0.9, 200)
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         others = [(status(x) or {}).get("rounds_committed", 0) for _, x in nodes[:2]]
