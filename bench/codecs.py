@@ -43,12 +43,11 @@ import torch
 from bench.common import Doc, fmt, replica_main, verdict
 from bench.partial_rounds import MODEL
 from node.setup import Setup
-from p2pdiloco.config import load_config
+from p2pdiloco.config import OuterConfig, load_config
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import nesterov_outer_step, with_error_feedback
 from p2pdiloco.data import evaluate
 from p2pdiloco.net import sparse, wire
-from p2pdiloco.net.precision import WIRE_PRECISIONS
 
 
 DEFAULT_TOPK = sparse.TOPK
@@ -66,8 +65,6 @@ def parse_config(config: str) -> tuple[str, float, int | None, float, float]:
     head, *options = config.split(",")
     codec, momentum = head.split("@")
     name, _, k = codec.partition("/")
-    if name not in WIRE_PRECISIONS:
-        raise ValueError(f"unknown codec {name!r} (one of {', '.join(WIRE_PRECISIONS)})")
     opts = {"lr": 0.7, "ef": 1.0}
     for option in options:
         key, _, value = option.partition("=")
@@ -75,12 +72,8 @@ def parse_config(config: str) -> tuple[str, float, int | None, float, float]:
             raise ValueError(f"unknown option {key!r} in {config!r} (lr=, ef=)")
         opts[key] = float(value)
     mom, topk = float(momentum), int(k) if k else None
-    if not 0 <= mom < 1:
-        raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
-    if not 0 < opts["lr"] <= 100:
-        raise ValueError(f"outer lr must be in (0, 100], got {opts['lr']}")
-    if not 0 <= opts["ef"] <= 1:
-        raise ValueError(f"error-feedback decay must be in [0, 1], got {opts['ef']}")
+    # the nodes' own checks of these settings (config.OuterConfig raises Invalid, a ValueError)
+    OuterConfig(wire_precision=name, momentum=mom, lr=opts["lr"], error_feedback_decay=opts["ef"])
     if k and (name != "topk2" or not 1 <= topk <= sparse.SPARSE_CHUNK):
         raise ValueError(f"/k is topk2's entries of a {sparse.SPARSE_CHUNK}-element chunk, 1..{sparse.SPARSE_CHUNK}")
     return name, mom, topk, opts["lr"], opts["ef"]
