@@ -21,13 +21,13 @@ Each configuration is ``codec[/k]@outer-momentum[,lr=X][,ef=B]``: outer lr X (0.
 given) and error-feedback decay B (a member sends Δ + B·e, ``core.outer.with_error_feedback``;
 1 unless given). SparseLoCo runs without outer momentum, its decayed error-feedback buffer
 taking that part (arXiv 2508.15706, section 3); ``topk2/k`` keeps k entries of a 4,096-element
-chunk instead of the codec's ``net.sparse.TOPK`` (128; 64 before wire version 13). The default
-grid is fp32 and int4 at DiLoCo's momentum 0.9 and topk2 at the recipe the nodes document
-(momentum 0, lr 2.5, B = 0.65: docs/architecture.md). Every codec is compared with
-``fp32@0.9`` of the same H and seed.
+chunk instead of the codec's ``net.sparse.TOPK`` (224; 64 before wire version 13, 128 before
+14). The default grid is fp32 and int4 at DiLoCo's momentum 0.9 and topk2 at the recipe the
+nodes document (momentum 0, lr 2, B = 0.65: docs/architecture.md). Every codec is compared
+with ``fp32@0.9`` of the same H and seed.
 
 Usage: python -m bench.codecs [--learners 4] [--seeds 1 2 3] [--steps 4000] [--sync-every 100 200]
-       [--configs fp32@0.9 int4@0.9 topk2@0,lr=2.5,ef=0.65] [--jobs 2] [--doc codecs]
+       [--configs fp32@0.9 int4@0.9 topk2@0,lr=2,ef=0.65] [--jobs 2] [--doc codecs]
 Writes docs/benchmarks/codecs.{md,json}.
 """
 
@@ -55,7 +55,7 @@ DEFAULT_TOPK = sparse.TOPK
 
 def parse_config(config: str) -> tuple[str, float, int | None, float, float]:
     """``codec[/k]@momentum[,lr=X][,ef=B]`` -> (codec, momentum, k, lr, ef): ``k``, for ``topk2``,
-    the entries kept of a 4096-element chunk (``net.sparse.TOPK``, 128, by default); ``lr`` the outer
+    the entries kept of a 4096-element chunk (``net.sparse.TOPK``, 224, by default); ``lr`` the outer
     learning rate (0.7); ``ef`` the error-feedback decay beta (1: the residual is carried whole;
     SparseLoCo's e <- beta e + delta, arXiv 2508.15706, section 3).
 
@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--sync-every", type=int, nargs="+", default=[100, 200])
-    ap.add_argument("--configs", nargs="+", default=["fp32@0.9", "int4@0.9", "topk2@0,lr=2.5,ef=0.65"], type=checked,
+    ap.add_argument("--configs", nargs="+", default=["fp32@0.9", "int4@0.9", "topk2@0,lr=2,ef=0.65"], type=checked,
                     help="codec[/k]@outer-momentum[,lr=X][,ef=B] (k: topk2's entries kept of a 4096-element "
                          f"chunk, {DEFAULT_TOPK} by default; X the outer lr, 0.7; B the error-feedback decay, 1); "
                          "fp32@0.9 is the reference")

@@ -23,10 +23,11 @@ from node.training import Dispatch, TrainingLoop
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 13  # bump on any change of the RPC formats (6: signed mm.join, st.heads pushes, topk2; 7: state.deltas;
+WIRE_VERSION = 14  # bump on any change of the RPC formats (6: signed mm.join, st.heads pushes, topk2; 7: state.deltas;
 # 8: heartbeat pushes every 20 s, records stale after 65 s, st.heads hello; 9: heads records state their heartbeat period;
 # 10: small calls in sessions, one stream per peer pair; 11: pushes as patches of the value the peer took last;
-# 12: digests as 32 bytes, group members as public keys; 13: topk2 keeps 128 of 4096, not 64)
+# 12: digests as 32 bytes, group members as public keys; 13: topk2 keeps 128 of 4096, not 64;
+# 14: topk2 keeps 224, its places Rice-coded)
 
 
 def protocol_tag(cfg, fragments) -> str:

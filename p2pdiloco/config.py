@@ -72,7 +72,7 @@ class OuterConfig:
     wire_precision: str = "fp32"
     # beta of the error feedback of lossy wire precisions: a member sends Δ + beta·e, e what coding
     # left out of its last round (SparseLoCo, arXiv 2508.15706). 1 carries e whole (right for the
-    # dense precisions); topk2 trains best with 0.65, momentum 0, lr 2.5 (docs/architecture.md)
+    # dense precisions); topk2 trains best with 0.65, momentum 0, lr 2 (docs/architecture.md)
     error_feedback_decay: float = 1.0
     # Baseline for comparisons, not for production: every round waits (up to quorum_timeout)
     # for all live learners and training blocks until it is applied, as in synchronous

@@ -18,8 +18,8 @@ Precisions (``WIRE_DTYPES``, the registry the config validates against):
   of 0 when the element count is odd. A non-finite element makes its chunk's scale (and so
   every decoded element of that chunk) non-finite, so receivers' finiteness checks still
   reject it.
-* ``topk2``: chunk-wise top-k (3.125%) with 2-bit values, SparseLoCo's codec (arXiv
-  2508.15706); layout and rules in :mod:`p2pdiloco.net.sparse`.
+* ``topk2``: chunk-wise top-k (5.47%) with 2-bit values, SparseLoCo's codec (arXiv
+  2508.15706), the entries' places Rice-coded; layout and rules in :mod:`p2pdiloco.net.sparse`.
 
 A member's slice (its contribution) and a reducer's merged slice use the same encoding
 (:func:`encode`, :func:`encode_merged`), except for ``topk2``, whose merged slice lists the
