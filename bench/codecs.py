@@ -43,7 +43,7 @@ import torch
 from bench.common import Doc, fmt, replica_main, verdict
 from bench.partial_rounds import MODEL
 from node.setup import Setup
-from p2pdiloco.config import OuterConfig, load_config
+from p2pdiloco.config import TOPK2_RECIPE, OuterConfig, load_config
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import nesterov_outer_step, with_error_feedback
 from p2pdiloco.data import evaluate
@@ -51,6 +51,7 @@ from p2pdiloco.net import sparse, wire
 
 
 DEFAULT_TOPK = sparse.TOPK
+RECIPE = "topk2@{momentum:g},lr={lr:g},ef={error_feedback_decay:g}".format(**TOPK2_RECIPE)  # topk2@0,lr=2,ef=0.65
 
 
 def parse_config(config: str) -> tuple[str, float, int | None, float, float]:
@@ -147,7 +148,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--sync-every", type=int, nargs="+", default=[100, 200])
-    ap.add_argument("--configs", nargs="+", default=["fp32@0.9", "int4@0.9", "topk2@0,lr=2,ef=0.65"], type=checked,
+    ap.add_argument("--configs", nargs="+", default=["fp32@0.9", "int4@0.9", RECIPE], type=checked,
                     help="codec[/k]@outer-momentum[,lr=X][,ef=B] (k: topk2's entries kept of a 4096-element "
                          f"chunk, {DEFAULT_TOPK} by default; X the outer lr, 0.7; B the error-feedback decay, 1); "
                          "fp32@0.9 is the reference")

@@ -52,6 +52,12 @@ def _validate(*checks: tuple[str, bool, str]) -> None:
         raise Invalid(failed)
 
 
+# The outer settings topk2 is measured with (docs/benchmarks/codecs.md): no outer momentum, as
+# SparseLoCo runs it (arXiv 2508.15706, section 3); lr and error-feedback decay from a grid in
+# DiLoCo's regime (docs/benchmarks/codecs_density_grid.md). A node off them says so at start.
+TOPK2_RECIPE = {"momentum": 0.0, "lr": 2.0, "error_feedback_decay": 0.65}
+
+
 @dataclass(frozen=True)
 class OuterConfig:
     """Outer loop (DiLoCo arXiv 2311.08105 defaults lr 0.7, momentum 0.9;
@@ -72,7 +78,7 @@ class OuterConfig:
     wire_precision: str = "fp32"
     # beta of the error feedback of lossy wire precisions: a member sends Δ + beta·e, e what coding
     # left out of its last round (SparseLoCo, arXiv 2508.15706). 1 carries e whole (right for the
-    # dense precisions); topk2 trains best with 0.65, momentum 0, lr 2 (docs/architecture.md)
+    # dense precisions); topk2 trains best with 0.65, momentum 0, lr 2 (TOPK2_RECIPE)
     error_feedback_decay: float = 1.0
     # Baseline for comparisons, not for production: every round waits (up to quorum_timeout)
     # for all live learners and training blocks until it is applied, as in synchronous

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from p2pdiloco.config import load_config
+from p2pdiloco.config import TOPK2_RECIPE, load_config
 from p2pdiloco.errors import ConfigError
 from node.checkpoint import checkpoint_path, kept_progress, load_checkpoint, save_checkpoint
 from node.setup import Setup
@@ -196,3 +198,16 @@ def test_a_rising_heldout_loss_is_flagged_once_it_is_five_percent_above_its_best
         loop.evaluate()
         flags.append(loop.stats.heldout_rising)
     assert flags == [False, False, False, True, True]
+
+
+def test_topk2_off_the_settings_it_is_measured_with_is_a_warning_at_start() -> None:
+    """topk2 with DiLoCo's outer momentum (the tiny preset's 0.5) is a warning among the notes a
+    node logs once it is up; at TOPK2_RECIPE, or with another precision, it is not."""
+    common = {**TINY, "data.max_bytes": "50000", "outer.wire_precision": "topk2"}
+
+    def levels(overrides: dict[str, str]) -> list[int]:
+        return [level for level, _ in Setup.build(load_config(overrides={**common, **overrides}), "a", "QmPeer").notes]
+
+    assert logging.WARNING in levels({})
+    assert logging.WARNING not in levels({f"outer.{k}": str(v) for k, v in TOPK2_RECIPE.items()})
+    assert logging.WARNING not in levels({"outer.wire_precision": "int4"})

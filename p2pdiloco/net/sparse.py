@@ -12,20 +12,22 @@ Places (both layouts below). A chunk of m elements listing c entries at strictly
 indices i_0 < ... < i_{c-1} codes the gaps g_0 = i_0, g_j = i_j - i_{j-1} - 1 with the Rice
 parameter r(m, c) (:func:`rice_parameter`: the r in 0..12 that makes the chunk's longest
 possible code, c (r + 1) + floor((m - c) / 2^r) bits, shortest; ties to the smaller r; r = 0
-when c = 0). A gap g is its low r bits (the remainder) and floor(g / 2^r) in unary (that many
-1 bits, then a 0). The gaps of m - c zeros a chunk holds add up to at most m - c, so a chunk's
-unary bits are at most c + floor((m - c) / 2^r): at 224 of 4096, r = 4 and at most 6.1 bits
-an entry against 12 for a plain index. Every remainder of the slice, in chunk then entry order, forms
-one bit stream (bit j of a field at the field's start + j; byte b holds bits 8b..8b+7, least
-significant first; zero-padded to a byte), and every unary code another, in the same order.
+when c = 0). A gap g is its low r bits (the remainder) and floor(g / 2^r) in unary (that many 1
+bits, then a 0). A chunk's gaps add up to at most m - c (its unlisted elements), so its unary
+bits are at most c + floor((m - c) / 2^r): at 224 of 4096, r = 4 and at most 6.1 bits a place
+(remainder and unary) against 12 for a plain index. Every remainder of the slice, in chunk then
+entry order, forms one bit stream (bit j of a field at the field's start + j; byte b holds bits
+8b..8b+7, least significant first; zero-padded to a byte), and every unary code another, in the
+same order.
 
-Contribution (a member's slice; :func:`encode` / :func:`decode`, size fixed by the shapes).
-A chunk of m elements keeps its ``k(m) = ceil(m * TOPK / SPARSE_CHUNK)`` entries of largest
-magnitude (TOPK = 224: 5.47% of a full chunk; ties go to the lower index). Of those, the
-``ceil(k/2)`` largest get magnitude ``hi`` = the mean of their magnitudes, the others ``lo`` =
-the mean of theirs (``lo = hi`` when k = 1): two levels per sign, 2 bits per value. A chunk
-that holds a non-finite element has ``lo = hi = NaN``, so receivers' finiteness checks reject
-it. Layout, all little-endian:
+Contribution (a member's slice; :func:`encode` / :func:`decode`, size fixed by the shapes). A
+chunk of m elements keeps its ``k(m) = ceil(m * TOPK / SPARSE_CHUNK)`` entries of largest
+magnitude (TOPK = 224: 5.47% of a full chunk, above SparseLoCo's 1-3%: fewer entries trained
+measurably worse in DiLoCo's regime, docs/benchmarks/codecs_density_grid.md; ties go to the
+lower index). Of those, the ``ceil(k/2)`` largest get magnitude ``hi`` = the mean of their
+magnitudes, the others ``lo`` = the mean of theirs (``lo = hi`` when k = 1): two levels per
+sign, 2 bits per value. A chunk that holds a non-finite element has ``lo = hi = NaN``, so
+receivers' finiteness checks reject it. Layout, all little-endian:
 
 * every chunk's (lo, hi) as two fp32, in tensor then chunk order;
 * the remainders' stream;
