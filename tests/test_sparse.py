@@ -227,3 +227,24 @@ def test_a_merged_unary_stream_with_a_byte_past_its_last_entry_is_refused() -> N
     padded = good[:unary_at + 32] + b"\x00" + good[unary_at + 32:]
     with pytest.raises(ProtocolError, match="runs past its last entry"):
         wire.decode_merged(padded, [(4096,)], "topk2", members=1)
+
+
+def test_magnitudes_near_fp32s_largest_stay_finite_and_non_finite_merges_list_nothing() -> None:
+    """Two entries of 2e38: their fp32 sum overflows, so the level is their mean taken in fp64,
+    2e38, not inf (which would get an honest sender banned as non-finite). A merged chunk with
+    a NaN lists no entry (its NaN scale is refused), so its slice stays within the bound; a
+    finite scale whose code overflows fp32 (3e36 x 127) is refused, not decoded to inf."""
+    y = torch.zeros(64)
+    y[0] = y[1] = 2e38
+    (out,) = wire.decode(wire.encode([y], "topk2"), [(64,)], "topk2")
+    assert out[:2].tolist() == [torch.tensor(2e38).item()] * 2 and torch.isfinite(out).all()
+    z = torch.zeros(4096)
+    z[5] = float("nan")
+    nan_slice = wire.encode_merged([z], "topk2")
+    assert nan_slice[:2] == struct.pack("<H", 0) and len(nan_slice) == 6
+    assert len(nan_slice) <= wire.merged_max_nbytes([(4096,)], "topk2", members=1)
+    with pytest.raises(ProtocolError, match="negative or not finite"):
+        wire.decode_merged(nan_slice, [(4096,)], "topk2", members=1)
+    overflow = struct.pack("<Hf", 1, 3e36) + b"\x00" + b"\x00" + struct.pack("b", 127)  # index 0 of 8 at r = 2
+    with pytest.raises(ProtocolError, match="overflows fp32"):
+        wire.decode_merged(overflow, [(8,)], "topk2", members=1)

@@ -40,7 +40,8 @@ Merged slice (a reducer's answer; :func:`encode_merged` / :func:`decode_merged`)
 sparse contributions is supported on the union of their entries, so the answer lists its
 nonzero entries per chunk, each as an int8 code of the chunk's absmax scale (as ``int8`` in
 :mod:`p2pdiloco.net.wire`: ``s = absmax / 127`` in fp32, ``q = round(x / s)`` half to even,
-entries whose code is 0 left out). Layout: every chunk's entry count as uint16, every chunk's
+entries whose code is 0 left out; a chunk with a non-finite element lists no entry and has a
+NaN scale, which receivers refuse). Layout: every chunk's entry count as uint16, every chunk's
 scale as fp32, the remainders' stream, the unary stream padded to a byte only, then one signed
 byte per entry. Its size depends on the values; :func:`merged_max_nbytes` bounds it. Every
 member decodes the same bytes, so the answer's own rounding is the same on every member
@@ -50,8 +51,12 @@ Every decoder checks the byte count against the shapes (and, for a merged slice,
 at most the union of the round's contributions, :func:`merged_cap`, and its unary stream: at
 most its chunks' longest codes, no byte past the last code) before it builds any tensor, and
 refuses a unary stream that ends before its last entry, indices outside their chunk, nonzero
-padding, and in a merged slice scales that are negative or not finite and codes never
-written (0, -128): :class:`p2pdiloco.errors.ProtocolError`.
+padding, and in a merged slice scales that are negative or not finite, codes never written
+(0, -128) and values that overflow fp32: :class:`p2pdiloco.errors.ProtocolError`. Scales and
+levels are not checked for the one form the encoder writes (a contribution's lo above hi, a
+merged chunk's largest code under 127): such bytes decode like any others, the same on every
+member, and a contribution's decoded values pass the receiver's checks as any contribution
+does (``is_finite_contribution``, the robust merge).
 """
 
 from __future__ import annotations
@@ -234,6 +239,14 @@ def _rows(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [m for m in out if m.numel()]
 
 
+def _mean(mag: torch.Tensor) -> torch.Tensor:
+    """Row means of ``mag`` [r, n] in fp32, in fp64 where fp32's sum overflows (finite values of
+    magnitude near fp32's largest; their mean is finite)."""
+    mean = mag.mean(dim=1)
+    over = torch.isinf(mean) & torch.isfinite(mag).all(dim=1)
+    return torch.where(over, mag.double().mean(dim=1).float(), mean) if over.any() else mean
+
+
 def _select(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scales fp32 [r, 2] as (lo, hi), indices int64 [r, k] ascending, codes int64 [r, k]) of
     the chunks ``rows`` [r, m] (module docstring)."""
@@ -242,8 +255,8 @@ def _select(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     picked = rows.gather(1, order)  # [r, k]
     mag = picked.abs()
     h = -(-k // 2)
-    hi = mag[:, :h].mean(dim=1)
-    lo = mag[:, h:].mean(dim=1) if k > h else hi
+    hi = _mean(mag[:, :h])
+    lo = _mean(mag[:, h:]) if k > h else hi
     bad = ~torch.isfinite(rows).all(dim=1)
     scales = torch.stack([lo, hi], dim=1).masked_fill_(bad[:, None], math.nan)
     codes = (picked < 0).to(torch.int64) | ((torch.arange(k) < h).to(torch.int64) << 1)  # [r, k]
@@ -309,7 +322,7 @@ def encode_merged(tensors: Sequence[torch.Tensor]) -> bytes:
         scale = scale.masked_fill_(~torch.isfinite(rows).all(dim=1), math.nan)
         safe = torch.where((scale == 0) | ~torch.isfinite(scale), torch.ones_like(scale), scale)
         q = torch.round(rows / safe[:, None]).clamp_(-127, 127)
-        q = torch.where(torch.isfinite(scale)[:, None], q, torch.ones_like(q))  # non-finite: every entry, NaN
+        q = q.masked_fill_(~torch.isfinite(scale)[:, None], 0)  # non-finite: no entry, the NaN scale refused
         q = q.masked_fill_((scale == 0)[:, None], 0)
         where = torch.nonzero(q)  # [entries, 2] (row, index), chunk then index order
         counts.append((q != 0).sum(dim=1))
@@ -356,6 +369,10 @@ def decode_merged(data: bytes, shapes: Sequence[tuple[int, ...]], members: int |
     if ((codes == 0) | (codes == -128)).any():
         raise ProtocolError("a code of 0 or -128")
     idx = _decode_places(data[6 * c:unary_at], data[unary_at:len(data) - k], counts, lengths, exact=True)
-    values = torch.from_numpy(codes.astype(np.float32) * np.repeat(scales, counts))  # fp32
+    with np.errstate(over="ignore"):
+        values = codes.astype(np.float32) * np.repeat(scales, counts)  # fp32
+    if not np.isfinite(values).all():
+        raise ProtocolError("a value overflows fp32")
+    values = torch.from_numpy(values)
     flat = _scatter(numels, lengths, counts, idx, values)
     return [t.reshape(s) for t, s in zip(flat.split(numels), shapes)]
