@@ -61,16 +61,18 @@ def _last_line(path: Path) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     from node.demo_view import final_table, live_view  # noqa: PLC0415
 
-    from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
+    from p2pdiloco.config import load_config, parse_overrides, topk2_note  # noqa: PLC0415
     from p2pdiloco.errors import ConfigError  # noqa: PLC0415
 
     try:  # the nodes' settings, checked before anything starts (a bad --set: one line, exit 2)
         settings = {**DEMO_SETTINGS, **parse_overrides(args.set), "data.num_shards": str(args.nodes)}
-        load_config(None, overrides={**settings, "data.shard_index": "0",
-                                     **({"data.path": args.data} if args.data else {})})
+        cfg = load_config(None, overrides={**settings, "data.shard_index": "0",
+                                           **({"data.path": args.data} if args.data else {})})
     except ConfigError as e:
         print(f"p2pdiloco: {e}", file=sys.stderr)
         return 2
+    if note := topk2_note(cfg.outer):  # the nodes log it too, in their node.log
+        print(f"p2pdiloco demo: warning: {note}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, _terminate)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-demo-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from p2pdiloco.config import TOPK2_RECIPE, NodeConfig
+from p2pdiloco.config import NodeConfig, topk2_note
 from p2pdiloco.core.fragments import Fragment, StaggeredSchedule, balanced_fragments
 from p2pdiloco.core.learner import Learner
 from p2pdiloco.core.outer import OUTER_STEP_RULE
@@ -117,11 +117,8 @@ class Setup:
                                  f"in {len(fragments)} fragments on {device}; corpus of {len(files)} file(s), data "
                                  f"shard {shard}/{shards}: {corpus.train.numel()} training bytes, "
                                  f"{corpus.heldout.numel()} held-out bytes")]
-        runs = {k: getattr(cfg.outer, k) for k in TOPK2_RECIPE}
-        if cfg.outer.wire_precision == "topk2" and runs != TOPK2_RECIPE:
-            notes += [(logging.WARNING, f"{name}: topk2 is measured with "
-                       + ", ".join(f"outer.{k} = {v:g}" for k, v in TOPK2_RECIPE.items())
-                       + " (docs/benchmarks/codecs.md); this node runs " + ", ".join(f"{v:g}" for v in runs.values()))]
+        if note := topk2_note(cfg.outer):
+            notes += [(logging.WARNING, f"{name}: {note}")]
         learner = Learner(model, fragments, cfg.inner)
         return cls(cfg, name, model, tuple(fragments), learner, sampler, heldout, tuple(notes))
 

@@ -58,6 +58,18 @@ def _validate(*checks: tuple[str, bool, str]) -> None:
 TOPK2_RECIPE = {"momentum": 0.0, "lr": 2.0, "error_feedback_decay": 0.65}
 
 
+def topk2_note(outer: "OuterConfig") -> str | None:
+    """One line for a person when ``outer`` runs topk2 off :data:`TOPK2_RECIPE`; None otherwise."""
+    runs = {k: getattr(outer, k) for k in TOPK2_RECIPE}
+    if outer.wire_precision != "topk2" or runs == TOPK2_RECIPE:
+        return None
+
+    def settings(values: dict[str, float]) -> str:
+        return ", ".join(f"outer.{k} = {v:g}" for k, v in values.items())
+
+    return f"topk2 is measured with {settings(TOPK2_RECIPE)} (docs/benchmarks/codecs.md); this run has {settings(runs)}"
+
+
 @dataclass(frozen=True)
 class OuterConfig:
     """Outer loop (DiLoCo arXiv 2311.08105 defaults lr 0.7, momentum 0.9;

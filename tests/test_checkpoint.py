@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from p2pdiloco.config import TOPK2_RECIPE, load_config
+from p2pdiloco.config import TOPK2_RECIPE, load_config, topk2_note
 from p2pdiloco.errors import ConfigError
 from node.checkpoint import checkpoint_path, kept_progress, load_checkpoint, save_checkpoint
 from node.setup import Setup
@@ -209,5 +209,7 @@ def test_topk2_off_the_settings_it_is_measured_with_is_a_warning_at_start() -> N
         return [level for level, _ in Setup.build(load_config(overrides={**common, **overrides}), "a", "QmPeer").notes]
 
     assert logging.WARNING in levels({})
+    off = load_config(overrides={**common, "outer.lr": "2.5"}).outer
+    assert topk2_note(off) is not None and topk2_note(load_config(overrides=TINY).outer) is None
     assert logging.WARNING not in levels({f"outer.{k}": str(v) for k, v in TOPK2_RECIPE.items()})
     assert logging.WARNING not in levels({"outer.wire_precision": "int4"})
