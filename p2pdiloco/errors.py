@@ -50,6 +50,10 @@ class ProtocolError(NetworkError):
     """A peer sent a message that does not follow the wire protocol; the message is dropped."""
 
 
+class ReplyTooLarge(ProtocolError):
+    """A peer's reply declared more payload bytes than the call accepts (its ``max_reply``)."""
+
+
 class RoundFailed(P2PDilocoError):
     """An outer round could not complete on every member; its result is discarded (invariant I2)."""
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import swarms, until
 from hivemind.p2p import PeerID
 
-from p2pdiloco.errors import PeerTimeout, PeerUnreachable, ProtocolError
+from p2pdiloco.errors import PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
 from p2pdiloco.net import serving, sessions
 from p2pdiloco.net.framing import frame, read_header, read_payload
 from p2pdiloco.net.memory import Link, MemoryNet
@@ -181,7 +181,7 @@ async def test_a_hostile_servers_reply_closes_the_session(lie):
             else:
                 writer.write(frame({"_id": rid}, 200) + bytes(200))
         a, b = await _hostile_server(net, answer)
-        error = ProtocolError if lie == "over_max_reply" else PeerUnreachable
+        error = ReplyTooLarge if lie == "over_max_reply" else PeerUnreachable
         with pytest.raises(error):
             await b.call(a.peer_id, "t.any", {}, b"", timeout=5, max_reply=100)
         assert b.sessions() == [] and b.stats.calls_failed == 1

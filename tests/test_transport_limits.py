@@ -24,7 +24,7 @@ from conftest import swarms
 from conftest import until as _until
 from hivemind.p2p import PeerID
 
-from p2pdiloco.errors import PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError
+from p2pdiloco.errors import PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
 from p2pdiloco.net import drops, framing, serving, transport
 from p2pdiloco.net.transport import Header, Swarm, frame, read_header, read_payload
 from p2pdiloco.trust.certificates import Membership, SwarmKey
@@ -256,7 +256,7 @@ async def test_a_silent_peer_is_caught_at_the_first_reply_deadline_not_the_whole
 async def test_reply_over_max_reply_refused_by_caller():
     async with swarms(2) as (a, b):
         await a.add_handler("t.big", recorder([], lambda p: bytes(2 * MiB)), max_payload=0)
-        with pytest.raises(ProtocolError, match="over the limit of 1048576"):  # on a stream of its own
+        with pytest.raises(ReplyTooLarge, match="over the limit of 1048576"):  # on a stream of its own
             await b.call(a.peer_id, "t.big", {}, timeout=20, max_reply=MiB)
         assert b.drop_reasons["reply_too_large"] == 1 and b.dropped[a.peer_id] == 1
         assert b.stats.calls_failed == 1

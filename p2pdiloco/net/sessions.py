@@ -54,7 +54,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from p2pdiloco.errors import PeerSilent, PeerUnreachable, ProtocolError
+from p2pdiloco.errors import PeerSilent, PeerUnreachable, ProtocolError, ReplyTooLarge
 from p2pdiloco.net.clock import monotonic
 from p2pdiloco.net.drops import TrafficStats
 from p2pdiloco.net.framing import (
@@ -214,7 +214,7 @@ class Session:
                 if n > limit:
                     self._drop(self.peer, "reply_too_large")
                     if pending is not None:
-                        pending.fail(ProtocolError(f"{self.peer[-8:]} answered with {n} bytes, over the limit of "
+                        pending.fail(ReplyTooLarge(f"{self.peer[-8:]} answered with {n} bytes, over the limit of "
                                                    f"{limit}"))
                     return
                 if pending is not None:

@@ -42,7 +42,8 @@ proves who claims a state, not that the claim is honest, so a claim has to be ea
   records ignored for ``IGNORE_S`` × 2^(strikes − 1) seconds (at most ``IGNORE_MAX_S``; ``net.strikes``); a
   successful delivery clears its strikes. Rotating digests do not reset anything: strikes
   belong to the peer. Answers that no honest peer sends (a header out of range, a body of the
-  wrong size, bytes that do not hash to the digest the answer states) ban the sender.
+  wrong size, too short or over the state's bytes, bytes that do not hash to the digest the
+  answer states) ban the sender.
 * Concurrent downloads of one (fragment, version, digest) share one transfer.
 
 A state it cannot fetch is a state it cannot merge at (invariant I3): ignoring a dead or
@@ -65,7 +66,7 @@ from typing import Any
 from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FragmentState, fragment_digest
-from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, ProtocolError, StateSyncError
+from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, ProtocolError, ReplyTooLarge, StateSyncError
 from p2pdiloco.net import deltas
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
@@ -551,8 +552,12 @@ class StateSync:
 
     async def _fetch(self, donor: str, fragment: int, timeout: float, joining: bool) -> FragmentState:
         request = {"f": fragment, "join": True} if joining else {"f": fragment}  # "join": a node joining the swarm
-        reply, body = await self.swarm.call(donor, "state.get", request, timeout=timeout,
-                                            max_reply=self.state_bytes(fragment), first_reply=self.first_reply_s())
+        try:
+            reply, body = await self.swarm.call(donor, "state.get", request, timeout=timeout,
+                                                max_reply=self.state_bytes(fragment), first_reply=self.first_reply_s())
+        except ReplyTooLarge as e:  # an honest holder answers with exactly the state's bytes
+            self.swarm.ban(donor, f"state answer for fragment {fragment} of the wrong size ({e})")
+            raise StateSyncError(f"malformed state from {donor[-8:]}: {e}") from None
         try:
             answer = rec.parse_state_answer(reply)
         except ProtocolError as e:

@@ -46,7 +46,7 @@ import psutil
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P, PeerID
 
-from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError
+from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
 from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_payload: re-exported)
     Header,
     close_stream,
@@ -463,7 +463,7 @@ class Swarm:
                 raise ProtocolError(f"{peer_id[-8:]} answered {name} with a malformed reply: {e}") from None
             if n > max_reply:
                 self.drop(peer_id, "reply_too_large")
-                raise ProtocolError(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of {max_reply}")
+                raise ReplyTooLarge(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of {max_reply}")
             # a short duration, not a deadline: perf_counter (the loop's clock has 1 ms steps on uvloop)
             t0, body = time.perf_counter(), await read_payload(reader, n)
             return reply, body, time.perf_counter() - t0
