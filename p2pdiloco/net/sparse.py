@@ -108,13 +108,24 @@ def _unary_cap(m: np.ndarray, c: np.ndarray, r: np.ndarray) -> np.ndarray:
     return np.where(c > 0, c + ((m - c) >> r), 0)
 
 
+def _stream_bytes(lengths: np.ndarray, counts: np.ndarray) -> tuple[int, int]:
+    """(bytes of the remainders' stream, most bytes of the unary stream) of chunks of
+    ``lengths`` listing ``counts`` entries (module docstring)."""
+    r = rice_parameter(lengths, counts)
+    return _packed_bytes(int((counts * r).sum()), 1), _packed_bytes(int(_unary_cap(lengths, counts, r).sum()), 1)
+
+
+def _layout(shapes: Sequence[tuple[int, ...]]) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(numels, chunk lengths, kept entries per chunk) of a contribution of ``shapes``."""
+    numels = [math.prod(s) for s in shapes]
+    lengths = np.asarray(_chunk_lengths(numels), dtype=np.int64)
+    return numels, lengths, np.asarray([kept(int(m)) for m in lengths], dtype=np.int64)
+
+
 def nbytes(shapes: Sequence[tuple[int, ...]]) -> int:
     """Bytes of a contribution of tensors of ``shapes``."""
-    m = np.asarray(_chunk_lengths([math.prod(s) for s in shapes]), dtype=np.int64)
-    c = np.asarray([kept(int(x)) for x in m], dtype=np.int64)
-    r = rice_parameter(m, c)
-    return (8 * len(m) + _packed_bytes(int((c * r).sum()), 1) + _packed_bytes(int(_unary_cap(m, c, r).sum()), 1)
-            + _packed_bytes(int(c.sum()), CODE_BITS))
+    _, lengths, counts = _layout(shapes)
+    return 8 * len(lengths) + sum(_stream_bytes(lengths, counts)) + _packed_bytes(int(counts.sum()), CODE_BITS)
 
 
 def merged_cap(m: int, members: int | None) -> int:
@@ -264,13 +275,6 @@ def _select(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return scales, idx, codes.gather(1, by_index)
 
 
-def _layout(shapes: Sequence[tuple[int, ...]]) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """(numels, chunk lengths, kept entries per chunk) of a contribution of ``shapes``."""
-    numels = [math.prod(s) for s in shapes]
-    lengths = np.asarray(_chunk_lengths(numels), dtype=np.int64)
-    return numels, lengths, np.asarray([kept(int(m)) for m in lengths], dtype=np.int64)
-
-
 def encode(tensors: Sequence[torch.Tensor]) -> bytes:
     """A contribution of ``tensors`` (any shapes, float, any device) in the module docstring's
     layout; :func:`nbytes` of their shapes long."""
@@ -280,7 +284,7 @@ def encode(tensors: Sequence[torch.Tensor]) -> bytes:
     scales, idx, codes = (torch.cat([p[i].reshape(-1) for p in parts]).numpy() for i in range(3))
     _, lengths, counts = _layout([tuple(t.shape) for t in tensors])
     remainders, unary = _encode_places(idx, counts, lengths)
-    cap = _packed_bytes(int(_unary_cap(lengths, counts, rice_parameter(lengths, counts)).sum()), 1)
+    _, cap = _stream_bytes(lengths, counts)
     return (_le(scales.astype(np.float32)) + remainders + unary.ljust(cap, b"\0")
             + _pack(codes, np.full(codes.size, CODE_BITS)))
 
@@ -297,11 +301,11 @@ def decode(data: bytes, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]
     if len(data) != expected:
         raise ProtocolError(f"expected {expected} tensor bytes, got {len(data)}")
     k = int(counts.sum())
-    r = rice_parameter(lengths, counts)
     at = 8 * len(lengths)
     scales = np.frombuffer(data, dtype="<f4", count=2 * len(lengths)).astype(np.float32).reshape(-1, 2)
-    unary_at = at + _packed_bytes(int((counts * r).sum()), 1)
-    codes_at = unary_at + _packed_bytes(int(_unary_cap(lengths, counts, r).sum()), 1)
+    remainder_bytes, unary_bytes = _stream_bytes(lengths, counts)
+    unary_at = at + remainder_bytes
+    codes_at = unary_at + unary_bytes
     idx = _decode_places(data[at:unary_at], data[unary_at:codes_at], counts, lengths, exact=False)
     code = _unpack(data[codes_at:], np.full(k, CODE_BITS))
     chunk_of = np.repeat(np.arange(len(lengths)), counts)
@@ -357,9 +361,8 @@ def decode_merged(data: bytes, shapes: Sequence[tuple[int, ...]], members: int |
     if (counts > np.asarray([merged_cap(int(m), members) for m in lengths], dtype=np.int64)).any():
         raise ProtocolError("more entries than its chunk holds")
     k = int(counts.sum())
-    r = rice_parameter(lengths, counts)
-    unary_at = 6 * c + _packed_bytes(int((counts * r).sum()), 1)
-    unary_most = _packed_bytes(int(_unary_cap(lengths, counts, r).sum()), 1)
+    remainder_bytes, unary_most = _stream_bytes(lengths, counts)
+    unary_at = 6 * c + remainder_bytes
     if not unary_at <= len(data) - k <= unary_at + unary_most:
         raise ProtocolError(f"expected {unary_at + k} to {unary_at + unary_most + k} tensor bytes, got {len(data)}")
     scales = np.frombuffer(data, dtype="<f4", count=c, offset=2 * c).astype(np.float32)
