@@ -146,6 +146,7 @@ def run_ddp(w: Worker) -> None:
         steps += 1
     dist.barrier()
     w.finish(w.model, start, {"steps": steps})
+    dist.barrier()  # no rank tears gloo down while another still evaluates (a teardown race aborted a rank)
     dist.destroy_process_group()
 
 
@@ -172,6 +173,7 @@ def run_diloco(w: Worker) -> None:
                 break
     dist.barrier()
     w.finish(w.model, start, {"steps": steps})
+    dist.barrier()  # no rank tears gloo down while another still evaluates (a teardown race aborted a rank)
     dist.destroy_process_group()
 
 
