@@ -22,6 +22,7 @@ Writes docs/benchmarks/bandwidth.md, .json and .png.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c  # noqa: E402
+from node.control import ControlUnreachable, query  # noqa: E402
 from p2pdiloco.config import TOPK2_RECIPE  # noqa: E402
 
 LIGHTHOUSE = str(Path(c.PY).parent / "torchft_lighthouse")
@@ -65,7 +67,7 @@ def run_baseline(mode: str, n: int, steps: int, H: int | None, work: Path, seed:
         # gloo's teardown ran to the end: kept, and said in the notes
         torn = [r for r, p in enumerate(workers) if p.returncode != 0]
     tokens = sum(r["tokens"] for r in results)
-    return {"system": {"ddp": "DDP", "diloco": "sync DiLoCo", "torchft": "torchft DiLoCo"}[mode], "H": H or 1,
+    return {"system": SYSTEMS[mode], "H": H or 1,
             "precision": "fp32", "nodes": n, "tokens": tokens, "bytes": sent, "payload": None,
             "bytes_per_token": sent / tokens, "loss": results[0]["end_loss"], "seconds": seconds,
             "isolated": ns.isolated, "seed": seed, "inner_lr": float(values["inner.lr"]),
@@ -84,6 +86,7 @@ def run_p2p(n: int, steps: int, H: int, precision: str, work: Path, seed: int = 
     with c.NetNS(f"p2p{H}{precision}") as ns, c.processes() as procs:
         before, t0 = ns.tx_bytes(), time.monotonic()
         nodes = c.start_swarm(procs, work, n, values, prefix=ns.prefix, max_steps=steps)
+        steady = steady_window(ns, nodes, steps)
         c.wait_all([p for p, _ in nodes], 1800, f"p2pdiloco H={H} {precision}")
         sent = ns.tx_bytes() - before
         seconds = time.monotonic() - t0
@@ -97,8 +100,49 @@ def run_p2p(n: int, steps: int, H: int, precision: str, work: Path, seed: int = 
     return {"system": "p2pdiloco", "H": H, "precision": precision, "nodes": n, "tokens": tokens, "bytes": sent,
             "payload": sum(r["bytes_out"] for r in reports), "bytes_per_token": sent / tokens,
             "loss": sum(r["end_loss"] for r in reports) / n, "seconds": seconds, "isolated": ns.isolated,
-            "seed": seed, "notes": f"{rounds} rounds ({alone} alone), {sum(r['catchups'] for r in reports)} catch-ups"
+            "seed": seed, "steady": steady,
+            **({"steady_bytes_per_token": steady["bytes"] / steady["tokens"],
+                "steady_payload_per_token": steady["payload"] / steady["tokens"]} if steady else {}),
+            "notes": f"{rounds} rounds ({alone} alone), {sum(r['catchups'] for r in reports)} catch-ups"
                      + ("" if len(digests) == 1 else f", {len(digests)} different final states")}
+
+
+STEADY = (0.15, 0.85)  # the steady window: from every node past this share of its steps to the first past that
+
+
+def steady_window(ns: c.NetNS, nodes: list, steps: int, timeout: float = 1800.0) -> dict | None:
+    """Socket bytes, payload, tokens and rounds between the moment every node has trained
+    ``STEADY[0]`` of its ``steps`` and the moment the first has trained ``STEADY[1]``: start-up
+    (joins, first states) and the end-of-budget flush left out. The nodes' figures are fresh
+    snapshots from their control sockets, read right after the namespace's counter. None when
+    a node stops answering before the window closes (the run's own checks then say why)."""
+    socks = [str(d / "control.sock") for _, d in nodes]
+
+    def snapshot() -> tuple[int, float, list[dict]] | None:
+        sent, t = ns.tx_bytes(), time.monotonic()
+        try:
+            return sent, t, [query(q, timeout=10) for q in socks]
+        except ControlUnreachable:
+            return None
+
+    def wait(done) -> tuple[int, float, list[dict]] | None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            snap = snapshot()
+            if snap and done([x.get("step", 0) for x in snap[2]]):
+                return snap
+            if any(p.poll() is not None for p, _ in nodes):
+                return None
+            time.sleep(0.5)
+        return None
+
+    a = wait(lambda st: min(st) >= STEADY[0] * steps)
+    b = a and wait(lambda st: max(st) >= STEADY[1] * steps)
+    if not b:
+        return None
+    delta = {k: sum(y[k] - x[k] for x, y in zip(a[2], b[2])) for k in ("tokens", "bytes_out", "rounds_committed")}
+    return {"bytes": b[0] - a[0], "seconds": b[1] - a[1], "tokens": delta["tokens"], "payload": delta["bytes_out"],
+            "rounds": delta["rounds_committed"]}
 
 
 def plot(rows: list[dict], ddp: dict, path: Path) -> None:
@@ -163,6 +207,11 @@ def main() -> None:
     p.add_argument("--momenta", type=float, nargs="+", default=None,
                    help="outer momenta of synchronous DiLoCo to try at the first seed, at every H (reported as a "
                         f"grid; every comparison runs at {c.TRAIN['outer.momentum']})")
+    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
+                   help="the systems to run (the others' rows may come from --rows-from)")
+    p.add_argument("--rows-from", type=Path, default=None, metavar="JSON",
+                   help="an earlier run's JSON file: its rows of the systems not run now go into the tables, each "
+                        "with the commit it ran on")
     p.add_argument("--doc", default="bandwidth", help="name of the files written in docs/benchmarks")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
@@ -176,6 +225,12 @@ def main() -> None:
     rows: list[dict] = []
     grid: list[dict] = []  # DDP's learning rates and synchronous DiLoCo's momenta tried at the first seed
     failed: list[str] = []
+    if a.rows_from:  # the systems not run now, as that run measured them
+        earlier = json.loads(a.rows_from.read_text())
+        keep = [SYSTEMS[k] for k in SYSTEMS if k not in a.systems]
+        for into, key in ((rows, "rows"), (grid, "grid")):
+            into += [dict(r, commit=r.get("commit", earlier["machine"]["commit"]))
+                     for r in earlier.get(key, []) if r["system"] in keep]
 
     def go(label: str, fn, *args, into: list[dict] = rows, **kw) -> dict | None:
         print(f"bandwidth: {label} ...", flush=True)
@@ -185,7 +240,7 @@ def main() -> None:
             print(f"bandwidth: {label} failed: {e}", flush=True)
             failed.append(f"{label}: {e}")
             return None
-        into.append(r)
+        into.append(dict(r, commit=m["commit"]))
         print(f"bandwidth: {label}: {r['bytes_per_token']:.3f} B/token, loss {r['loss']:.4f}, "
               f"{r['seconds']:.0f} s", flush=True)
         return r
@@ -197,7 +252,7 @@ def main() -> None:
     ddp_lr = float(c.TRAIN["inner.lr"])
     for seed in a.seeds:
         sw = work / f"seed{seed}"
-        if seed == a.seeds[0] and a.ddp_lr:
+        if "ddp" in a.systems and seed == a.seeds[0] and a.ddp_lr:
             for lr in a.ddp_lr:
                 go(f"DDP lr {lr:g} seed {seed}", run_baseline, "ddp", a.nodes, a.steps, None, sw / f"ddp-lr{lr:g}",
                    seed, into=grid, inner__lr=f"{lr:g}")
@@ -206,16 +261,16 @@ def main() -> None:
                 ddp_lr = min(tried, key=lambda r: r["loss"])["inner_lr"]
                 rows.append(next(r for r in tried if r["inner_lr"] == ddp_lr))
                 print(f"bandwidth: DDP runs at lr {ddp_lr:g} (lowest held-out loss at seed {seed})", flush=True)
-        else:
+        elif "ddp" in a.systems:
             go(f"DDP seed {seed}", run_baseline, "ddp", a.nodes, a.steps, None, sw / "ddp", seed,
                inner__lr=f"{ddp_lr:g}")
-        for H in a.H:
+        for H in a.H if "diloco" in a.systems else []:
             go(f"sync DiLoCo H={H} seed {seed}", run_baseline, "diloco", a.nodes, a.steps, H, sw / f"diloco{H}", seed)
             for mu in (a.momenta or []) if seed == a.seeds[0] else []:
                 if f"{mu:g}" != c.TRAIN["outer.momentum"]:
                     go(f"sync DiLoCo H={H} momentum {mu:g} seed {seed}", run_baseline, "diloco", a.nodes, a.steps,
                        H, sw / f"diloco{H}-m{mu:g}", seed, into=grid, outer__momentum=f"{mu:g}")
-        if not a.no_torchft and seed == a.seeds[0]:
+        if "torchft" in a.systems and not a.no_torchft and seed == a.seeds[0]:
             try:
                 import torchft  # noqa: F401, PLC0415
             except ImportError as e:
@@ -224,7 +279,7 @@ def main() -> None:
                 H = a.precision_H
                 go(f"torchft DiLoCo H={H} seed {seed}", run_baseline, "torchft", a.nodes, a.steps, H, sw / "torchft",
                    seed)
-        for H, prec in runs:
+        for H, prec in runs if "p2p" in a.systems else []:
             go(f"p2pdiloco H={H} {prec} seed {seed}", run_p2p, a.nodes, a.steps, H, prec, sw / f"p2p-{H}-{prec}", seed)
     seconds = time.monotonic() - t0
     write(a, rows, grid, m, seconds, isolated, work, failed)
@@ -244,10 +299,13 @@ def mean_rows(runs: list[dict]) -> list[dict]:
             row[k] = statistics.mean(r[k] for r in rs)
         if rs[0]["payload"] is not None:
             row["payload"] = statistics.mean(r["payload"] for r in rs)
+        for k in ("steady_bytes_per_token", "steady_payload_per_token"):  # None unless every seed has a window
+            row[k] = statistics.mean(r[k] for r in rs) if all(k in r for r in rs) else None
         out.append(row)
     return out
 
 
+SYSTEMS = {"ddp": "DDP", "diloco": "sync DiLoCo", "torchft": "torchft DiLoCo", "p2p": "p2pdiloco"}
 ISSUE13 = {(200, "int4"): 1000, (200, "topk2"): 4000}  # fewer bytes than DDP, at loss within REGIME_SLACK
 REGIME_SLACK = 0.02  # of synchronous DiLoCo at the same H (issue 13)
 
@@ -275,7 +333,7 @@ def regime_tables(runs: list[dict], rows: list[dict], grid: list[dict], ddp: dic
     for r in sorted((r for r in grid if r["system"] == "DDP"), key=lambda r: r["inner_lr"]):
         used = r["inner_lr"] == ddp["inner_lr"]
         lines.append(f"| DDP | 1 | inner lr {r['inner_lr']:g} | {r['loss']:.4f} | {'**yes**' if used else ''} |")
-    for H in a.H if a.momenta else []:
+    for H in sorted({r["H"] for r in grid if r["system"] == "sync DiLoCo"}):
         tried = [r for r in [*runs, *grid] if r["system"] == "sync DiLoCo" and r["H"] == H
                  and r.get("seed", 0) == first]
         for r in sorted(tried, key=lambda r: r["outer_momentum"]):
@@ -297,28 +355,36 @@ def regime_tables(runs: list[dict], rows: list[dict], grid: list[dict], ddp: dic
                    f"{ddp['inner_lr']:g}) at the same seed and tokens:\n\n" + "\n".join(lines))
     n = ddp["nodes"]
     ddp_payload = 8 * (n - 1) / n * PARAMS / c.TOKENS_PER_STEP  # fp32 ring all-reduce of every gradient
-    lines = ["| H | wire | bytes / node / token: socket, payload | DDP / ours: socket, payload | "
-             "vs sync DiLoCo: mean (worst seed) | goal | |", "|---|---|---|---|---|---|---|"]
+    lines = ["| H | wire | bytes / node / token, whole run: socket, payload | steady state: socket, payload | "
+             "DDP / ours, steady: socket, payload | vs sync DiLoCo: mean (worst seed) | goal | |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["system"] == "p2pdiloco" and r["payload"]):
         pairs = pair(runs, r, "sync DiLoCo", r["H"])
         if not pairs:
             continue
         mean, worst = statistics.mean(d for _, d in pairs), max(d for _, d in pairs)
-        sock, pay = ddp["bytes_per_token"] / r["bytes_per_token"], ddp_payload / (r["payload"] / r["tokens"])
+        sock, pay = r.get("steady_bytes_per_token"), r.get("steady_payload_per_token")
+        steady = f"{fmt_b(sock)}, {fmt_b(pay)}" if sock else "no window"
+        ratios = f"{ddp['bytes_per_token'] / sock:,.0f}x, {ddp_payload / pay:,.0f}x" if sock else ""
         want = ISSUE13.get((r["H"], r["precision"]))
         goal = (f">= {want:,}x within {REGIME_SLACK:.0%}" if want else f"within {REGIME_SLACK:.0%}")
-        ok = mean <= REGIME_SLACK and (want is None or pay >= want)
+        ok = mean <= REGIME_SLACK and (want is None or (pay is not None and ddp_payload / pay >= want))
+        socket_too = want is None or (sock is not None and ddp["bytes_per_token"] / sock >= want)
         lines.append(f"| {r['H']} | {r['precision']} | {fmt_b(r['bytes_per_token'])}, "
-                     f"{fmt_b(r['payload'] / r['tokens'])} | {sock:,.0f}x, {pay:,.0f}x | {mean:+.2%} ({worst:+.2%}) | "
-                     f"{goal} | {c.verdict(ok)}" + ("" if not want or sock >= want else " on payload; not on socket "
+                     f"{fmt_b(r['payload'] / r['tokens'])} | {steady} | {ratios} | {mean:+.2%} ({worst:+.2%}) | "
+                     f"{goal} | {c.verdict(ok)}" + ("" if not ok or socket_too else " on payload; not on socket "
                                                     "bytes") + " |")
     if len(lines) > 2:
         out.append(f"Our cost and our bytes (issue 13): p2pdiloco's held-out loss against synchronous DiLoCo at the "
-                   f"same H, seed and tokens, and its bytes against DDP's at equal tokens. Socket bytes are the "
-                   f"namespace's over the whole run (start-up, the DHT, libp2p and TCP/IP headers included); payload "
-                   f"is what the nodes' RPCs carried, against DDP's fp32 ring all-reduce of every gradient, "
-                   f"8 (N - 1) / N x {PARAMS:,} bytes per step ({fmt_b(ddp_payload)} per token at N = {n}; DDP's "
-                   f"socket figure is {fmt_b(ddp['bytes_per_token'])}):\n\n" + "\n".join(lines))
+                   "same H, seed and tokens, and its bytes against DDP's at equal tokens (means over seeds). Socket "
+                   "bytes are the namespace's (the DHT, libp2p and TCP/IP headers included); payload is what the "
+                   "nodes' RPCs carried (pseudo-gradient slices, merged slices, rounds and states for catch-ups). "
+                   "Whole run: from start to exit. Steady state: from the moment every node has trained "
+                   f"{STEADY[0]:.0%} of its steps to the moment the first has trained {STEADY[1]:.0%} (start-up, "
+                   "the first states and the end-of-budget flush left out). DDP: its socket figure "
+                   f"({fmt_b(ddp['bytes_per_token'])} per token), and for payload its fp32 ring all-reduce of every "
+                   f"gradient, 8 (N - 1) / N x {PARAMS:,} bytes per step ({fmt_b(ddp_payload)} per token at "
+                   f"N = {n}):\n\n" + "\n".join(lines))
     return out
 
 
@@ -356,6 +422,7 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
             ("--seeds", " ".join(map(str, a.seeds)), "0"),
             ("--ddp-lr", " ".join(f"{x:g}" for x in a.ddp_lr or []), ""),
             ("--momenta", " ".join(f"{x:g}" for x in a.momenta or []), ""),
+            ("--systems", " ".join(a.systems), " ".join(SYSTEMS)), ("--rows-from", a.rows_from, None),
             ("--doc", a.doc, "bandwidth")) if not a.quick and str(value) != str(default)) + (
         " --no-torchft" if a.no_torchft else "")
     doc = c.Doc(a.doc, "Benchmark 1: bandwidth against quality", cmd)
@@ -398,7 +465,8 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
         table.append([r["system"], r["H"], r["precision"], f"{r['tokens'] / 1e6:.3f}M", f"{r['bytes'] / 1e6:.2f}",
                       "" if r["payload"] is None else f"{r['payload'] / 1e6:.2f}",
                       fmt_b(r["bytes_per_token"]), f"{less:,.0f}x", f"{r['loss']:.4f}", f"{100 * dl:+.1f}%",
-                      f"{r['seconds']:.0f}", ("**both goals met** " if ok else "") + r["notes"]])
+                      f"{r['seconds']:.0f}", ("**both goals met** " if ok else "") + r["notes"]
+                      + (f" (on {r['commit']})" if r.get("commit", m["commit"]) != m["commit"] else "")])
     doc.table(["system", "H", "wire", "tokens", "socket MB", "payload MB", "bytes / node / token",
                "fewer bytes than DDP", "held-out loss", "vs DDP", "wall s", "notes"], table,
               f"All runs (mean over seeds {a.seeds}" + (", torchft at the first only" if len(a.seeds) > 1 else "")
