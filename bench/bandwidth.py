@@ -469,7 +469,8 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
                       + (f" (on {r['commit']})" if r.get("commit", m["commit"]) != m["commit"] else "")])
     doc.table(["system", "H", "wire", "tokens", "socket MB", "payload MB", "bytes / node / token",
                "fewer bytes than DDP", "held-out loss", "vs DDP", "wall s", "notes"], table,
-              f"All runs (mean over seeds {a.seeds}" + (", torchft at the first only" if len(a.seeds) > 1 else "")
+              f"All runs (mean over seeds {a.seeds}" + (", torchft at the first only" if len(a.seeds) > 1 and any(
+                  r["system"] == SYSTEMS["torchft"] for r in rows) else "")
               + "):")
     doc.sections.extend(regime_tables(runs, rows, grid, ddp, a))
     vs_rows, vs_checks = versus_sync(runs, a)
