@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c  # noqa: E402
 from node.control import ControlUnreachable, query  # noqa: E402
-from p2pdiloco.config import TOPK2_RECIPE  # noqa: E402
+from p2pdiloco.config import TOPK2_RECIPE, WIRE_PRECISIONS  # noqa: E402
 
 LIGHTHOUSE = str(Path(c.PY).parent / "torchft_lighthouse")
 DDP_FACTOR = 500  # goal: at least this many times fewer bytes per token than DDP
@@ -197,7 +197,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=500, help="inner steps per node (the token budget)")
     p.add_argument("--H", type=int, nargs="+", default=[25, 100, 250], help="H values (int4 and sync DiLoCo)")
     p.add_argument("--precision-H", type=int, default=100, help="H at which every wire precision is run")
-    p.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8", "int4"])
+    p.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8", "int4"], choices=WIRE_PRECISIONS)
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds; every system runs once per seed")
     p.add_argument("--no-torchft", action="store_true", help="leave torchft out (else: run at the first seed only)")
     p.add_argument("--quick", action="store_true", help="smoke run: 60 steps, H 30, int4 and fp32")
@@ -217,6 +217,14 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.steps, a.H, a.precision_H, a.precisions = 60, [30], 30, ["fp32", "int4"]
+    if a.rows_from:
+        try:
+            earlier = json.loads(a.rows_from.read_text())
+            if not (isinstance(earlier.get("rows"), list) and all("system" in r for r in earlier["rows"])
+                    and isinstance(earlier["machine"]["commit"], str)):
+                raise ValueError("no rows or no commit")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            p.error(f"--rows-from {a.rows_from}: not the JSON file of an earlier run of this benchmark ({e})")
     c.install_signal_handlers()
     c.cleanup_stale()
     work = a.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-bench-bw-"))
@@ -226,7 +234,6 @@ def main() -> None:
     grid: list[dict] = []  # DDP's learning rates and synchronous DiLoCo's momenta tried at the first seed
     failed: list[str] = []
     if a.rows_from:  # the systems not run now, as that run measured them
-        earlier = json.loads(a.rows_from.read_text())
         keep = [SYSTEMS[k] for k in SYSTEMS if k not in a.systems]
         for into, key in ((rows, "rows"), (grid, "grid")):
             into += [dict(r, commit=r.get("commit", earlier["machine"]["commit"]))
