@@ -32,7 +32,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c  # noqa: E402
-from node.control import ControlUnreachable, query  # noqa: E402
 from p2pdiloco.config import TOPK2_RECIPE, WIRE_PRECISIONS  # noqa: E402
 
 LIGHTHOUSE = str(Path(c.PY).parent / "torchft_lighthouse")
@@ -86,7 +85,7 @@ def run_p2p(n: int, steps: int, H: int, precision: str, work: Path, seed: int = 
     with c.NetNS(f"p2p{H}{precision}") as ns, c.processes() as procs:
         before, t0 = ns.tx_bytes(), time.monotonic()
         nodes = c.start_swarm(procs, work, n, values, prefix=ns.prefix, max_steps=steps)
-        steady = steady_window(ns, nodes, steps)
+        steady = c.window_by_steps(ns, nodes, steps)
         c.wait_all([p for p, _ in nodes], 1800, f"p2pdiloco H={H} {precision}")
         sent = ns.tx_bytes() - before
         seconds = time.monotonic() - t0
@@ -105,44 +104,6 @@ def run_p2p(n: int, steps: int, H: int, precision: str, work: Path, seed: int = 
                 "steady_payload_per_token": steady["payload"] / steady["tokens"]} if steady else {}),
             "notes": f"{rounds} rounds ({alone} alone), {sum(r['catchups'] for r in reports)} catch-ups"
                      + ("" if len(digests) == 1 else f", {len(digests)} different final states")}
-
-
-STEADY = (0.15, 0.85)  # the steady window: from every node past this share of its steps to the first past that
-
-
-def steady_window(ns: c.NetNS, nodes: list, steps: int, timeout: float = 1800.0) -> dict | None:
-    """Socket bytes, payload, tokens and rounds between the moment every node has trained
-    ``STEADY[0]`` of its ``steps`` and the moment the first has trained ``STEADY[1]``: start-up
-    (joins, first states) and the end-of-budget flush left out. The nodes' figures are fresh
-    snapshots from their control sockets, read right after the namespace's counter. None when
-    a node stops answering before the window closes (the run's own checks then say why)."""
-    socks = [str(d / "control.sock") for _, d in nodes]
-
-    def snapshot() -> tuple[int, float, list[dict]] | None:
-        sent, t = ns.tx_bytes(), time.monotonic()
-        try:
-            return sent, t, [query(q, timeout=10) for q in socks]
-        except ControlUnreachable:
-            return None
-
-    def wait(done) -> tuple[int, float, list[dict]] | None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            snap = snapshot()
-            if snap and done([x.get("step", 0) for x in snap[2]]):
-                return snap
-            if any(p.poll() is not None for p, _ in nodes):
-                return None
-            time.sleep(0.5)
-        return None
-
-    a = wait(lambda st: min(st) >= STEADY[0] * steps)
-    b = a and wait(lambda st: max(st) >= STEADY[1] * steps)
-    if not b:
-        return None
-    delta = {k: sum(y[k] - x[k] for x, y in zip(a[2], b[2])) for k in ("tokens", "bytes_out", "rounds_committed")}
-    return {"bytes": b[0] - a[0], "seconds": b[1] - a[1], "tokens": delta["tokens"], "payload": delta["bytes_out"],
-            "rounds": delta["rounds_committed"]}
 
 
 def plot(rows: list[dict], ddp: dict, path: Path) -> None:
@@ -206,25 +167,26 @@ def main() -> None:
                         f"(default: the benchmark's {c.TRAIN['inner.lr']} only)")
     p.add_argument("--momenta", type=float, nargs="+", default=None,
                    help="outer momenta of synchronous DiLoCo to try at the first seed, at every H (reported as a "
-                        f"grid; every comparison runs at {c.TRAIN['outer.momentum']})")
+                        f"grid; synchronous DiLoCo and p2pdiloco's dense wires run at {c.TRAIN['outer.momentum']})")
     p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
                    help="the systems to run (the others' rows may come from --rows-from)")
     p.add_argument("--rows-from", type=Path, default=None, metavar="JSON",
                    help="an earlier run's JSON file: its rows of the systems not run now go into the tables, each "
                         "with the commit it ran on")
+    p.add_argument("--report-from", type=Path, default=None, metavar="JSON",
+                   help="write the report again from a run's JSON file (run with the same flags), running nothing")
     p.add_argument("--doc", default="bandwidth", help="name of the files written in docs/benchmarks")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
     if a.quick:
         a.steps, a.H, a.precision_H, a.precisions = 60, [30], 30, ["fp32", "int4"]
-    if a.rows_from:
-        try:
-            earlier = json.loads(a.rows_from.read_text())
-            if not (isinstance(earlier.get("rows"), list) and all("system" in r for r in earlier["rows"])
-                    and isinstance(earlier["machine"]["commit"], str)):
-                raise ValueError("no rows or no commit")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            p.error(f"--rows-from {a.rows_from}: not the JSON file of an earlier run of this benchmark ({e})")
+    earlier = read_run(p, a, a.rows_from, "--rows-from") if a.rows_from else None
+    if a.report_from:
+        done = read_run(p, a, a.report_from, "--report-from")
+        if "seconds" not in done:
+            p.error(f"--report-from {a.report_from}: the run's duration is not in it")
+        write(a, done["rows"], done.get("grid", []), done["machine"], done["seconds"], True, Path(done["workdir"]), [])
+        return
     c.install_signal_handlers()
     c.cleanup_stale()
     work = a.workdir or Path(tempfile.mkdtemp(prefix="p2pdiloco-bench-bw-"))
@@ -233,7 +195,7 @@ def main() -> None:
     rows: list[dict] = []
     grid: list[dict] = []  # DDP's learning rates and synchronous DiLoCo's momenta tried at the first seed
     failed: list[str] = []
-    if a.rows_from:  # the systems not run now, as that run measured them
+    if earlier:  # the systems not run now, as that run measured them
         keep = [SYSTEMS[k] for k in SYSTEMS if k not in a.systems]
         for into, key in ((rows, "rows"), (grid, "grid")):
             into += [dict(r, commit=r.get("commit", earlier["machine"]["commit"]))
@@ -291,6 +253,28 @@ def main() -> None:
     seconds = time.monotonic() - t0
     write(a, rows, grid, m, seconds, isolated, work, failed)
     sys.exit(1 if failed else 0)
+
+
+def read_run(p: argparse.ArgumentParser, a: argparse.Namespace, path: Path, flag: str) -> dict:
+    """An earlier run's JSON file, checked against this run's flags: the same number of nodes
+    and of steps, and every seed of this run in it (else a usage error, exit 2)."""
+    try:
+        run = json.loads(path.read_text())
+        if not (isinstance(run.get("rows"), list) and all("system" in r for r in run["rows"])
+                and isinstance(run["machine"]["commit"], str)):
+            raise ValueError("no rows or no commit")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        p.error(f"{flag} {path}: not the JSON file of an earlier run of this benchmark ({e})")
+    base = [r for r in run["rows"] if r["system"] != SYSTEMS["p2p"]]
+    steps = {r["tokens"] // (r["nodes"] * c.TOKENS_PER_STEP) for r in base}
+    if {r["nodes"] for r in run["rows"]} != {a.nodes} or (base and steps != {a.steps}):
+        p.error(f"{flag} {path}: that run had {sorted({r['nodes'] for r in run['rows']})} nodes and "
+                f"{sorted(steps)} steps, this one --nodes {a.nodes} --steps {a.steps}")
+    missing = sorted(set(a.seeds) - {r.get("seed", 0) for r in run["rows"]})
+    if missing:
+        p.error(f"{flag} {path}: that run has no seed {missing[0]}")
+    run["rows"] = [r for r in run["rows"] if r.get("seed", 0) in a.seeds]
+    return run
 
 
 def mean_rows(runs: list[dict]) -> list[dict]:
@@ -371,10 +355,13 @@ def regime_tables(runs: list[dict], rows: list[dict], grid: list[dict], ddp: dic
             continue
         mean, worst = statistics.mean(d for _, d in pairs), max(d for _, d in pairs)
         sock, pay = r.get("steady_bytes_per_token"), r.get("steady_payload_per_token")
-        steady = f"{fmt_b(sock)}, {fmt_b(pay)}" if sock else "no window"
+        windows = [x["steady"] for x in runs if x.get("steady")
+                   and (x["system"], x["H"], x["precision"]) == (r["system"], r["H"], r["precision"])]
+        steady = (f"{fmt_b(sock)}, {fmt_b(pay)} ({statistics.mean(w['rounds'] for w in windows) / n:.0f} rounds a "
+                  f"node in {statistics.mean(w['seconds'] for w in windows):.0f} s)" if sock else "no window")
         ratios = f"{ddp['bytes_per_token'] / sock:,.0f}x, {ddp_payload / pay:,.0f}x" if sock else ""
         want = ISSUE13.get((r["H"], r["precision"]))
-        goal = (f">= {want:,}x within {REGIME_SLACK:.0%}" if want else f"within {REGIME_SLACK:.0%}")
+        goal = (f">= {want:,}x, at most +{REGIME_SLACK:.0%}" if want else f"at most +{REGIME_SLACK:.0%}")
         ok = mean <= REGIME_SLACK and (want is None or (pay is not None and ddp_payload / pay >= want))
         socket_too = want is None or (sock is not None and ddp["bytes_per_token"] / sock >= want)
         lines.append(f"| {r['H']} | {r['precision']} | {fmt_b(r['bytes_per_token'])}, "
@@ -387,7 +374,7 @@ def regime_tables(runs: list[dict], rows: list[dict], grid: list[dict], ddp: dic
                    "bytes are the namespace's (the DHT, libp2p and TCP/IP headers included); payload is what the "
                    "nodes' RPCs carried (pseudo-gradient slices, merged slices, rounds and states for catch-ups). "
                    "Whole run: from start to exit. Steady state: from the moment every node has trained "
-                   f"{STEADY[0]:.0%} of its steps to the moment the first has trained {STEADY[1]:.0%} (start-up, "
+                   f"{c.STEADY[0]:.0%} of its steps to the moment the first has trained {c.STEADY[1]:.0%} (start-up, "
                    "the first states and the end-of-budget flush left out). DDP: its socket figure "
                    f"({fmt_b(ddp['bytes_per_token'])} per token), and for payload its fp32 ring all-reduce of every "
                    f"gradient, 8 (N - 1) / N x {PARAMS:,} bytes per step ({fmt_b(ddp_payload)} per token at "
@@ -436,7 +423,8 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
     doc.intro = [
         f"{a.nodes} nodes (processes) per system, {a.steps} inner steps each of {c.TOKENS_PER_STEP} tokens "
         f"(batch 16 x 64 bytes), so {a.steps * c.TOKENS_PER_STEP * a.nodes / 1e6:.2f}M training tokens per system; "
-        "the same byte-level GPT (2 layers, 64 wide, 119k parameters, seed 0), AdamW (lr 3e-3, 50 warmup steps, "
+        "the same byte-level GPT (2 layers, 64 wide, 119k parameters), AdamW (lr 3e-3, DDP at the best of its grid "
+        "when one is given below; 50 warmup steps, "
         "cosine to the last step, weight decay 0.1, clip 1.0), data shard i of the standard library's source on "
         "process i, and the same held-out bytes for everyone. DiLoCo variants: outer Nesterov lr 0.7, "
         "momentum 0.9 (p2pdiloco's `topk2`: the settings it is measured with, " + ", ".join(
@@ -476,20 +464,20 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
                       + (f" (on {r['commit']})" if r.get("commit", m["commit"]) != m["commit"] else "")])
     doc.table(["system", "H", "wire", "tokens", "socket MB", "payload MB", "bytes / node / token",
                "fewer bytes than DDP", "held-out loss", "vs DDP", "wall s", "notes"], table,
-              f"All runs (mean over seeds {a.seeds}" + (", torchft at the first only" if len(a.seeds) > 1 and any(
+              f"All runs (mean over seeds {a.seeds}; notes: the first seed's" + (", torchft at the first only" if len(a.seeds) > 1 and any(
                   r["system"] == SYSTEMS["torchft"] for r in rows) else "")
               + "):")
     doc.sections.extend(regime_tables(runs, rows, grid, ddp, a))
     vs_rows, vs_checks = versus_sync(runs, a)
     if vs_rows:
-        doc.table(["H", "wire", "per seed", "mean", "worst seed", f"within {SYNC_SLACK:.0%} (mean)"], vs_rows,
+        doc.table(["H", "wire", "per seed", "mean", "worst seed", f"at most +{SYNC_SLACK:.0%} (mean; issue 11)"], vs_rows,
                   "p2pdiloco against synchronous DiLoCo at the same H, seed and tokens (held-out loss, relative "
                   "change; our cost, apart from the method's):")
     p2p = [r for r in rows if r["system"] == "p2pdiloco"]
     meet = [r for r in p2p if r["bytes_per_token"] <= limit_b and r["loss"] <= limit_l]
     best_b = [r for r in p2p if r["bytes_per_token"] <= limit_b]
     best_l = [r for r in p2p if r["loss"] <= limit_l]
-    goal = (f"Goal: at least {DDP_FACTOR}x fewer bytes per token than DDP ({fmt_b(limit_b)} bytes or fewer) with "
+    goal = (f"Issue 1's goal (whole runs, socket bytes): at least {DDP_FACTOR}x fewer bytes per token than DDP ({fmt_b(limit_b)} bytes or fewer) with "
             f"held-out loss within {100 * LOSS_SLACK:.0f}% of DDP's ({limit_l:.4f} or lower).")
     if meet:
         best = min(meet, key=lambda r: r["loss"])
@@ -517,7 +505,7 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
         doc.text("Runs that failed (left out above): " + "; ".join(failed))
     doc.text(f"![bandwidth against quality]({a.doc}.png)")
     doc.write(m, seconds, {"rows": runs, "grid": grid, "workdir": str(work), "ddp_factor": DDP_FACTOR,
-                           "loss_slack": LOSS_SLACK, "sync_slack": SYNC_SLACK, "seeds": a.seeds})
+                           "loss_slack": LOSS_SLACK, "sync_slack": SYNC_SLACK, "seeds": a.seeds, "seconds": seconds})
     plot(rows, ddp, c.DOCS / f"{a.doc}.png")
     print(f"bandwidth: wrote {c.DOCS / a.doc}.md and {a.doc}.png ({seconds / 60:.1f} min)", flush=True)
 
@@ -551,12 +539,12 @@ def why(rows: list[dict], ddp: dict, a: argparse.Namespace) -> list[str]:
         ctl = [(r["bytes"] - r["payload"]) / (r["nodes"] * r["seconds"]) for r in p2p]
         share = [r["payload"] / r["bytes"] for r in p2p]
         extra = [(r["bytes"] - r["payload"]) / r["tokens"] for r in p2p]
-        out.append(f"- Bytes. The nodes' own RPC payload is {100 * min(share):.0f}-{100 * max(share):.0f}% of "
+        out.append(f"- Bytes. The nodes' own RPC payload is {span(share, 100, '.0f')}% of "
                    "p2pdiloco's socket bytes. The rest is libp2p framing (TLS, yamux and TCP/IP headers on every "
                    "message), start-up (the DHT, joins, the first state) and the control plane (matchmaking, "
                    "heartbeats, DHT records; control_plane.md measures it per round and per second): "
-                   f"{min(ctl) / 1e3:.1f}-{max(ctl) / 1e3:.1f} kB/s per node over the runs, "
-                   f"{min(extra):.2f}-{max(extra):.2f} bytes per training token (DDP/"
+                   f"{span(ctl, 1e-3, '.1f')} kB/s per node over the runs, "
+                   f"{span(extra, 1, '.2f')} bytes per training token (DDP/"
                    f"{ddp['bytes_per_token'] / max(extra):,.0f} to DDP/{ddp['bytes_per_token'] / min(extra):,.0f}).")
         rest = [f"H={r['H']} {r['precision']}: {catchups(r)}" for r in p2p]
         out.append("- Catch-ups. A node that missed a fragment's round follows it from the round's merged slices "
@@ -564,6 +552,12 @@ def why(rows: list[dict], ddp: dict, a: argparse.Namespace) -> list[str]:
                    f"{8 * PARAMS / FRAGMENTS / 1e3:.0f} kB): " + "; ".join(rest) + " per run (first seed; "
                    "both count in the payload).")
     return ["\n".join(out)]
+
+
+def span(xs: list[float], scale: float, f: str) -> str:
+    """``lo-hi`` of ``xs`` times ``scale`` in format ``f``; one number when they print alike."""
+    lo, hi = format(min(xs) * scale, f), format(max(xs) * scale, f)
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def catchups(r: dict) -> int:

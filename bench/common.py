@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from node.control import ControlUnreachable, query  # noqa: E402
 from p2pdiloco.procs import Proc, Processes, read_json  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks"
@@ -361,6 +362,44 @@ def start_swarm(procs: Processes, work: Path, n: int, values: dict[str, str], *,
         wrap = [*prefix, *(node_prefix[i] if node_prefix else [])]
         nodes.append((procs.start([*wrap, *argv], d / "node.log"), d))
     return nodes
+
+
+STEADY = (0.15, 0.85)  # the steady window: from every node past this share of its steps to the first past that
+
+
+def window_by_steps(ns: NetNS, nodes: list, steps: int, timeout: float = 1800.0) -> dict | None:
+    """Socket bytes, payload, tokens and rounds between the moment every node has trained
+    ``STEADY[0]`` of its ``steps`` and the moment the first has trained ``STEADY[1]``: start-up
+    (joins, first states) and the end-of-budget flush left out. The nodes' figures are fresh
+    snapshots from their control sockets, read right after the namespace's counter. None when
+    a node stops answering before the window closes (the run's own checks then say why)."""
+    socks = [str(d / "control.sock") for _, d in nodes]
+
+    def snapshot() -> tuple[int, float, list[dict]] | None:
+        sent, t = ns.tx_bytes(), time.monotonic()
+        try:
+            return sent, t, [query(q, timeout=10) for q in socks]
+        except ControlUnreachable:
+            return None
+
+    def wait(done) -> tuple[int, float, list[dict]] | None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            snap = snapshot()
+            if snap and done([x.get("step", 0) for x in snap[2]]):
+                return snap
+            if any(p.poll() is not None for p, _ in nodes):
+                return None
+            time.sleep(0.5)
+        return None
+
+    a = wait(lambda st: min(st) >= STEADY[0] * steps)
+    b = a and wait(lambda st: max(st) >= STEADY[1] * steps)
+    if not b:
+        return None
+    delta = {k: sum(y[k] - x[k] for x, y in zip(a[2], b[2])) for k in ("tokens", "bytes_out", "rounds_committed")}
+    return {"bytes": b[0] - a[0], "seconds": b[1] - a[1], "tokens": delta["tokens"], "payload": delta["bytes_out"],
+            "rounds": delta["rounds_committed"]}
 
 
 def worker_argv(mode: str, rank: int, world: int, values: dict[str, str], out: Path, **kw: Any) -> list[str]:
