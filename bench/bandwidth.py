@@ -185,7 +185,8 @@ def main() -> None:
         done = read_run(p, a, a.report_from, "--report-from")
         if "seconds" not in done:
             p.error(f"--report-from {a.report_from}: the run's duration is not in it")
-        write(a, done["rows"], done.get("grid", []), done["machine"], done["seconds"], True, Path(done["workdir"]), [])
+        write(a, done["rows"], done.get("grid", []), done["machine"], done["seconds"],
+              all(r.get("isolated", True) for r in done["rows"]), Path(done["workdir"]), [])
         return
     c.install_signal_handlers()
     c.cleanup_stale()
@@ -201,18 +202,17 @@ def main() -> None:
             into += [dict(r, commit=r.get("commit", earlier["machine"]["commit"]))
                      for r in earlier.get(key, []) if r["system"] in keep]
 
-    def go(label: str, fn, *args, into: list[dict] = rows, **kw) -> dict | None:
+    def go(label: str, fn, *args, into: list[dict] = rows, **kw) -> None:
         print(f"bandwidth: {label} ...", flush=True)
         try:
             r = fn(*args, **kw)
         except RuntimeError as e:
             print(f"bandwidth: {label} failed: {e}", flush=True)
             failed.append(f"{label}: {e}")
-            return None
+            return
         into.append(dict(r, commit=m["commit"]))
         print(f"bandwidth: {label}: {r['bytes_per_token']:.3f} B/token, loss {r['loss']:.4f}, "
               f"{r['seconds']:.0f} s", flush=True)
-        return r
 
     if any(a.steps % H for H in {*a.H, a.precision_H}):
         raise SystemExit("bandwidth: every H must divide --steps (the synchronous baselines sync on the last step)")
@@ -382,26 +382,17 @@ def regime_tables(runs: list[dict], rows: list[dict], grid: list[dict], ddp: dic
     return out
 
 
-def versus_sync(runs: list[dict], a: argparse.Namespace) -> tuple[list[list], list[tuple[str, bool]]]:
+def versus_sync(runs: list[dict]) -> list[list]:
     """p2pdiloco's held-out loss against synchronous DiLoCo at the same H and seed (the same
-    tokens): per seed, mean and worst relative change; the goal is within SYNC_SLACK."""
-    rows, checks = [], []
+    tokens): per seed, mean and worst relative change; issue 11's goal is within SYNC_SLACK."""
+    rows = []
     for r0 in mean_rows([r for r in runs if r["system"] == "p2pdiloco"]):
-        pairs = []
-        for seed in r0["seeds"]:
-            mine = next(r for r in runs if r["system"] == "p2pdiloco" and r["H"] == r0["H"]
-                        and r["precision"] == r0["precision"] and r.get("seed", 0) == seed)
-            sync = next((r for r in runs if r["system"] == "sync DiLoCo" and r["H"] == r0["H"]
-                         and r.get("seed", 0) == seed), None)
-            if sync:
-                pairs.append((seed, mine["loss"] / sync["loss"] - 1))
-        if not pairs:
-            continue
-        mean = statistics.mean(d for _, d in pairs)
-        rows.append([r0["H"], r0["precision"], ", ".join(f"{d:+.2%} (seed {s})" for s, d in pairs), f"{mean:+.2%}",
-                     f"{max(d for _, d in pairs):+.2%}", c.verdict(mean <= SYNC_SLACK)])
-        checks.append((f"H={r0['H']} {r0['precision']}", mean <= SYNC_SLACK))
-    return rows, checks
+        pairs = pair(runs, r0, "sync DiLoCo", r0["H"])
+        if pairs:
+            mean = statistics.mean(d for _, d in pairs)
+            rows.append([r0["H"], r0["precision"], ", ".join(f"{d:+.2%} (seed {s})" for s, d in pairs),
+                         f"{mean:+.2%}", f"{max(d for _, d in pairs):+.2%}", c.verdict(mean <= SYNC_SLACK)])
+    return rows
 
 
 def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, seconds: float, isolated: bool,
@@ -464,21 +455,23 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
                       + (f" (on {r['commit']})" if r.get("commit", m["commit"]) != m["commit"] else "")])
     doc.table(["system", "H", "wire", "tokens", "socket MB", "payload MB", "bytes / node / token",
                "fewer bytes than DDP", "held-out loss", "vs DDP", "wall s", "notes"], table,
-              f"All runs (mean over seeds {a.seeds}; notes: the first seed's" + (", torchft at the first only" if len(a.seeds) > 1 and any(
-                  r["system"] == SYSTEMS["torchft"] for r in rows) else "")
-              + "):")
+              f"All runs (mean over seeds {a.seeds}; notes: the first seed's"
+              + (", torchft at the first only" if len(a.seeds) > 1 and SYSTEMS["torchft"] in {r["system"] for r in rows}
+                 else "") + "):")
     doc.sections.extend(regime_tables(runs, rows, grid, ddp, a))
-    vs_rows, vs_checks = versus_sync(runs, a)
+    vs_rows = versus_sync(runs)
     if vs_rows:
-        doc.table(["H", "wire", "per seed", "mean", "worst seed", f"at most +{SYNC_SLACK:.0%} (mean; issue 11)"], vs_rows,
+        doc.table(["H", "wire", "per seed", "mean", "worst seed", f"at most +{SYNC_SLACK:.0%} (mean; issue 11)"],
+                  vs_rows,
                   "p2pdiloco against synchronous DiLoCo at the same H, seed and tokens (held-out loss, relative "
                   "change; our cost, apart from the method's):")
     p2p = [r for r in rows if r["system"] == "p2pdiloco"]
     meet = [r for r in p2p if r["bytes_per_token"] <= limit_b and r["loss"] <= limit_l]
     best_b = [r for r in p2p if r["bytes_per_token"] <= limit_b]
     best_l = [r for r in p2p if r["loss"] <= limit_l]
-    goal = (f"Issue 1's goal (whole runs, socket bytes): at least {DDP_FACTOR}x fewer bytes per token than DDP ({fmt_b(limit_b)} bytes or fewer) with "
-            f"held-out loss within {100 * LOSS_SLACK:.0f}% of DDP's ({limit_l:.4f} or lower).")
+    goal = (f"Issue 1's goal (whole runs, socket bytes): at least {DDP_FACTOR}x fewer bytes per token than DDP "
+            f"({fmt_b(limit_b)} bytes or fewer) with held-out loss within {100 * LOSS_SLACK:.0f}% of DDP's "
+            f"({limit_l:.4f} or lower).")
     if meet:
         best = min(meet, key=lambda r: r["loss"])
         lines = [goal, "", f"Result: {c.verdict(True)} by p2pdiloco H={best['H']} {best['precision']}: "
