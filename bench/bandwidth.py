@@ -42,7 +42,7 @@ SYNC_SLACK = 0.01  # goal: p2pdiloco's held-out loss within 1% of synchronous Di
 
 def run_baseline(mode: str, n: int, steps: int, H: int | None, work: Path, seed: int = 0, **over: str) -> dict:
     """DDP / synchronous DiLoCo / torchft DiLoCo: n worker processes in one namespace; ``over``:
-    settings on top of the benchmark's (``inner__lr``: DDP's learning-rate grid)."""
+    settings on top of the benchmark's (``inner__lr``: DDP's learning-rate grid; ``--set``'s)."""
     values = c.settings(inner__total_steps=steps, seed=seed, **over)
     work.mkdir(parents=True, exist_ok=True)
     with c.NetNS(mode) as ns, c.processes() as procs:
@@ -75,12 +75,13 @@ def run_baseline(mode: str, n: int, steps: int, H: int | None, work: Path, seed:
             + (f"ranks {torn} exited non-zero after writing their results" if torn else "")}
 
 
-def run_p2p(n: int, steps: int, H: int, precision: str, work: Path, seed: int = 0) -> dict:
+def run_p2p(n: int, steps: int, H: int, precision: str, work: Path, seed: int = 0, **over: str) -> dict:
     """``n`` real nodes and a bootstrap peer in one namespace; ``topk2`` runs at the outer
-    settings it is measured with (``config.TOPK2_RECIPE``), every other wire at DiLoCo's."""
+    settings it is measured with (``config.TOPK2_RECIPE``), every other wire at DiLoCo's;
+    ``over``: ``--set``'s settings."""
     recipe = {f"outer__{k}": v for k, v in TOPK2_RECIPE.items()} if precision == "topk2" else {}
     values = {**c.settings(inner__total_steps=steps, outer__sync_every=H, outer__wire_precision=precision,
-                           eval_every=10 * steps, seed=seed, **recipe), **c.SWARM}
+                           eval_every=10 * steps, seed=seed, **recipe, **over), **c.SWARM}
     work.mkdir(parents=True, exist_ok=True)
     with c.NetNS(f"p2p{H}{precision}") as ns, c.processes() as procs:
         before, t0 = ns.tx_bytes(), time.monotonic()
@@ -177,7 +178,16 @@ def main() -> None:
                    help="write the report again from a run's JSON file (run with the same flags), running nothing")
     p.add_argument("--doc", default="bandwidth", help="name of the files written in docs/benchmarks")
     p.add_argument("--workdir", type=Path, default=None)
+    c.add_set_option(p)
     a = p.parse_args()
+    a.model = {}  # --set: the model's size only (its context and batch, hence tokens per step, stay)
+    c.apply_overrides(p, a.model, a.overrides)
+    if set(a.model) - set(SIZES):
+        p.error(f"--set: only {', '.join(SIZES)} (the model's size), not {', '.join(sorted(set(a.model) - set(SIZES)))}")
+    try:
+        a.params = c.params(a.model)
+    except (TypeError, ValueError) as e:
+        p.error(f"--set: {e}")
     if a.quick:
         a.steps, a.H, a.precision_H, a.precisions = 60, [30], 30, ["fp32", "int4"]
     earlier = read_run(p, a, a.rows_from, "--rows-from") if a.rows_from else None
@@ -224,7 +234,7 @@ def main() -> None:
         if "ddp" in a.systems and seed == a.seeds[0] and a.ddp_lr:
             for lr in a.ddp_lr:
                 go(f"DDP lr {lr:g} seed {seed}", run_baseline, "ddp", a.nodes, a.steps, None, sw / f"ddp-lr{lr:g}",
-                   seed, into=grid, inner__lr=f"{lr:g}")
+                   seed, into=grid, inner__lr=f"{lr:g}", **a.model)
             tried = [r for r in grid if r["system"] == "DDP"]
             if tried:
                 ddp_lr = min(tried, key=lambda r: r["loss"])["inner_lr"]
@@ -232,13 +242,14 @@ def main() -> None:
                 print(f"bandwidth: DDP runs at lr {ddp_lr:g} (lowest held-out loss at seed {seed})", flush=True)
         elif "ddp" in a.systems:
             go(f"DDP seed {seed}", run_baseline, "ddp", a.nodes, a.steps, None, sw / "ddp", seed,
-               inner__lr=f"{ddp_lr:g}")
+               inner__lr=f"{ddp_lr:g}", **a.model)
         for H in a.H if "diloco" in a.systems else []:
-            go(f"sync DiLoCo H={H} seed {seed}", run_baseline, "diloco", a.nodes, a.steps, H, sw / f"diloco{H}", seed)
+            go(f"sync DiLoCo H={H} seed {seed}", run_baseline, "diloco", a.nodes, a.steps, H, sw / f"diloco{H}", seed,
+               **a.model)
             for mu in (a.momenta or []) if seed == a.seeds[0] else []:
                 if f"{mu:g}" != c.TRAIN["outer.momentum"]:
                     go(f"sync DiLoCo H={H} momentum {mu:g} seed {seed}", run_baseline, "diloco", a.nodes, a.steps,
-                       H, sw / f"diloco{H}-m{mu:g}", seed, into=grid, outer__momentum=f"{mu:g}")
+                       H, sw / f"diloco{H}-m{mu:g}", seed, into=grid, outer__momentum=f"{mu:g}", **a.model)
         if "torchft" in a.systems and not a.no_torchft and seed == a.seeds[0]:
             try:
                 import torchft  # noqa: F401, PLC0415
@@ -247,9 +258,10 @@ def main() -> None:
             else:
                 H = a.precision_H
                 go(f"torchft DiLoCo H={H} seed {seed}", run_baseline, "torchft", a.nodes, a.steps, H, sw / "torchft",
-                   seed)
+                   seed, **a.model)
         for H, prec in runs if "p2p" in a.systems else []:
-            go(f"p2pdiloco H={H} {prec} seed {seed}", run_p2p, a.nodes, a.steps, H, prec, sw / f"p2p-{H}-{prec}", seed)
+            go(f"p2pdiloco H={H} {prec} seed {seed}", run_p2p, a.nodes, a.steps, H, prec, sw / f"p2p-{H}-{prec}", seed,
+               **a.model)
     seconds = time.monotonic() - t0
     write(a, rows, grid, m, seconds, isolated, work, failed)
     sys.exit(1 if failed else 0)
@@ -270,6 +282,8 @@ def read_run(p: argparse.ArgumentParser, a: argparse.Namespace, path: Path, flag
     if {r["nodes"] for r in run["rows"]} != {a.nodes} or (base and steps != {a.steps}):
         p.error(f"{flag} {path}: that run had {sorted({r['nodes'] for r in run['rows']})} nodes and "
                 f"{sorted(steps)} steps, this one --nodes {a.nodes} --steps {a.steps}")
+    if run.get("model", {}) != a.model:
+        p.error(f"{flag} {path}: that run's model settings were {run.get('model', {})}, this one's {a.model}")
     missing = sorted(set(a.seeds) - {r.get("seed", 0) for r in run["rows"]})
     if missing:
         p.error(f"{flag} {path}: that run has no seed {missing[0]}")
@@ -345,7 +359,7 @@ def regime_tables(runs: list[dict], rows: list[dict], grid: list[dict], ddp: dic
         out.append(f"The method's cost: synchronous DiLoCo's held-out loss against DDP's (inner lr "
                    f"{ddp['inner_lr']:g}) at the same seed and tokens:\n\n" + "\n".join(lines))
     n = ddp["nodes"]
-    ddp_payload = 8 * (n - 1) / n * PARAMS / c.TOKENS_PER_STEP  # fp32 ring all-reduce of every gradient
+    ddp_payload = 8 * (n - 1) / n * a.params / c.TOKENS_PER_STEP  # fp32 ring all-reduce of every gradient
     lines = ["| H | wire | bytes / node / token, whole run: socket, payload | steady state: socket, payload | "
              "DDP / ours, steady: socket, payload | vs sync DiLoCo: mean (worst seed) | goal | |",
              "|---|---|---|---|---|---|---|---|"]
@@ -377,7 +391,7 @@ def regime_tables(runs: list[dict], rows: list[dict], grid: list[dict], ddp: dic
                    f"{c.STEADY[0]:.0%} of its steps to the moment the first has trained {c.STEADY[1]:.0%} (start-up, "
                    "the first states and the end-of-budget flush left out). DDP: its socket figure "
                    f"({fmt_b(ddp['bytes_per_token'])} per token), and for payload its fp32 ring all-reduce of every "
-                   f"gradient, 8 (N - 1) / N x {PARAMS:,} bytes per step ({fmt_b(ddp_payload)} per token at "
+                   f"gradient, 8 (N - 1) / N x {a.params:,} bytes per step ({fmt_b(ddp_payload)} per token at "
                    f"N = {n}):\n\n" + "\n".join(lines))
     return out
 
@@ -409,12 +423,12 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
             ("--momenta", " ".join(f"{x:g}" for x in a.momenta or []), ""),
             ("--systems", " ".join(a.systems), " ".join(SYSTEMS)), ("--rows-from", a.rows_from, None),
             ("--doc", a.doc, "bandwidth")) if not a.quick and str(value) != str(default)) + (
-        " --no-torchft" if a.no_torchft else "")
+        " --no-torchft" if a.no_torchft else "") + "".join(f" --set {k}={v}" for k, v in a.model.items())
     doc = c.Doc(a.doc, "Benchmark 1: bandwidth against quality", cmd)
     doc.intro = [
         f"{a.nodes} nodes (processes) per system, {a.steps} inner steps each of {c.TOKENS_PER_STEP} tokens "
         f"(batch 16 x 64 bytes), so {a.steps * c.TOKENS_PER_STEP * a.nodes / 1e6:.2f}M training tokens per system; "
-        "the same byte-level GPT (2 layers, 64 wide, 119k parameters), AdamW (lr 3e-3, DDP at the best of its grid "
+        f"the same byte-level GPT ({describe(a)}), AdamW (lr 3e-3, DDP at the best of its grid "
         "when one is given below; 50 warmup steps, "
         "cosine to the last step, weight decay 0.1, clip 1.0), data shard i of the standard library's source on "
         "process i, and the same held-out bytes for everyone. DiLoCo variants: outer Nesterov lr 0.7, "
@@ -497,14 +511,20 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
     if failed:
         doc.text("Runs that failed (left out above): " + "; ".join(failed))
     doc.text(f"![bandwidth against quality]({a.doc}.png)")
-    doc.write(m, seconds, {"rows": runs, "grid": grid, "workdir": str(work), "ddp_factor": DDP_FACTOR,
+    doc.write(m, seconds, {"rows": runs, "grid": grid, "model": a.model, "params": a.params, "workdir": str(work),
+                           "ddp_factor": DDP_FACTOR,
                            "loss_slack": LOSS_SLACK, "sync_slack": SYNC_SLACK, "seeds": a.seeds, "seconds": seconds})
     plot(rows, ddp, c.DOCS / f"{a.doc}.png")
     print(f"bandwidth: wrote {c.DOCS / a.doc}.md and {a.doc}.png ({seconds / 60:.1f} min)", flush=True)
 
 
-PARAMS = 119_424  # parameters of the benchmark model
 FRAGMENTS = 4
+SIZES = ("model.n_layer", "model.n_embd", "model.n_head")  # what --set may change
+
+
+def describe(a: argparse.Namespace) -> str:
+    m = {k: a.model.get(k, c.MODEL[k]) for k in SIZES}
+    return f"{m['model.n_layer']} layers, {m['model.n_embd']} wide, {a.params / 1e3:.0f}k parameters"
 
 
 def why(rows: list[dict], ddp: dict, a: argparse.Namespace) -> list[str]:
@@ -518,7 +538,8 @@ def why(rows: list[dict], ddp: dict, a: argparse.Namespace) -> list[str]:
                    f"every time, no swarm) is {100 * (sync['loss'] / ddp['loss'] - 1):+.1f}% against DDP"
                    + (f", and torchft's DiLoCo gives {tft['loss']:.4f} against its {sync['loss']:.4f}"
                       if tft else "")
-                   + f". With {a.steps} inner steps ({a.steps // H} outer steps at H = {H}) on a 119k-parameter "
+                   + f". With {a.steps} inner steps ({a.steps // H} outer steps at H = {H}) on a "
+                   + f"{a.params / 1e3:.0f}k-parameter "
                    + ("model, DiLoCo-style training itself is more than 2% behind DDP at equal tokens, so no H that "
                       "saves bandwidth can meet the 2% bound here; the gap narrows with longer runs and larger "
                       "models (DiLoCo, arXiv 2311.08105). " if sync["loss"] > ddp["loss"] * (1 + LOSS_SLACK) else
@@ -542,7 +563,7 @@ def why(rows: list[dict], ddp: dict, a: argparse.Namespace) -> list[str]:
         rest = [f"H={r['H']} {r['precision']}: {catchups(r)}" for r in p2p]
         out.append("- Catch-ups. A node that missed a fragment's round follows it from the round's merged slices "
                    "(catchups.md) or, further behind, downloads the fragment's fp32 state (Θ and the momentum b, "
-                   f"{8 * PARAMS / FRAGMENTS / 1e3:.0f} kB): " + "; ".join(rest) + " per run (first seed; "
+                   f"{8 * a.params / FRAGMENTS / 1e3:.0f} kB): " + "; ".join(rest) + " per run (first seed; "
                    "both count in the payload).")
     return ["\n".join(out)]
 

@@ -57,6 +57,15 @@ SWARM = {
 TOKENS_PER_STEP = 16 * 64
 
 
+def params(model: dict[str, str]) -> int:
+    """Parameters of the benchmark model with ``model``'s settings over :data:`MODEL`'s (119,424
+    without); raises ValueError (or TypeError) for settings the model does not take."""
+    from p2pdiloco.model_config import ModelConfig  # noqa: PLC0415
+
+    sizes = {k.split(".", 1)[1]: int(v) for k, v in {**MODEL, **model}.items()}
+    return ModelConfig(**sizes).num_parameters
+
+
 def settings(**over: Any) -> dict[str, str]:
     """TRAIN with ``section__field=value`` overrides (double underscore for the dot)."""
     out = dict(TRAIN)
