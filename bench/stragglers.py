@@ -171,8 +171,9 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
     doc.intro = [
         f"{a.nodes} processes per system on the benchmark model (2 layers, 64 wide, batch 16 x 64 bytes"
         f"{'; with ' + ', '.join(a.overrides) if a.overrides else ''}). Once it "
-        f"trains, every process runs in its own CPU-quota cgroup (CFS bandwidth control): {a.cap:g} cores for nodes 0 to "
-        f"{a.nodes - 2}, {a.cap / a.slow:g} cores (1/{a.slow:g}) for node {a.nodes - 1}, the straggler. A p2pdiloco "
+        f"trains, every process runs in its own CPU-quota cgroup (CFS bandwidth control): {a.cap:g} "
+        f"core{'' if a.cap == 1 else 's'} for " + ("node 0" if a.nodes == 2 else f"nodes 0 to {a.nodes - 2}")
+        + f", {a.cap / a.slow:g} cores (1/{a.slow:g}) for node {a.nodes - 1}, the straggler. A p2pdiloco "
         "node's cgroup holds its Python process and its p2pd, so the swarm's own work counts against its quota. "
         f"The slow node trains the same model on the same batch size; it just gets 1/{a.slow:g} of the CPU time.",
         "",
