@@ -62,7 +62,11 @@ def params(model: dict[str, str]) -> int:
     without); raises ValueError (or TypeError) for settings the model does not take."""
     from p2pdiloco.model_config import ModelConfig  # noqa: PLC0415
 
-    sizes = {k.split(".", 1)[1]: int(v) for k, v in {**MODEL, **model}.items()}
+    sizes = {}
+    for k, v in {**MODEL, **model}.items():
+        if not v.isdigit():
+            raise ValueError(f"{k}={v}: not a whole number")
+        sizes[k.split(".", 1)[1]] = int(v)
     return ModelConfig(**sizes).num_parameters
 
 
