@@ -119,7 +119,7 @@ def plot(rows: list[dict], ddp: dict, path: Path) -> None:
     ax.text(ddp["bytes_per_token"] / DDP_FACTOR, ddp["loss"] * (1 + LOSS_SLACK), " DDP/500\n within 2%\n of DDP",
             fontsize=7, va="top", color="#555")
     styles = {"DDP": ("s", "black"), "sync DiLoCo": ("^", "tab:blue"), "torchft DiLoCo": ("v", "tab:orange")}
-    colors = {"fp32": "tab:red", "fp16": "tab:purple", "int8": "tab:green", "int4": "tab:brown"}
+    colors = {"fp32": "tab:red", "fp16": "tab:purple", "int8": "tab:green", "int4": "tab:brown", "topk2": "tab:olive"}
     for sysname, (marker, color) in styles.items():
         pts = sorted((r for r in rows if r["system"] == sysname), key=lambda r: r["bytes_per_token"])
         if pts:
