@@ -453,7 +453,7 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
     ]
     if ddp is None:
         doc.text("DDP did not run, so no ratio can be given.")
-        doc.write(m, seconds, {"rows": runs, "workdir": str(work)})
+        doc.write(m, seconds, {"rows": runs, "model": a.model, "workdir": str(work)})
         return
     limit_b = ddp["bytes_per_token"] / DDP_FACTOR
     limit_l = ddp["loss"] * (1 + LOSS_SLACK)
