@@ -232,7 +232,7 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
                "per node trained / s (node 0 ... straggler)", "cost of the straggler"], rows,
               "Reference: the sum of the standalone throughputs in the standalone phases just before and just after "
               f"the system's phase (mean of the two); the straggler's standalone rate is 1/{factor:.2f} of a normal "
-              "node's (median over every standalone phase), the measured slowdown.")
+              "node's (each node's mean over every standalone phase; the fast nodes' median), the measured slowdown.")
     swarms = [summary[k] for k in summary if k.startswith("p2pdiloco")]
     lines = [f"Goal: the slowed node costs the swarm under {100 * GOAL:.0f}% of its merged-token rate, i.e. the swarm "
              f"merges at least {100 - 100 * GOAL:.0f}% of the sum of the nodes' standalone throughputs."]
