@@ -251,7 +251,9 @@ async def test_a_heartbeat_reaches_each_peer_once_per_beat_every_and_a_change_at
             await quiet()
             assert got[b.peer_id] == [1]
             pusher.heard_from(b.peer_id, hello=True)  # b says it just started (restarted): it gets our newest
-            await until(lambda: got[b.peer_id] == [1, 3], 10, "the answer to b's hello", every=0.02)
+            # b has it, and the pusher has counted it (and noted the push's time, which the skew below must follow)
+            await until(lambda: got[b.peer_id] == [1, 3] and pusher.stats["sent"] == 2, 10, "the answer to b's hello",
+                        every=0.02)
             skew[0] += 20.0  # 20 s after the last push
             pusher.set({"n": 4}, beat=True)
             await until(lambda: got[b.peer_id] == [1, 3, 4], 10, "heartbeat 4", every=0.02)
