@@ -186,7 +186,7 @@ def main() -> None:
         p.error(f"--set: only {', '.join(SIZES)} (the model's size), not {', '.join(sorted(set(a.model) - set(SIZES)))}")
     try:
         a.params = c.params(a.model)
-    except (TypeError, ValueError) as e:
+    except ValueError as e:
         p.error(f"--set: {e}")
     if a.quick:
         a.steps, a.H, a.precision_H, a.precisions = 60, [30], 30, ["fp32", "int4"]
@@ -215,7 +215,7 @@ def main() -> None:
     def go(label: str, fn, *args, into: list[dict] = rows, **kw) -> None:
         print(f"bandwidth: {label} ...", flush=True)
         try:
-            r = fn(*args, **kw)
+            r = fn(*args, **a.model, **kw)  # every system on --set's model
         except RuntimeError as e:
             print(f"bandwidth: {label} failed: {e}", flush=True)
             failed.append(f"{label}: {e}")
@@ -234,7 +234,7 @@ def main() -> None:
         if "ddp" in a.systems and seed == a.seeds[0] and a.ddp_lr:
             for lr in a.ddp_lr:
                 go(f"DDP lr {lr:g} seed {seed}", run_baseline, "ddp", a.nodes, a.steps, None, sw / f"ddp-lr{lr:g}",
-                   seed, into=grid, inner__lr=f"{lr:g}", **a.model)
+                   seed, into=grid, inner__lr=f"{lr:g}")
             tried = [r for r in grid if r["system"] == "DDP"]
             if tried:
                 ddp_lr = min(tried, key=lambda r: r["loss"])["inner_lr"]
@@ -242,14 +242,13 @@ def main() -> None:
                 print(f"bandwidth: DDP runs at lr {ddp_lr:g} (lowest held-out loss at seed {seed})", flush=True)
         elif "ddp" in a.systems:
             go(f"DDP seed {seed}", run_baseline, "ddp", a.nodes, a.steps, None, sw / "ddp", seed,
-               inner__lr=f"{ddp_lr:g}", **a.model)
+               inner__lr=f"{ddp_lr:g}")
         for H in a.H if "diloco" in a.systems else []:
-            go(f"sync DiLoCo H={H} seed {seed}", run_baseline, "diloco", a.nodes, a.steps, H, sw / f"diloco{H}", seed,
-               **a.model)
+            go(f"sync DiLoCo H={H} seed {seed}", run_baseline, "diloco", a.nodes, a.steps, H, sw / f"diloco{H}", seed)
             for mu in (a.momenta or []) if seed == a.seeds[0] else []:
                 if f"{mu:g}" != c.TRAIN["outer.momentum"]:
                     go(f"sync DiLoCo H={H} momentum {mu:g} seed {seed}", run_baseline, "diloco", a.nodes, a.steps,
-                       H, sw / f"diloco{H}-m{mu:g}", seed, into=grid, outer__momentum=f"{mu:g}", **a.model)
+                       H, sw / f"diloco{H}-m{mu:g}", seed, into=grid, outer__momentum=f"{mu:g}")
         if "torchft" in a.systems and not a.no_torchft and seed == a.seeds[0]:
             try:
                 import torchft  # noqa: F401, PLC0415
@@ -258,10 +257,9 @@ def main() -> None:
             else:
                 H = a.precision_H
                 go(f"torchft DiLoCo H={H} seed {seed}", run_baseline, "torchft", a.nodes, a.steps, H, sw / "torchft",
-                   seed, **a.model)
+                   seed)
         for H, prec in runs if "p2p" in a.systems else []:
-            go(f"p2pdiloco H={H} {prec} seed {seed}", run_p2p, a.nodes, a.steps, H, prec, sw / f"p2p-{H}-{prec}", seed,
-               **a.model)
+            go(f"p2pdiloco H={H} {prec} seed {seed}", run_p2p, a.nodes, a.steps, H, prec, sw / f"p2p-{H}-{prec}", seed)
     seconds = time.monotonic() - t0
     write(a, rows, grid, m, seconds, isolated, work, failed)
     sys.exit(1 if failed else 0)
@@ -422,7 +420,8 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
             ("--ddp-lr", " ".join(f"{x:g}" for x in a.ddp_lr or []), ""),
             ("--momenta", " ".join(f"{x:g}" for x in a.momenta or []), ""),
             ("--systems", " ".join(a.systems), " ".join(SYSTEMS)), ("--rows-from", a.rows_from, None),
-            ("--doc", a.doc, "bandwidth")) if not a.quick and str(value) != str(default)) + (
+            ("--doc", a.doc, "bandwidth"))  # --quick sets the steps, H and wires itself; every other flag is kept
+        if str(value) != str(default) and not (a.quick and flag in ("--steps", "--H", "--precision-H", "--precisions"))) + (
         " --no-torchft" if a.no_torchft else "") + "".join(f" --set {k}={v}" for k, v in a.model.items())
     doc = c.Doc(a.doc, "Benchmark 1: bandwidth against quality", cmd)
     doc.intro = [

@@ -59,13 +59,13 @@ TOKENS_PER_STEP = 16 * 64
 
 def params(model: dict[str, str]) -> int:
     """Parameters of the benchmark model with ``model``'s settings over :data:`MODEL`'s (119,424
-    without); raises ValueError (or TypeError) for settings the model does not take."""
+    without); raises ValueError for settings the model does not take."""
     from p2pdiloco.model_config import ModelConfig  # noqa: PLC0415
 
     sizes = {}
     for k, v in {**MODEL, **model}.items():
-        if not v.isdigit():
-            raise ValueError(f"{k}={v}: not a whole number")
+        if not (v.isascii() and v.isdigit()):
+            raise ValueError(f"{k}={v}: expected a positive whole number")
         sizes[k.split(".", 1)[1]] = int(v)
     return ModelConfig(**sizes).num_parameters
 
