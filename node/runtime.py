@@ -33,6 +33,8 @@ from p2pdiloco.net.revocation import RevocationWatch
 from p2pdiloco.net.heads import is_behind, newest_heads, runaway_heads
 from p2pdiloco.net.statesync import READ_EVERY_S, StateSync
 from p2pdiloco.net.transport import Swarm
+from p2pdiloco.trust.reputation import Reputation
+from p2pdiloco.data import evaluate
 
 from node.alone import AloneWatch
 from node.checkpoint import Resumed, checkpoint_path, resume, save_checkpoint
@@ -43,6 +45,7 @@ from node.setup import Setup, protocol_tag
 from node.stats import NodeStats, RoundRecord
 from node.swarm_view import SwarmView
 from node.training import Delivery, TrainingLoop
+from node.vetting import Vetting, trusted_records
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,10 @@ class Node:
         self.sync = StateSync(swarm, self.cfg.swarm.run_id, setup.fragments, self.committed.states,
                               on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum),
                               rounds=(out.sync_every, out.wire_precision))
+        self.reputation = Reputation()  # trust earned by work this node verified (trust.reputation)
+        self.sync.reputation = self.reputation
+        self.vetting = Vetting(self.sync, self.reputation,
+                               lambda states: evaluate(setup.global_model(states), setup.heldout), swarm.peer_id)
         self.matchmaker.listed_in = self.allreducer.expect  # our reducer part serves each group we are listed in
         self.view = SwarmView(self.sync, swarm.peer_id)  # the swarm's records, as last read
         pushers = (self.matchmaker.gatherings.pusher, self.sync.pusher)  # announcements, records: to the learners
@@ -318,6 +325,7 @@ class Node:
                                  fraction=fraction, share=group.share_of(self.swarm.peer_id)))
         log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version, len(group.members),
                  time.monotonic() - t0, new.short())
+        self._credit(merged)
         self.sync.known_by(group.members)  # they committed it too: pushed to them with our next change
         self._publish_now.set()
         self._keep_schedule()
@@ -341,12 +349,19 @@ class Node:
                 return  # another state was installed meanwhile: the records decide
             self.committed.install(p, new, group.round_id)  # our residual stays: what it corrects was not merged
         self._log_round(p, anchor, new, merged, len(group.members))
+        self._credit(merged)
         self.journal.record("follow", fragment=p, from_version=anchor.version, version=new.version,
                             digest=new.short(), ours=False, excluded=True)
         log.info("fragment %d: took v%d (%s), merged without us", p, new.version, new.short())
         self.training.deliver(Delivery(p, new, True))
         self._publish_now.set()
         self._keep_schedule()
+
+    def _credit(self, merged: RoundResult) -> None:
+        """Every other contributor of a round this node committed earns a point (trust.reputation)."""
+        for peer in merged.contributors:
+            if peer != self.swarm.peer_id:
+                self.reputation.merged(peer)
 
     def _log_round(self, p: int, anchor: FragmentState, new: FragmentState, merged: RoundResult, members: int) -> None:
         """Keep a committed round to serve nodes behind (net.deltas); never fails the commit it follows."""
@@ -400,22 +415,18 @@ class Node:
     # ---- catch-up and records ------------------------------------------------------------
     def _targets(self, records: dict[str, HeadsRecord], states: list[FragmentState] | None = None) -> list:
         """Per fragment, the head this node should move to, or None where it holds what it
-        should. The heads rule (``heads.newest_heads``: corroborated claims, ours counted)
-        picks a newer state or a split brain's winner; for a fragment it has seen no step of yet
-        (joining), only a state at least two peers hold, even after a round of its own: before a
-        step is seen the plausibility bound is loose, so one peer's claim never suffices (not
-        even a member of a round this node lost, naming it: that member could have withheld our
-        result to make us follow its state). A state only one member of a round committed is
-        then abandoned: the committer, ahead alone, falls back (``heads.runaway_heads``)."""
+        should. Only the records of this node and of peers it trusts count
+        (``node.vetting.trusted_records``; none while it trusts no live peer: it vets first,
+        :meth:`_catch_up`). Among them the heads rule (``heads.newest_heads``) picks a newer state
+        or a split brain's winner; a node ahead alone of the trusted peers falls back
+        (``heads.runaway_heads``)."""
         states = self.committed.states() if states is None else states
         n, me = len(states), self.swarm.peer_id
-        mine = [st.version for st in states]
-        heads = newest_heads(records, n, me=me, mine=mine)
-        joining = [p for p in range(n) if not self.sync.has_seen_steps(p)]
-        if joining:
-            strict = newest_heads(records, n, me=me, mine=mine, min_holders=2)
-            heads = [strict[p] if p in joining else h for p, h in enumerate(heads)]
-        fallback = runaway_heads(records, states, me)
+        trusted = trusted_records(records, me, self.reputation)
+        if trusted is None:
+            return [None] * n
+        heads = newest_heads(trusted, n, me=me, mine=[st.version for st in states])
+        fallback = runaway_heads(trusted, states, me)
         return [fall if fall is not None and (fall.version, fall.digest) != (st.version, st.digest)
                 else head if is_behind(st, head) else None
                 for st, head, fall in zip(states, heads, fallback)]
@@ -428,6 +439,8 @@ class Node:
         await self._estimate_own_steps()
         records = await self.view.read(max_age)
         chosen_on = self.committed.states()
+        if trusted_records(records, self.swarm.peer_id, self.reputation) is None:  # trusting nobody: vet first
+            await self.vetting.vet(records, chosen_on)
         targets = self._targets(records, chosen_on)
         followed = []
         for p, head in enumerate(targets):

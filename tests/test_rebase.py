@@ -27,7 +27,8 @@ P = 1  # the fragment of the round
 
 
 async def node_and_donors(net: MemoryNet, *made: tuple[str, int]) -> tuple[Node, list[Node], list[FragmentState]]:
-    """A node at v0 that has seen a step of fragment P (one holder suffices), and per (round ID,
+    """A node at v0 that has seen a step of fragment P and trusts its donors (it merged rounds with
+    them: trust.reputation), and per (round ID,
     version) in ``made`` a donor holding that version of P (Θ moved by 0.001 x version) and
     serving it. Returns the node, the donors and their states."""
     cfg = load_config(env={}, overrides=TINY)
@@ -43,6 +44,8 @@ async def node_and_donors(net: MemoryNet, *made: tuple[str, int]) -> tuple[Node,
         donor = Node(await asyncio.to_thread(Setup.build, cfg, f"n{i}", ds.peer_id), ds)
         donor.committed.install(P, state, round_id)
         await donor.sync.start()
+        for _ in range(2):  # rounds merged with it before: its records may move the node's state
+            node.reputation.merged(ds.peer_id)
         donors.append(donor)
     return node, donors, states
 

@@ -14,8 +14,10 @@ progress one version may hold (:func:`periods_per_version`: a learner trains on 
 round waits, up to ``grace_max``). Versions apart count both paths from the last state this node knows
 another peer held too (a group formed at it, or a download: ``StateSync.shared``): two honest
 nodes that both merged alone for a while are as far apart as the sum of their lone runs, not
-as their version gap. The claimed versions are capped by the corroboration rule
-(``net.heads``), so no claimed gap widens the bound beyond ``heads.LEAD``. The state's
+as their version gap, counted at most ``MAX_GAP``: a claimed gap never widens the bound further
+(a billion versions ahead is 16). The steps seen are those of rounds this node took part in
+(``StateSync``): a state it merely followed is not evidence of a step size, or each followed
+state would widen the bound for the next one (a ratchet). The state's
 momentum buffer b is held to one version's bound too: its next outer step moves Θ by at least
 lr·μ²·‖b‖ (``core.outer.nesterov_outer_step``), so a state that leaves Θ in place with a huge b
 is refused. A bound on sizes is evidence, not proof: the claimers get strikes, not bans.
@@ -34,7 +36,7 @@ import torch
 from p2pdiloco.config import OuterConfig
 from p2pdiloco.core.outer import FragmentState
 
-__all__ = ["FOLLOW_FACTOR", "FOLLOW_HISTORY", "FOLLOW_RELATIVE", "OWN_RELATIVE", "SPAN_PERIODS", "distance",
+__all__ = ["FOLLOW_FACTOR", "FOLLOW_HISTORY", "FOLLOW_RELATIVE", "MAX_GAP", "OWN_RELATIVE", "SPAN_PERIODS", "distance",
            "implausible", "own_step", "periods_per_version"]
 
 FOLLOW_FACTOR = 10.0  # a followed state may move Θ this many times the largest recent step per version
@@ -42,6 +44,7 @@ FOLLOW_HISTORY = 16  # recent per-version steps kept per fragment
 FOLLOW_RELATIVE = 4.0  # ... and at most this many times ‖Θ‖ per version, even before any step was seen
 OWN_RELATIVE = 16.0  # ... or, before any step was seen, FOLLOW_FACTOR x our own step, up to this many times ‖Θ‖
 SPAN_PERIODS = 32.0  # most periods beyond the first one version is taken to hold (periods_per_version)
+MAX_GAP = 16  # versions apart counted at most: a claimed gap of a billion versions widens nothing
 
 
 def periods_per_version(grace_max: float, sync_every: int, t_step: float | None) -> float:
@@ -96,7 +99,7 @@ def implausible(state: FragmentState, mine: FragmentState, shared_version: int, 
     # versions between the two states through their last common one (lone rounds on
     # either side since: both paths count, not only the claimed lead)
     common = min(state.version, shared_version, mine.version)
-    k = max(1, (state.version - common) + (mine.version - common))
+    k = min(MAX_GAP, max(1, (state.version - common) + (mine.version - common)))
     jump = distance(mine, state)
     size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in mine.theta))
     own = min(FOLLOW_FACTOR * own_step, OWN_RELATIVE * size)  # 10 x our own step, at most 16 x |Θ|

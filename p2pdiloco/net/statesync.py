@@ -78,6 +78,7 @@ from p2pdiloco.net.pushes import MAX_PUSHED, STALE_S, Pusher, beat_period, stale
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.strikes import IGNORE_S, Strikes
 from p2pdiloco.net.transport import NARROW_BEAM, Header, Swarm
+from p2pdiloco.trust.reputation import Reputation
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ class StateSync:
         self._steps: dict[int, deque[float]] = {i: deque(maxlen=FOLLOW_HISTORY) for i in range(len(self.fragments))}
         self._own: dict[int, float] = {}  # fragment -> the outer step this node's own last contribution would make
         self._refused: set[tuple[int, int, str]] = set()  # (fragment, version, digest) not to follow
+        # states this node followed (downloaded): not steps of its own rounds, so _observe does not count them
+        self._followed: deque[tuple[int, int, str]] = deque(maxlen=64)
+        self._vetted: dict[tuple[int, int, str], FragmentState] = {}  # checked by node.vetting, to install
+        self.reputation: Reputation | None = None  # the node's (p2pdiloco.trust.reputation): refusals lower it
         self.strikes = Strikes()  # holders that did not deliver, and the peers ignored (net.strikes)
         self._pending: dict[tuple[int, int, str], asyncio.Future] = {}
         self._donors: dict[str, None] = {}  # holders that delivered a state to us (insertion-ordered set)
@@ -359,17 +364,31 @@ class StateSync:
         return {p: what for p, (what, seen) in self._other_settings.items() if now - seen <= within}
 
     def _uncorroborated(self, records: dict[str, HeadsRecord]) -> dict[str, str]:
-        """Peers claiming a fragment version more than ``ROLLBACK_MAX`` above
-        :func:`claim_ceiling`, {peer: reason}: their whole records are ignored for a while, so
-        that status shows who is ignored and nothing else of theirs (done, step) counts. A
-        claim above the ceiling by less is only looked past (:func:`newest_heads`): an honest
-        node that merged a few rounds alone, or whose record ran ahead of the others' (records
-        are published every few seconds), stays visible, so that it can be told it is ahead
-        alone (:func:`runaway_heads`) and the others wait for it when they settle."""
+        """Peers whose whole records are ignored for a while, {peer: reason}, so that status shows
+        who is ignored and nothing else of theirs (done, step) counts.
+
+        With :attr:`reputation` set (the node's) and at least one other trusted peer
+        in ``records``: every untrusted peer claiming a fragment version more than ``LEAD`` above
+        the newest that this node or a trusted peer holds (nothing it could have earned; claims
+        by fresh identities do not corroborate each other: docs/trust.md, "Earned trust").
+        Otherwise (no trusted peer: joining, or a bare ``StateSync``): peers claiming a version
+        more than ``ROLLBACK_MAX`` above :func:`claim_ceiling`. A claim above the ceiling by
+        less is only looked past (:func:`newest_heads`): an honest node that merged a few
+        rounds alone stays visible, so that it can be told it is ahead alone
+        (:func:`runaway_heads`) and the others wait for it when they settle."""
         me, mine, out = self.swarm.peer_id, self.committed(), {}
+        trusted = {q for q in records if q == me or (self.reputation is not None and self.reputation.trusted(q))}
+        established = len(trusted - {me}) > 0
         for p in range(len(self.fragments)):
             claims = {q: r.fragments[p][0] for q, r in records.items() if r.fragments[p] is not None}
-            ceiling = claim_ceiling(claims, me, mine[p].version if p < len(mine) else None)
+            own = mine[p].version if p < len(mine) else None
+            if established:
+                newest = max([-1 if own is None else own, *(v for q, v in claims.items() if q in trusted)])
+                for q, v in claims.items():
+                    if q not in trusted and v > newest + LEAD:
+                        out[q] = f"claims fragment {p} at v{v}, ahead of every state a peer this node trusts holds"
+                continue
+            ceiling = claim_ceiling(claims, me, own)
             for q, v in claims.items():
                 if q != me and v > ceiling + ROLLBACK_MAX:
                     out[q] = (f"claims fragment {p} at v{v}, more than {LEAD + ROLLBACK_MAX} above what two "
@@ -380,7 +399,8 @@ class StateSync:
         """Record the per-version step of every fragment whose committed state moved on."""
         for p, state in enumerate(self.committed()):
             prev = self._seen.get(p)
-            if prev is not None and state.version > prev.version and p in self._steps:
+            followed = (p, state.version, state.digest) in self._followed
+            if prev is not None and state.version > prev.version and p in self._steps and not followed:
                 step = distance(prev, state) / (state.version - prev.version)
                 if math.isfinite(step):
                     self._steps[p].append(step)
@@ -424,6 +444,26 @@ class StateSync:
         log.warning("not following fragment %d v%d (%s): %s", p, state.version, state.short(), reason)
         raise StateSyncError(f"fragment {p} v{state.version} refused: {reason}")
 
+    def refuse(self, state: FragmentState, holders: Iterable[str], reason: str) -> None:
+        """Never follow ``state`` (its fragment, version and digest) again; each of ``holders``
+        claimed it: struck (ignored for a doubling while: a bound is evidence, not proof, so no
+        ban) and, with :attr:`reputation`, refuted. ``reason``: why it was refused."""
+        key = (state.index, state.version, state.digest)
+        self.refused_states += key not in self._refused  # once per state (_check_plausible counts its own)
+        self._refused.add(key)
+        for holder in holders:
+            self.strikes.strike(holder, reason, hard=True)
+            if self.reputation is not None:
+                self.reputation.refuted(holder, reason)
+
+    def keep_vetted(self, states: Iterable[FragmentState]) -> None:
+        """States the node checked before trusting their holder (``node.vetting``): the download
+        of the follow that installs one returns it instead of fetching it again."""
+        for st in states:
+            self._vetted[(st.index, st.version, st.digest)] = st
+        while len(self._vetted) > 4 * len(self.fragments):  # bounded: the oldest go
+            del self._vetted[next(iter(self._vetted))]
+
     def _delivered(self, peer: str) -> None:
         self.strikes.delivered(peer)
         self._donors[peer] = None
@@ -462,6 +502,8 @@ class StateSync:
         key = (fragment, head.version, head.digest)
         if key in self._refused:
             raise StateSyncError(f"fragment {fragment} v{head.version} was refused before")
+        if (vetted := self._vetted.pop(key, None)) is not None:  # downloaded and checked already (vet)
+            return vetted
         pending = self._pending.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -537,12 +579,12 @@ class StateSync:
         except StateSyncError as e:
             # a statistical bound, not a proof: every holder is ignored for a while
             # (strikes double), none is banned for the rest of the run
-            for holder in head.holders:
-                self.strikes.strike(holder, str(e), hard=True)
+            self.refuse(state, head.holders, str(e))
             raise
         self.downloads += 1
         self.fetched[fragment] = (nbytes, rounds)
         self._shared[fragment] = state.version
+        self._followed.append((fragment, state.version, state.digest))
         return state
 
     def _failed(self, fragment: int, version: int, donor: str, e: Exception) -> None:

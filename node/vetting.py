@@ -1,0 +1,140 @@
+"""Whose records may move this node's state: earned trust, and the vetting of a joiner's first
+donor (docs/trust.md, "Earned trust").
+
+A node with a state follows only the records of peers it trusts (``Reputation.trusted``: peers
+whose contributions it merged in rounds of its own): :func:`trusted_records`. Fresh identities,
+however many, hold no head for it, whatever they claim.
+
+A node that trusts no live peer (it is joining, restarted, or every peer it merged with has
+gone) has no such evidence, and identities are free, so no count of holders can stand in for
+it. It vets instead (:meth:`Vetting.vet`): it downloads the states up to ``VET_CANDIDATES``
+peers hold (chosen at random among those claiming a newer state, so that many identities do not
+decide whom it asks first), puts each in its own model and measures the held-out loss (the
+same held-out bytes on every node, ``p2pdiloco.data``). The candidate with the lowest loss is
+trusted (``Reputation.vetted``) when that loss is at most ``VET_TOLERANCE`` above the loss of
+the state this node holds. Refused and struck: every candidate above that bound, and every one
+that claims a version at least as new as the best candidate's but gives a loss more than
+``VET_TOLERANCE`` above it (a peer a few versions behind the best is not refused: it is older,
+not false). The idea is
+Templar's Gauntlet's (arXiv 2505.21684: score a peer by the loss before and after its update),
+without validators: each node scores with its own evaluation.
+
+Limits: a state that is worse than the honest swarm's but better than the joiner's own (a
+trained model slightly shrunk) passes when no honest holder is among the candidates asked; the
+joiner then trains on a lineage that no established node follows (they do not trust it), and
+moves to an honest state once one is vetted better. Vetting costs one state download and one
+evaluation per candidate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+
+from p2pdiloco.core.outer import FragmentState
+from p2pdiloco.errors import StateSyncError
+from p2pdiloco.net.heads import Head, is_behind
+from p2pdiloco.net.records import HeadsRecord
+from p2pdiloco.net.statesync import StateSync
+from p2pdiloco.trust.reputation import Reputation
+
+__all__ = ["VET_CANDIDATES", "VET_TOLERANCE", "Vetting", "trusted_records"]
+
+log = logging.getLogger(__name__)
+
+VET_CANDIDATES = 3  # peers whose states one vetting downloads and evaluates at most
+VET_TOLERANCE = 0.02  # a vetted state's held-out loss may exceed ours by this fraction (evaluation noise)
+
+
+def trusted_records(records: Mapping[str, HeadsRecord], me: str,
+                    reputation: Reputation) -> dict[str, HeadsRecord] | None:
+    """The records of this node (``me``) and of the peers it trusts, or None when no other
+    trusted peer is among ``records`` (the node must vet: :class:`Vetting`)."""
+    out = {p: r for p, r in records.items() if p == me or reputation.trusted(p)}
+    return out if any(p != me for p in out) else None
+
+
+class Vetting:
+    """A joining node's choice of whom to trust first (module docstring). Event-loop only.
+
+    Args:
+        sync: the node's StateSync (downloads, refusals).
+        reputation: the node's Reputation (a vetted donor is trusted, a refused one refuted).
+        evaluate: held-out loss (nats per byte, float) of the model holding the given states, one
+            per fragment; blocking (run in a thread).
+        me: this node's peer ID (seeds the order candidates are asked in).
+    """
+
+    def __init__(self, sync: StateSync, reputation: Reputation,
+                 evaluate: Callable[[Sequence[FragmentState]], float], me: str):
+        self.sync, self.reputation, self.evaluate, self.me = sync, reputation, evaluate, me
+        self._rng = random.Random(me)
+        self.vetted = self.refused = 0  # candidates trusted / refused so far (status)
+
+    def candidates(self, records: Mapping[str, HeadsRecord], states: Sequence[FragmentState]) -> list[str]:
+        """Peers whose records claim a state of some fragment that ``states`` should move to (a
+        newer version, or another digest at the same one), in a random order."""
+        out = [peer for peer, r in records.items() if peer != self.me and any(
+            c is not None and is_behind(st, Head(c[0], c[1], (peer,))) for st, c in zip(states, r.fragments))]
+        self._rng.shuffle(out)
+        return out
+
+    async def vet(self, records: Mapping[str, HeadsRecord], states: Sequence[FragmentState]) -> str | None:
+        """Download and evaluate the states of up to ``VET_CANDIDATES`` candidates; trust the best
+        one within ``VET_TOLERANCE`` of this node's own held-out loss and keep its states for the
+        follow (``StateSync.keep_vetted``); refuse the others above it. Returns the trusted
+        peer, or None. Never raises for a peer."""
+        chosen = self.candidates(records, states)[:VET_CANDIDATES]
+        if not chosen:
+            return None
+        own = await asyncio.to_thread(self.evaluate, states)
+        tried: list[tuple[float, str, list[FragmentState]]] = []
+        for peer in chosen:
+            got = await self._fetch(peer, records[peer], states)
+            if got:
+                mixed = [next((g for g in got if g.index == st.index), st) for st in states]
+                tried.append((await asyncio.to_thread(self.evaluate, mixed), peer, got))
+        bound = own * (1 + VET_TOLERANCE)
+        good = sorted((loss, peer, got) for loss, peer, got in tried if math.isfinite(loss) and loss <= bound)
+        best = good[0] if good else None
+        for loss, peer, got in tried:
+            if not (math.isfinite(loss) and loss <= bound):
+                why = f"its state raises this node's held-out loss from {own:.4f} to {loss:.4f}"
+            elif best is not None and loss > best[0] * (1 + VET_TOLERANCE) and _newest(got) >= _newest(best[2]):
+                why = f"its state, claimed as new as the best one ({best[0]:.4f}), gives held-out loss {loss:.4f}"
+            else:
+                continue
+            self.refused += 1
+            for st in got:
+                self.sync.refuse(st, (peer,), why)
+        if best is None:
+            return None
+        loss, peer, got = best
+        self.vetted += 1
+        self.reputation.vetted(peer)
+        self.sync.keep_vetted(got)
+        log.info("trusting %s: its state gives held-out loss %.4f (this node's %.4f)", peer[-8:], loss, own)
+        return peer
+
+    async def _fetch(self, peer: str, record: HeadsRecord, states: Sequence[FragmentState]) -> list[FragmentState]:
+        """The states ``peer`` claims that ``states`` should move to, downloaded from it alone
+        (verified against their digests and bounded moves); [] when any fails."""
+        got = []
+        for st, claim in zip(states, record.fragments):
+            head = Head(claim[0], claim[1], (peer,)) if claim is not None else None
+            if head is None or not is_behind(st, head):
+                continue
+            try:
+                got.append(await self.sync.download(st.index, head, joining=True))
+            except StateSyncError as e:
+                log.info("vetting %s: fragment %d: %s", peer[-8:], st.index, e)
+                return []
+        return got
+
+
+def _newest(states: Sequence[FragmentState]) -> int:
+    """The highest version among ``states`` (a candidate's claim, compared between candidates)."""
+    return max(st.version for st in states)

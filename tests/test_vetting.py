@@ -1,0 +1,130 @@
+"""Earned trust (docs/trust.md, "Earned trust"): whose records move a node's state.
+
+Real ``Node`` objects (TINY model) on the in-memory network (virtual time is not needed: every
+wait is a download over a fast link), real donors serving real states; the attackers are nodes
+whose committed states were replaced with a zeroed or a shrunk model, as a hostile peer would
+serve them, at versions far ahead. Fresh identities: nobody merged with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from conftest import TINY
+
+from node.runtime import Node
+from node.setup import Setup
+from node.vetting import trusted_records
+from p2pdiloco.config import load_config
+from p2pdiloco.core.outer import FragmentState
+from p2pdiloco.data import evaluate
+from p2pdiloco.net.memory import MemoryNet
+from p2pdiloco.trust.reputation import REFUTED_HOLD, TRUSTED, Reputation
+
+
+def test_reputation_is_earned_by_merged_rounds_and_lost_to_a_refusal() -> None:
+    rep = Reputation()
+    assert rep.score("fresh") == 0.0 and not rep.trusted("fresh")
+    for _ in range(int(TRUSTED)):
+        rep.merged("a")
+    assert rep.trusted("a") and rep.trusted_peers() == {"a"}
+    rep.refuted("a", "its state raised the held-out loss")
+    assert rep.score("a") == 0.0 and not rep.trusted("a")
+    rep.vetted("a")  # a refused peer owes points first: vetting does not restore it
+    assert not rep.trusted("a")
+    for _ in range(int(REFUTED_HOLD)):  # the points owed are paid back, no score yet
+        rep.merged("a")
+    assert rep.score("a") == 0.0
+    for _ in range(int(TRUSTED)):
+        rep.merged("a")
+    assert rep.trusted("a") and rep.standing("a").merged == 2 * TRUSTED + REFUTED_HOLD
+    rep.vetted("b")
+    assert rep.trusted("b") and rep.snapshot()["b"] == {"score": TRUSTED, "merged": 0, "refuted": 0}
+
+
+async def _node(net: MemoryNet, cfg, name: str) -> Node:
+    swarm = await net.swarm()
+    node = Node(await asyncio.to_thread(Setup.build, cfg, name, swarm.peer_id), swarm)
+    await node.sync.start()
+    return node
+
+
+def _trained(node: Node, steps: int = 30) -> list[FragmentState]:
+    """The node's global states after ``steps`` inner steps of its own (Θ := θ, version 5)."""
+    learner, sampler = node.setup.learner, node.setup.sampler
+    for _ in range(steps):
+        learner.inner_step(*sampler.next())
+    named = dict(learner.model.named_parameters())
+    return [FragmentState.create(st.index, 5, [named[s.name].detach().clone() for s in frag.slots],
+                                 st.momentum, st.ledger)
+            for frag, st in zip(node.setup.fragments, node.committed)]
+
+
+def _serve(node: Node, states: list[FragmentState]) -> None:
+    for st in states:
+        node.committed.install(st.index, st, f"r{st.version}")
+
+
+def _loss(node: Node, states) -> float:
+    return evaluate(node.setup.global_model(states), node.setup.heldout)
+
+
+@pytest.mark.asyncio
+async def test_a_joiner_vets_donors_by_its_held_out_loss_and_refuses_zeroed_and_shrunk_states() -> None:
+    cfg = load_config(env={}, overrides=TINY)
+    net = MemoryNet()
+    try:
+        joiner, honest, zeroer, shrinker = [await _node(net, cfg, f"n{i}") for i in range(4)]
+        good = _trained(honest)
+        _serve(honest, good)
+        # the coalition: 1e9 versions ahead with a zeroed model, and one version ahead with the
+        # honest model shrunk to half (both with their correct digests)
+        _serve(zeroer, [FragmentState.create(s.index, 10**9, [t * 0 for t in s.theta], [m * 0 for m in s.momentum],
+                                             s.ledger) for s in good])
+        _serve(shrinker, [FragmentState.create(s.index, 6, [t * 0.5 for t in s.theta], s.momentum, s.ledger)
+                          for s in good])
+        for n in (honest, zeroer, shrinker):
+            await n.sync.publish(n.record(), store=True)
+        own = _loss(joiner, joiner.committed.states())
+        assert _loss(joiner, good) < own  # the honest donor's model is better than the joiner's start
+
+        await joiner._catch_up(initial=True)
+
+        assert [(s.version, s.digest) for s in joiner.committed] == [(s.version, s.digest) for s in good]
+        assert joiner.reputation.trusted_peers() == {honest.swarm.peer_id}
+        # the claim a billion versions ahead is ignored unread; the shrunk state is downloaded,
+        # evaluated and refused: its holder struck and refuted
+        assert {zeroer.swarm.peer_id, shrinker.swarm.peer_id} <= joiner.sync.strikes.ignoring().keys()
+        assert joiner.reputation.standing(shrinker.swarm.peer_id).refuted >= 1
+        assert joiner.vetting.refused == 1 and joiner.sync.refused_states == len(good)
+    finally:
+        await net.close()
+
+
+@pytest.mark.asyncio
+async def test_a_node_with_trusted_peers_never_follows_untrusted_claims_however_many() -> None:
+    cfg = load_config(env={}, overrides=TINY)
+    net = MemoryNet()
+    try:
+        node, peer, *sybils = [await _node(net, cfg, f"n{i}") for i in range(5)]
+        for _ in range(int(TRUSTED)):
+            node.reputation.merged(peer.swarm.peer_id)  # rounds merged with it
+        base = node.committed.states()
+        ahead = [FragmentState.create(s.index, 20, [t * 0 for t in s.theta], s.momentum, s.ledger) for s in base]
+        for sybil in sybils:  # four identities all claiming (and serving) the same zero state 20 versions ahead
+            _serve(sybil, ahead)
+        for n in (node, peer, *sybils):
+            await n.sync.publish(n.record(), store=True)
+        records = await node.view.read(fresh=True)
+        kept = trusted_records(records, node.swarm.peer_id, node.reputation)
+
+        assert kept is not None and set(kept) == {node.swarm.peer_id, peer.swarm.peer_id}
+        assert node._targets(records) == [None] * len(base)
+        await node._catch_up()
+        assert [(s.version, s.digest) for s in node.committed] == [(s.version, s.digest) for s in base]
+        assert {s.swarm.peer_id for s in sybils} <= node.sync.strikes.ignoring().keys()
+        assert node.sync.downloads == 0 and math.isfinite(_loss(node, node.committed.states()))
+    finally:
+        await net.close()
