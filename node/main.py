@@ -34,6 +34,7 @@ from node.control import ControlServer, start_metrics
 from node.runtime import Node
 from node.status_view import progress, swarm_rate
 from node.setup import Setup
+from node.vetting import trusted_records
 
 if TYPE_CHECKING:
     from p2pdiloco.trust import NodeTrust
@@ -107,9 +108,11 @@ class SwarmView:
                 log.warning("lost every connection; dialled the initial peers again and rejoined the swarm")
             await asyncio.sleep(self.REFRESH_SECONDS)
 
-    def summary(self, committed: list, me: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    def summary(self, committed: list, me: str, trusted: Any = None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """(swarm figures, per-fragment status against the swarm's newest heads). This node's
-        own record counts with what it holds now, not with what it last published."""
+        own record counts with what it holds now, not with what it last published. With
+        ``trusted`` (the node's Reputation), the heads are those of the peers it trusts, as its
+        catch-up chooses them (``node.vetting.trusted_records``), while it trusts any."""
         frags = [{"fragment": st.index, "version": st.version, "digest": st.short(), "swarm_version": None,
                   "holders": 0, "status": "unknown"} for st in committed]
         if self.records is None:
@@ -117,7 +120,8 @@ class SwarmView:
         records = dict(self.records)
         mine = tuple((st.version, st.digest) for st in committed)
         records[me] = replace(records[me], fragments=mine) if me in records else HeadsRecord(mine)
-        heads = newest_heads(records, len(committed), me=me, mine=[st.version for st in committed])
+        chosen = trusted_records(records, me, trusted) if trusted is not None else None
+        heads = newest_heads(chosen or records, len(committed), me=me, mine=[st.version for st in committed])
         for f, st, head in zip(frags, committed, heads):
             if head is None:
                 f["status"] = "no record"
@@ -141,7 +145,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
     the metrics endpoint and the live view all read it. Its keys and types: ``p2pdiloco.status``."""
     tr = node.training.stats if node.training else None
     st = node.stats
-    swarm_figures, fragments = (view or SwarmView()).summary(node.committed, swarm.peer_id)
+    swarm_figures, fragments = (view or SwarmView()).summary(node.committed, swarm.peer_id, node.reputation)
     in_flight = list(node.committed.in_flight())
     rejected = dict(node.allreducer.stats.rejected)
     maddrs = swarm.reach.maddrs or maddrs  # refreshed by the swarm view (a relay slot adds one)

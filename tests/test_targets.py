@@ -1,14 +1,12 @@
-"""Which state a node follows (``Node._targets``) before it has seen a step of a fragment.
+"""Which state a node follows (``Node._targets``): only what this node and the peers it trusts
+hold (docs/trust.md, "Earned trust").
 
-Two holders, always: a node that tried a round of the fragment, or lost one, still does not
-follow a state one peer holds, since the plausibility bound is loose before a step is seen
-(up to 4 x |theta| per version). A first fix for a CI failure (a member that lost the first
-round of a fragment, which one other member alone committed, stayed at v0) let such a node
-follow one holder; a hostile review showed one stranger could then hand every node its state
-at the start of a run, and a narrower version (a member of the lost round, naming it) still let
-a member that withheld the node's result do so. Once a step is seen, one holder suffices, under
-the tighter bound of the steps seen. A real ``Node`` (TINY model) on one in-memory peer;
-records as peers publish them.
+History: a first rule counted holders (a joining node followed a state two peers held); a
+coalition of two fresh identities then handed every node a zeroed model. Now no number of
+holders makes a head: a peer's records move this node's state once it merged rounds with that
+peer (``trust.reputation``), or once the node, trusting nobody, vetted the peer's state by its
+own held-out loss (``node.vetting``, tests/test_vetting.py). A real ``Node`` (TINY model) on
+one in-memory peer; records as peers publish them.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ P = 1
 
 
 @pytest.mark.asyncio
-async def test_before_a_step_is_seen_one_holder_never_suffices_after_it_does():
+async def test_no_number_of_untrusted_holders_makes_a_head_one_trusted_holder_does():
     net = MemoryNet()
     try:
         swarm = await net.swarm()
@@ -41,21 +39,20 @@ async def test_before_a_step_is_seen_one_holder_never_suffices_after_it_does():
         ours = tuple((st.version, st.digest) for st in node.committed)
         theirs = tuple((1, v1.digest) if p == P else c for p, c in enumerate(ours))
         made = tuple("r1" if p == P else "" for p in range(len(ours)))
-        records = {swarm.peer_id: HeadsRecord(ours), other: HeadsRecord(ours), holder: HeadsRecord(theirs, made)}
+        records = {swarm.peer_id: HeadsRecord(ours), other: HeadsRecord(theirs, made), holder: HeadsRecord(theirs, made)}
 
-        assert node._targets(records)[P] is None  # joining fragment 1
-        node._stepped.add(P)  # it tried a round of fragment 1 (Node._round) ...
-        node.committed.lose(P, "r1")  # ... and lost it; the holder names that round
-        assert node._targets(records)[P] is None
+        assert node._targets(records) == [None] * len(ours)  # two holders, neither trusted
+        node.sync._steps[P].append(0.5)  # a step of fragment 1 seen: still no trust, no head
+        assert node._targets(records) == [None] * len(ours)
 
-        records[other] = HeadsRecord(theirs, made)  # a second holder
-        head = node._targets(records)[P]
-        assert (head.version, head.digest, head.holders) == (1, v1.digest, tuple(sorted((holder, other))))
-
-        records[other] = HeadsRecord(ours)
-        node.sync._steps[P].append(0.5)  # a step of fragment 1 seen: no longer joining it
+        node.reputation.merged(holder)  # one round merged with the holder: not yet trusted
+        assert node._targets(records) == [None] * len(ours)
+        node.reputation.merged(holder)  # two: its records count, the untrusted second holder's do not
         head = node._targets(records)[P]
         assert (head.version, head.digest, head.holders) == (1, v1.digest, (holder,))
         assert all(node._targets(records)[p] is None for p in range(len(ours)) if p != P)
+
+        node.reputation.refuted(holder, "a state it claimed was refused")  # trust lost at once
+        assert node._targets(records) == [None] * len(ours)
     finally:
         await net.close()
