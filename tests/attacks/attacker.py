@@ -809,12 +809,13 @@ async def _claim_forged(members: Sequence[Attacker], forged: dict[int, FragmentS
 
 @coalition_attack
 async def coalition_takeover(coal: Coalition, targets: Sequence[str], until: float, *, ahead: int,
-                             kind: str, every: float = 1.0) -> None:
+                             kind: str, every: float = 0.3) -> None:
     """Every member of the coalition publishes heads ``ahead`` versions past the honest newest,
     each with the digest of one forged state per fragment (``kind``: all-zero Θ and momentum,
     or the honest Θ shrunk by ``SHRINK``), and serves that state with its correct digest over
-    ``state.get``. Every ``every`` s the forged states move on with the honest newest (a claim
-    one version ahead is stale within a round)."""
+    ``state.get``. Every ``every`` s the forged states move on with the honest newest (the
+    honest swarm makes several versions a second here: a claim one version ahead is stale
+    within a round)."""
     forged: dict[int, FragmentState] = {}
     first = True
     async for _ in _every(every, until):
@@ -842,6 +843,7 @@ async def ratchet(atk: Attacker, targets: Sequence[str], until: float, *, every:
     n, first = 0, True
     async for _ in _every(every, until):
         n += 1
+        await atk.honest_records()  # whom to push its claims to (a node reads the DHT seldom)
         for p in range(atk.world.fragments):
             try:
                 honest = await atk.honest_state(targets[(n + p) % len(targets)], p)
