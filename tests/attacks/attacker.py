@@ -20,6 +20,7 @@ publishes go to ``atk.claims`` so the test can tell whether an honest node follo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import random
@@ -36,9 +37,10 @@ import torch
 
 from p2pdiloco.config import NodeConfig, load_config
 from p2pdiloco.core.fragments import assign_parts, balanced_fragments
-from p2pdiloco.core.outer import fragment_digest
+from p2pdiloco.core.outer import FragmentState, Ledger, fragment_digest
 from p2pdiloco.errors import NetworkError, P2PDilocoError, ProtocolError
 from p2pdiloco.model import build_model
+from p2pdiloco.net import records as rec
 from p2pdiloco.net import transport, wire
 from p2pdiloco.net.matchmaking import Group, GroupKey
 from p2pdiloco.net.patches import Received
@@ -279,6 +281,48 @@ class Attacker:
         zeros = [torch.zeros(s) for s in self.world.shapes[p]]
         return fragment_digest(p, version, zeros, zeros), wire.encode(zeros + zeros, "fp32")
 
+    @contextlib.contextmanager
+    def signing_as(self, identity: Identity):
+        """DHT records stored inside this block are signed by ``identity`` (a made-up peer that
+        runs no daemon), as ``SignedRecords.sign_value`` signs them: identities are free, and a
+        record only proves that whoever holds the key signed it."""
+        records = self.swarm.records
+        own, records.identity = records.identity, identity
+        try:
+            yield
+        finally:
+            records.identity = own
+
+    async def honest_state(self, peer: str, p: int) -> FragmentState:
+        """Fragment ``p``'s state as honest node ``peer`` holds it now (``state.get``, as a
+        joining node asks; parsed and digest-checked as ``StateSync`` does).
+
+        Raises:
+            NetworkError, ProtocolError: no answer, or not a state."""
+        reply, body = await self.swarm.call(peer, "state.get", {"f": p}, timeout=5.0,
+                                            max_reply=self.world.state_bytes(p))
+        answer = rec.parse_state_answer(reply)
+        shapes = list(self.world.shapes[p])
+        tensors = wire.decode(body, shapes + shapes, "fp32")
+        state = FragmentState.create(p, answer.version, tensors[:len(shapes)], tensors[len(shapes):], answer.ledger)
+        if state.digest != answer.digest:
+            raise ProtocolError(f"{peer[-8:]}'s state does not match its digest")
+        return state
+
+    async def serve_states(self, forged: dict[int, FragmentState]) -> None:
+        """Answer ``state.get`` with ``forged[p]`` as it is at the time of asking (correct
+        digest, so only what the state *is* can give it away)."""
+
+        async def on_get(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
+            p = header.get("f") if type(header.get("f")) is int and header["f"] in forged else min(forged)
+            st = forged[p]
+            self.stats["state_answers"] += 1
+            self.stats[f"state_answers:{peer}"] += 1
+            return ({"v": st.version, "d": as_sent(st.digest), "l": st.ledger.to_list()},
+                    wire.encode(list(st.theta) + list(st.momentum), "fp32"))
+
+        await self.serve("state.get", on_get)
+
     async def serve(self, name: str, handler) -> None:
         """Answer RPC ``name`` with ``handler(peer, header, payload) -> (header, payload)``."""
         if name in self._handlers:
@@ -350,6 +394,70 @@ class Attacker:
         if isinstance(reply, dict) and "error" in reply:
             return reply, "error"
         return reply, "ok"
+
+
+class Coalition:
+    """``k`` attackers acting together, each its own identity and its own p2pd (identities
+    are free: docs/trust.md). Create with :meth:`start`, always :meth:`close` (every daemon
+    ends, also when one of them failed to start). Attacks that take a coalition are marked
+    with :func:`coalition_attack`; the others run on its first member."""
+
+    def __init__(self, members: Sequence[Attacker]):
+        self.members = list(members)
+
+    @classmethod
+    async def start(cls, world: World, k: int, identity: Identity | None = None) -> Coalition:
+        """Start ``k`` >= 1 attackers at once (the first with ``identity`` when given).
+
+        Raises:
+            whatever the first failed :meth:`Attacker.start` raised, once every started one is closed."""
+        if k < 1:
+            raise ValueError(f"a coalition needs at least one member, not {k}")
+        started = await asyncio.gather(*(Attacker.start(world, identity if i == 0 else None) for i in range(k)),
+                                       return_exceptions=True)
+        members = [a for a in started if isinstance(a, Attacker)]
+        failed = [e for e in started if not isinstance(e, Attacker)]
+        if failed:
+            await cls(members).close()
+            raise failed[0]
+        return cls(members)
+
+    async def close(self) -> None:
+        """Close every member (their daemons end), whatever the others' closing raised."""
+        outcomes = await asyncio.gather(*(m.close() for m in self.members), return_exceptions=True)
+        errors = [e for e in outcomes if isinstance(e, BaseException)]
+        if errors:
+            raise errors[0]
+
+    def __getitem__(self, i: int) -> Attacker:
+        return self.members[i]
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def peer_ids(self) -> list[str]:
+        return [m.peer_id for m in self.members]
+
+    @property
+    def stats(self) -> Counter[str]:
+        """Every member's counts added up."""
+        return sum((m.stats for m in self.members), Counter())
+
+    @property
+    def claims(self) -> set[str]:
+        return set().union(*(m.claims for m in self.members))
+
+    @property
+    def max_claim(self) -> int:
+        return max(m.max_claim for m in self.members)
+
+
+def coalition_attack(fn):
+    """Mark ``fn(coalition, targets, until, **kwargs)`` as an attack that takes the whole
+    :class:`Coalition` (the runner passes the first member to the others)."""
+    fn.coalition = True
+    return fn
 
 
 # ---- the attacks --------------------------------------------------------------------------
@@ -672,3 +780,113 @@ async def junk_flood(atk: Attacker, targets: Sequence[str], until: float, *, wor
             i += workers
 
     await asyncio.gather(*(worker(w) for w in range(workers)))
+
+
+# ---- coalitions of free identities ------------------------------------------------------------
+SHRINK = 0.5  # the "shrunk" forged state: the honest Θ times this
+
+
+async def _forged(atk: Attacker, targets: Sequence[str], p: int, version: int, kind: str,
+                  shrink: float = SHRINK) -> FragmentState:
+    """Fragment ``p`` at ``version``: all-zero Θ and momentum (``kind`` "zero"), or the state
+    an honest node holds now with Θ times ``shrink`` ("shrunk"; its momentum and ledger kept)."""
+    if kind == "zero":
+        zeros = [torch.zeros(s) for s in atk.world.shapes[p]]
+        return FragmentState.create(p, version, zeros, zeros, Ledger())
+    if kind != "shrunk":
+        raise ValueError(kind)
+    honest = await atk.honest_state(targets[p % len(targets)], p)
+    return FragmentState.create(p, version, [t * shrink for t in honest.theta], honest.momentum, honest.ledger)
+
+
+async def _claim_forged(members: Sequence[Attacker], forged: dict[int, FragmentState]) -> None:
+    """Every member publishes (stores and pushes) a heads record of ``forged``."""
+    frags = [[forged[p].version, forged[p].digest] for p in sorted(forged)]
+    await asyncio.gather(*(m.publish_heads(frags) for m in members))
+    for m in members:
+        m.stats["claims"] += 1
+
+
+@coalition_attack
+async def coalition_takeover(coal: Coalition, targets: Sequence[str], until: float, *, ahead: int,
+                             kind: str, every: float = 0.3) -> None:
+    """Every member of the coalition publishes heads ``ahead`` versions past the honest newest,
+    each with the digest of one forged state per fragment (``kind``: all-zero Θ and momentum,
+    or the honest Θ shrunk by ``SHRINK``), and serves that state with its correct digest over
+    ``state.get``. Every ``every`` s the forged states move on with the honest newest (the
+    honest swarm makes several versions a second here: a claim one version ahead is stale
+    within a round)."""
+    forged: dict[int, FragmentState] = {}
+    first = True
+    async for _ in _every(every, until):
+        newest = await coal[0].newest()
+        for p, (v, _) in enumerate(newest):
+            if p not in forged or forged[p].version < v + ahead:
+                try:
+                    forged[p] = await _forged(coal[0], targets, p, v + ahead, kind)
+                except (NetworkError, ProtocolError):
+                    coal[0].stats["honest_state_failed"] += 1
+        if len(forged) < coal[0].world.fragments:
+            continue
+        if first:
+            await asyncio.gather(*(m.serve_states(forged) for m in coal.members))
+            first = False
+        await _claim_forged(coal.members, forged)
+
+
+async def ratchet(atk: Attacker, targets: Sequence[str], until: float, *, every: float = 0.7,
+                  step: float = 0.02) -> None:
+    """One identity, every ``every`` s: download the state an honest node holds (version v,
+    ``state.get``) and claim and serve v + 1 with Θ shrunk by ``step`` more than the time
+    before (x0.98, x0.96, ...), each with its correct digest: every move small, the sum not."""
+    forged: dict[int, FragmentState] = {}
+    n, first = 0, True
+    async for _ in _every(every, until):
+        n += 1
+        await atk.honest_records()  # whom to push its claims to (a node reads the DHT seldom)
+        for p in range(atk.world.fragments):
+            try:
+                honest = await atk.honest_state(targets[(n + p) % len(targets)], p)
+            except (NetworkError, ProtocolError):
+                atk.stats["honest_state_failed"] += 1
+                continue
+            forged[p] = FragmentState.create(p, honest.version + 1, [t * max(0.0, 1 - step * n) for t in honest.theta],
+                                             honest.momentum, honest.ledger)
+        if len(forged) < atk.world.fragments:
+            continue
+        if first:
+            await atk.serve_states(forged)
+            first = False
+        await _claim_forged([atk], forged)
+
+
+async def free_records(atk: Attacker, targets: Sequence[str], until: float, *, n: int = 300,
+                       ahead: int = 20) -> None:
+    """``n`` heads records stored by one attacker through its DHT node, each signed by a
+    made-up identity that runs no daemon (:meth:`Attacker.signing_as`), all claiming an
+    all-zero state ``ahead`` versions past the honest newest: a count of signed records is
+    no evidence (identities are free). Spread over the window."""
+    identities = [Identity.generate() for _ in range(n)]
+    gap = max(0.0, until - time.monotonic()) / n
+    newest, read_at = [], 0.0
+    for ident in identities:
+        if time.monotonic() >= until:
+            break
+        if time.monotonic() - read_at >= 1.0:  # the honest newest, read once a second
+            newest, read_at = await atk.newest(), time.monotonic()
+        frags = []
+        for p, (v, _) in enumerate(newest):
+            digest, _ = atk.zero_state(p, v + ahead)
+            frags.append([v + ahead, as_sent(digest)])
+            atk.claims.add(digest)
+            atk.max_claim = max(atk.max_claim, v + ahead)
+        record = {"f": frags, "t": time.time(), "name": "sybil", "state": "training", "done": False,
+                  "step": 100, "tps": 1000.0, "loss": 1.0, "r": [""] * atk.world.fragments}
+        with atk.signing_as(ident):
+            try:
+                ok = await atk.swarm.store(atk.world.heads_key, ident.peer_id, record, HEAD_TTL)
+            except NetworkError:
+                ok = False
+        atk.stats["free_records_stored" if ok else "free_records_refused"] += 1
+        await asyncio.sleep(gap)
+    await asyncio.sleep(max(0.0, until - time.monotonic()))

@@ -16,9 +16,14 @@ requirements it broke (empty: the honest nodes shrugged the attack off):
 * held-out loss never above its value at the window's start plus ``LOSS_MARGIN``;
 * log growth within a few times the baseline's (a flood must not flood the disk);
 * no exception caught inside a node (``internal_errors`` unchanged, where reported);
-* the attacker's peer ID in ``bans`` (``expect="ban"``) or in ``bans``/``ignored``/``passed_over``/
-  ``dropped`` (``expect="ignore"``) of the nodes it attacked, within ``POST_WAIT`` seconds
-  (``expect`` may be a function of the attacker's stats and an observer's peer ID).
+* with ``loss_rel``, held-out loss never above the baseline window's highest times ``1 + loss_rel``;
+* the attacker's peer ID (every coalition member's) in ``bans`` (``expect="ban"``) or in
+  ``bans``/``ignored``/``passed_over``/``dropped`` (``expect="ignore"``) of the nodes it attacked,
+  within ``POST_WAIT`` seconds (``expect`` may be a function of the attacker's stats and an
+  observer's peer ID).
+
+An attack window runs a :class:`~tests.attacks.attacker.Coalition` of ``identities`` attackers
+(default one), each with its own identity and p2pd; every one of them is closed after the window.
 
 A swarm that an attack crashed or took over is replaced by a fresh one (new baseline) before
 the next test, so every test measures its own attack.
@@ -43,7 +48,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.attacks.attacker import FOLLOW_LIMIT, Attacker, World, idle
+from tests.attacks.attacker import FOLLOW_LIMIT, Coalition, World, idle
 from tests.conftest import TINY, Harness, running, wait_for
 
 RUN_ID = "test"  # tests.conftest.Harness starts every node with --run-id test
@@ -78,7 +83,7 @@ class Sample:
 @dataclass
 class Window:
     name: str
-    attacker: str
+    attacker: str  # the (first) attacker's peer ID
     seconds: float
     samples: list[Sample]  # during the attack
     post: list[Sample]  # after it, while waiting for conditions
@@ -88,6 +93,7 @@ class Window:
     error: str = ""  # the attack coroutine itself failed (a bug in the attacker, not a finding)
     expect: dict[int, str | None] = field(default_factory=dict)  # per observer: what it had to do with the
     # attacker, "ban", "ignore" or nothing
+    attackers: list[str] = field(default_factory=list)  # every coalition member's peer ID (the first: attacker)
 
     def all(self) -> list[Sample]:
         return self.samples + self.post
@@ -241,26 +247,32 @@ class PublicSwarm:
         return Sample(time.monotonic(), alive, status, rss, fds, log)
 
     def run(self, name: str, attack, seconds: float, *, identity=None, expect: str | None = None,
-            observers: tuple[int, ...] = (0, 1), post_wait: float = POST_WAIT, **kwargs) -> Window:
+            observers: tuple[int, ...] = (0, 1), post_wait: float = POST_WAIT, identities: int = 1,
+            **kwargs) -> Window:
         """Run ``attack(atk, honest peer IDs, until, **kwargs)`` for ``seconds`` from a fresh
-        attacker peer, sampling the nodes; then wait up to ``post_wait`` seconds (attacker still
-        connected, attack stopped) for equal digests and the expected ban or ignore."""
-        return asyncio.run(self._run(name, attack, seconds, identity, expect, observers, post_wait, kwargs))
+        coalition of ``identities`` attacker peers (``atk``: the coalition for a
+        ``coalition_attack``, else its first member), sampling the nodes; then wait up to
+        ``post_wait`` seconds (attackers still connected, attack stopped) for equal digests and
+        the expected ban or ignore of every member."""
+        return asyncio.run(self._run(name, attack, seconds, identity, expect, observers, post_wait, identities,
+                                     kwargs))
 
-    async def _run(self, name, attack, seconds, identity, expect, observers, post_wait, kwargs) -> Window:
+    async def _run(self, name, attack, seconds, identity, expect, observers, post_wait, identities,
+                   kwargs) -> Window:
         if hasattr(attack, "prepare"):  # the attacker's own heavy set-up, before the window's clock starts
             attack.prepare(self.world)
         niceness = os.getpriority(os.PRIO_PROCESS, 0)
         os.setpriority(os.PRIO_PROCESS, 0, ATTACKER_NICE)  # its p2pd, started now, inherits it
         try:
-            atk = await Attacker.start(self.world, identity)
+            coal = await Coalition.start(self.world, identities, identity)  # closes what it started if it fails
         except BaseException:
             os.setpriority(os.PRIO_PROCESS, 0, niceness)
             raise
-        w = Window(name, atk.peer_id, seconds, [], [])
+        w = Window(name, coal[0].peer_id, seconds, [], [], attackers=coal.peer_ids)
         try:
             t0 = time.monotonic()
             until = t0 + seconds
+            atk = coal if getattr(attack, "coalition", False) else coal[0]
             task = asyncio.create_task(attack(atk, list(self.peer_ids), until, **kwargs))
             while time.monotonic() < until:
                 w.samples.append(self.sample())
@@ -273,22 +285,24 @@ class PublicSwarm:
                 w.error = repr(task.exception())
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            w.expect = {i: expect(atk.stats, self.peer_ids[i]) if callable(expect) else expect for i in observers}
+            w.expect = {i: expect(coal.stats, self.peer_ids[i]) if callable(expect) else expect for i in observers}
             end = time.monotonic() + post_wait
             while time.monotonic() < end:
                 if not all(w.all()[-1].alive):
                     break
                 ok_equal = any(_equal(s) for s in w.all())
                 last = w.all()[-1].status
-                ok_expect = all(e is None or _expected(last[i], atk.peer_id, e) for i, e in w.expect.items())
+                ok_expect = all(e is None or _expected(last[i], a, e) for i, e in w.expect.items() for a in w.attackers)
                 if ok_equal and ok_expect:
                     break
                 await asyncio.sleep(SAMPLE_S)
                 w.post.append(self.sample())
         finally:
-            w.stats, w.claims, w.max_claim = Counter(atk.stats), set(atk.claims), atk.max_claim
-            await atk.close()
-            os.setpriority(os.PRIO_PROCESS, 0, niceness)  # honest nodes started later get normal priority
+            w.stats, w.claims, w.max_claim = coal.stats, coal.claims, coal.max_claim
+            try:
+                await coal.close()
+            finally:
+                os.setpriority(os.PRIO_PROCESS, 0, niceness)  # honest nodes started later get normal priority
         return w
 
     @staticmethod
@@ -317,7 +331,7 @@ class PublicSwarm:
         rss = [max((s.rss[i] or 0) for s in w.all()) - (w.samples[0].rss[i] or 0) for i in range(2)]
         fds = [max((s.fds[i] or 0) for s in w.all()) - (w.samples[0].fds[i] or 0) for i in range(2)]
         last = w.all()[-1].status
-        seen = [{k: w.attacker in _keys(st, k) for k in IGNORING} for st in last]
+        seen = [{k: sum(a in _keys(st, k) for a in w.attackers) for k in IGNORING} for st in last]
         errors = [self.internal_errors(w, i) for i in range(2)]
         return json.dumps({
             "attack": w.name, "seconds": round(w.seconds, 1), "alive": w.all()[-1].alive,
@@ -325,14 +339,15 @@ class PublicSwarm:
             "max_version": versions, "equal_digests_seen": any(_equal(s) for s in w.all()),
             "heldout_start_max": [[l[0], max((x for x in l if x is not None), default=None)] if l else None
                                   for l in losses],
-            "rss_growth_mib": [round(r / 2**20, 1) for r in rss], "fds_growth": fds,
+            "attackers": len(w.attackers), "rss_growth_mib": [round(r / 2**20, 1) for r in rss], "fds_growth": fds,
             "log_growth_kib": [round(g / 1024, 1) for g in self.log_growth(w)],
             "attacker_seen_as": seen, "internal_errors": errors, "attacker_stats": dict(w.stats),
             "attack_error": w.error,
         })
 
     def problems(self, w: Window, *, observers: tuple[int, ...] = (0, 1), rss_limit: int | None = None,
-                 fds_limit: int | None = None, rate_floor: float = RATE_FLOOR) -> list[str]:
+                 fds_limit: int | None = None, rate_floor: float = RATE_FLOOR,
+                 loss_rel: float | None = None) -> list[str]:
         out = []
         if w.error:
             out.append(f"the attack itself failed (attacker bug): {w.error}")
@@ -371,6 +386,13 @@ class PublicSwarm:
             losses = [x for x in losses if isinstance(x, (int, float))]
             if losses and max(losses) > losses[0] + LOSS_MARGIN:
                 out.append(f"n{i}: held-out loss rose from {losses[0]:.3f} to {max(losses):.3f} during the attack")
+            base = [s.status[i].get("heldout_loss") for s in self.baseline.samples if s.status[i]]
+            base = [x for x in base if isinstance(x, (int, float))]
+            after = [s.status[i].get("heldout_loss") for s in w.all() if s.status[i]]
+            after = [x for x in after if isinstance(x, (int, float))]
+            if loss_rel is not None and base and after and max(after) > max(base) * (1 + loss_rel):
+                out.append(f"n{i}: held-out loss reached {max(after):.3f}, over {1 + loss_rel:.2f} x the clean "
+                           f"window's {max(base):.3f}")
         limit = max(1 << 20, 5 * self.base_log_rate * w.seconds)
         for i, g in enumerate(self.log_growth(w)):
             if g > limit:
@@ -387,30 +409,36 @@ class PublicSwarm:
                     out.append(f"n{i}: {grown} more open descriptors under attack (limit {fds_limit})")
         last = w.all()[-1].status
         for i, expect in w.expect.items():
-            if expect is not None and not _expected(last[i], w.attacker, expect):
+            missed = [a for a in w.attackers if expect is not None and not _expected(last[i], a, expect)]
+            if missed:
                 where = "bans" if expect == "ban" else ", ".join(IGNORING)
-                out.append(f"n{i}: the attacker {w.attacker[-8:]} is not in its {where} "
+                out.append(f"n{i}: {len(missed)} of {len(w.attackers)} attacker(s) "
+                           f"({', '.join(a[-8:] for a in missed)}) not in its {where} "
                            f"(bans={_keys(last[i], 'bans') and sorted(k[-8:] for k in _keys(last[i], 'bans'))}, "
                            f"status has {[k for k in IGNORING if k in (last[i] or {})]})")
         return out
 
     def attack(self, name: str, attack, seconds: float, *, expect, observers: tuple[int, ...] = (0, 1),
                rss_limit: int | None = None, fds_limit: int | None = None, identity=None,
-               rate_floor: float = RATE_FLOOR, **kwargs) -> Window:
+               rate_floor: float = RATE_FLOOR, loss_rel: float | None = None, identities: int = 1,
+               **kwargs) -> Window:
         """Run one attack window and fail the test with every requirement it broke
-        (``rate_floor``: the share of its baseline round rate each node must keep)."""
+        (``rate_floor``: the share of its baseline round rate each node must keep; ``loss_rel``:
+        the held-out loss's allowed rise over the baseline window's, relative; ``identities``:
+        the coalition's size)."""
         if not self.ensure_ready():  # a fresh swarm has just measured its baseline
             self.measure_baseline()
         if callable(identity):
             identity = identity(self.peer_ids)
-        w = self.run(name, attack, seconds, identity=identity, expect=expect, observers=observers, **kwargs)
+        w = self.run(name, attack, seconds, identity=identity, expect=expect, observers=observers,
+                     identities=identities, **kwargs)
         line = self.summary(w)
         print(f"\n[attack-suite] {line}", flush=True)
         if os.environ.get("ATTACK_SUMMARY"):
             with open(os.environ["ATTACK_SUMMARY"], "a") as f:
                 f.write(line + "\n")
         problems = self.problems(w, observers=observers, rss_limit=rss_limit, fds_limit=fds_limit,
-                                 rate_floor=rate_floor)
+                                 rate_floor=rate_floor, loss_rel=loss_rel)
         assert not problems, f"attack {name!r} succeeded:\n- " + "\n- ".join(problems) + f"\n{line}"
         return w
 

@@ -147,3 +147,42 @@ def test_flood_of_junk_calls(public_swarm):
     answers come back. After 50 drops the node blocks the peer: its streams are held unanswered
     (16 at a time) until the caller gives up, so the flood slows to the caller's own timeout."""
     public_swarm.attack("junk call flood", A.junk_flood, SHORT, expect="ignore")
+
+
+# ---- coalitions of free identities -----------------------------------------------------------
+COALITION_WINDOW = 12.0  # seconds of attack for each coalition window
+LOSS_REL = 0.03  # held-out loss within 3% of the clean window's
+
+
+@pytest.mark.parametrize("k, ahead, kind", [
+    (1, 1, "shrunk"), (2, 20, "zero"), (2, 1, "shrunk"),
+    (8, 1, "zero"), (8, 20, "shrunk"), (8, A.TAKEOVER_AHEAD, "zero"),
+], ids=lambda v: f"{v:g}" if isinstance(v, int) and v >= 10**6 else str(v))
+def test_coalition_takeover(public_swarm, k, ahead, kind):
+    """``k`` identities, each with its own daemon, all publish heads ``ahead`` versions past the
+    honest newest with the digest of one forged state (all-zero Θ and momentum, or the honest Θ
+    x 0.5) and serve it with its correct digest. Many holders of a state are no evidence: no
+    honest node installs it, the held-out loss stays within 3% of the clean window's, and every
+    member of the coalition ends up ignored or banned. Each combination of k = 1, 2, 8, a lead
+    of 1, 20, 1e9 and both states is covered once (the suite's time)."""
+    w = public_swarm.attack(f"coalition takeover: {k} x {kind} at +{ahead}", A.coalition_takeover, COALITION_WINDOW,
+                            identities=k, ahead=ahead, kind=kind, expect="ignore", loss_rel=LOSS_REL)
+    assert w.stats["claims"] >= k and len(w.attackers) == k  # the coalition did claim (the attacker's sanity)
+
+
+def test_ratchet_of_small_shrinks(public_swarm):
+    """One identity, every 0.7 s: the honest state at v from an honest node, served as v + 1 with
+    Θ shrunk a little more each time (x0.98, x0.96, ...) and its correct digest. No step alone is
+    large; none is installed, the held-out loss stays, the attacker is ignored or banned."""
+    w = public_swarm.attack("ratchet: v+1 shrunk 2% more every 0.7 s", A.ratchet, WINDOW, expect="ignore",
+                            loss_rel=LOSS_REL)
+    assert w.stats["claims"] > 0
+
+
+def test_three_hundred_records_of_made_up_identities(public_swarm):
+    """One attacker stores 300 heads records in 20 s, each signed by a made-up identity that
+    runs no daemon, all claiming an all-zero state 20 versions past the honest newest. A count
+    of signed records is no evidence: nothing changes for the honest nodes."""
+    w = public_swarm.attack("free records: 300 made-up identities, zero state at +20", A.free_records, 20.0,
+                            expect=None, loss_rel=LOSS_REL)
+    assert w.stats["free_records_stored"] >= 100  # the DHT took them (the attacker's sanity)
