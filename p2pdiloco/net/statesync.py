@@ -368,8 +368,8 @@ class StateSync:
         who is ignored and nothing else of theirs (done, step) counts.
 
         With :attr:`reputation` set (the node's) and at least one other trusted peer
-        in ``records``: every untrusted peer claiming a fragment version more than ``LEAD`` above
-        the newest that this node or a trusted peer holds (nothing it could have earned; claims
+        in ``records``: every untrusted peer claiming a fragment version above the newest that
+        this node or a trusted peer holds (nothing it could have earned; claims
         by fresh identities do not corroborate each other: docs/trust.md, "Earned trust").
         Otherwise (no trusted peer: joining, or a bare ``StateSync``): peers claiming a version
         more than ``ROLLBACK_MAX`` above :func:`claim_ceiling`. A claim above the ceiling by
@@ -385,7 +385,7 @@ class StateSync:
             if established:
                 newest = max([-1 if own is None else own, *(v for q, v in claims.items() if q in trusted)])
                 for q, v in claims.items():
-                    if q not in trusted and v > newest + LEAD:
+                    if q not in trusted and v > newest:
                         out[q] = f"claims fragment {p} at v{v}, ahead of every state a peer this node trusts holds"
                 continue
             ceiling = claim_ceiling(claims, me, own)
