@@ -44,6 +44,18 @@ def test_reputation_is_earned_by_merged_rounds_and_lost_to_a_refusal() -> None:
     assert rep.trusted("b") and rep.snapshot()["b"] == {"score": TRUSTED, "merged": 0, "refuted": 0}
 
 
+def test_merge_weight_grows_from_a_quarter_to_one_with_merged_rounds_and_falls_with_a_refusal() -> None:
+    rep = Reputation()
+    assert rep.merge_weight("fresh") == 0.25  # FRESH_WEIGHT
+    rep.merged("a")
+    assert rep.merge_weight("a") == 0.25 + 0.75 * 1 / 4  # 1 point of FULL_WEIGHT_AT 4: 0.4375
+    for _ in range(5):
+        rep.merged("a")
+    assert rep.merge_weight("a") == 1.0  # capped at 4 points
+    rep.refuted("a", "refused state")
+    assert rep.merge_weight("a") == 0.25
+
+
 async def _node(net: MemoryNet, cfg, name: str) -> Node:
     swarm = await net.swarm()
     node = Node(await asyncio.to_thread(Setup.build, cfg, name, swarm.peer_id), swarm)

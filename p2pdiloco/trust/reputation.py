@@ -12,6 +12,9 @@ starts at zero for every identity and grows only with work this node verified it
   downloaded the state the peer holds and found that it lowers this node's own held-out loss
   (``node.vetting``), as Templar's Gauntlet scores a peer by the loss before and after its
   update (arXiv 2505.21684), without validators: ``TRUSTED`` at once, so the joiner follows it.
+* **Merge weight** (:meth:`Reputation.merge_weight`): in the merges this node reduces, a peer's
+  token weight is multiplied by a factor from ``FRESH_WEIGHT`` (no points) to 1.0
+  (``FULL_WEIGHT_AT`` points).
 * **A refuted claim** (:meth:`Reputation.refuted`): a state it claimed was refused (not a
   plausible successor, ``net.bounded_moves``; or it raised the held-out loss): the score falls
   to zero and ``REFUTED_HOLD`` rounds of credit must be earned again before it counts.
@@ -31,12 +34,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-__all__ = ["MAX_PEERS", "REFUTED_HOLD", "TRUSTED", "Reputation", "Standing"]
+__all__ = ["FRESH_WEIGHT", "FULL_WEIGHT_AT", "MAX_PEERS", "REFUTED_HOLD", "TRUSTED", "Reputation", "Standing"]
 
 log = logging.getLogger(__name__)
 
 TRUSTED = 2.0  # points from which a peer's records move this node's state (two merged rounds)
 REFUTED_HOLD = 8.0  # points a refuted peer owes before it earns again
+FRESH_WEIGHT = 0.25  # merge weight multiplier of a peer with no points (a fresh identity)
+FULL_WEIGHT_AT = 4.0  # points from which a peer merges at its full (token) weight
 MAX_PEERS = 4096  # peers kept (the lowest scores are forgotten first): bounded against free identities
 
 
@@ -75,6 +80,14 @@ class Reputation:
     def trusted(self, peer: str) -> bool:
         """Whether ``peer`` has earned ``TRUSTED`` points with this node."""
         return self.score(peer) >= TRUSTED
+
+    def merge_weight(self, peer: str) -> float:
+        """``peer``'s multiplier of its token weight in merges this node reduces
+        (``core.merge.robust_merge``'s ``trust``): ``FRESH_WEIGHT`` with no points, rising
+        linearly to 1.0 at ``FULL_WEIGHT_AT`` points. A fresh identity's contribution counts, a
+        quarter of an earned one's: a coalition of fresh keys cannot outweigh two members that
+        merged with this node before, and an honest newcomer earns its full weight in 4 rounds."""
+        return FRESH_WEIGHT + (1.0 - FRESH_WEIGHT) * min(1.0, self.score(peer) / FULL_WEIGHT_AT)
 
     def merged(self, peer: str) -> None:
         """A round this node committed merged ``peer``'s contribution: +1 (or 1 less owed)."""
