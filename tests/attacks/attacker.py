@@ -820,6 +820,8 @@ async def coalition_takeover(coal: Coalition, targets: Sequence[str], until: flo
     first = True
     async for _ in _every(every, until):
         newest = await coal[0].newest()
+        for m in coal.members[1:]:  # every member pushes its claims to the honest nodes coal[0] read
+            m.known = set(coal[0].known)
         for p, (v, _) in enumerate(newest):
             if p not in forged or forged[p].version < v + ahead:
                 try:
