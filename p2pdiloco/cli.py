@@ -347,6 +347,11 @@ def _node_run(args: argparse.Namespace) -> int:
         with _sigint_held() as held:
             cfg = load_config(args.config, overrides=overrides, run=run and manifest.pinned(run),
                               run_source=run and f"the manifest of run {run.run_id!r}" or "")
+            from p2pdiloco.footprint import check_memory  # noqa: PLC0415
+
+            # before anything is built, without torch for the built-in GPT: a manifest may name
+            # any model size (docs/trust.md); run_node checks again once torch is loaded
+            check_memory(cfg)
         if held:
             return interrupted()
         if run is not None and run.initial_peers:  # the run's peers, after the node's own
@@ -360,9 +365,6 @@ def _node_run(args: argparse.Namespace) -> int:
             check_metrics_port(cfg.metrics_host, cfg.metrics_port)
         if _load_native_libraries():  # before dialing: check_any_reachable parses with hivemind
             return interrupted()
-        from p2pdiloco.footprint import check_memory  # noqa: PLC0415
-
-        check_memory(cfg)  # before anything is built: a manifest may name any model size (docs/trust.md)
         check_any_reachable(cfg.swarm.initial_peers)
         if run is not None:
             _pin_owner(run)
