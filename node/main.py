@@ -24,6 +24,8 @@ from p2pdiloco.config import NodeConfig, SwarmConfig
 from p2pdiloco.core.outer import run_tokens
 from p2pdiloco.data import bits_per_byte, evaluate
 from p2pdiloco.errors import ConfigError, NetworkError, P2PDilocoError
+from p2pdiloco.footprint import check_memory, rss_mib
+from p2pdiloco import owners
 from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.heads import is_behind, newest_heads
@@ -247,32 +249,6 @@ async def live_progress(board: Board) -> None:
                 h.setStream(stream)
 
 
-TRAINING_BYTES_PER_PARAMETER = 24  # allocated at the first steps and rounds: gradient 4, AdamW moments 8,
-# pseudo-gradient and its wire and merge buffers 12 (the model, Θ and the momentum exist already)
-
-
-def rss_mib() -> float:
-    """This process's resident memory, MiB."""
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def check_memory(cfg: NodeConfig, setup: Setup) -> None:
-    """Refuse, before any daemon starts, a node whose model cannot train within
-    ``cfg.memory_limit`` MiB: resident memory now (model, data, global states built) plus
-    ``TRAINING_BYTES_PER_PARAMETER`` per parameter (activations come on top).
-
-    Raises:
-        ConfigError: the estimate exceeds the limit."""
-    if not cfg.memory_limit:
-        return
-    params = sum(p.numel() for p in setup.model.parameters())
-    need = rss_mib() + params * TRAINING_BYTES_PER_PARAMETER / 2**20
-    if need > cfg.memory_limit:
-        raise ConfigError(f"memory_limit: training this {params / 1e6:.2f}M-parameter model needs about {need:,.0f} MiB "
-                          f"(more with large batches), over memory_limit = {cfg.memory_limit} MiB: raise it, or use "
-                          "a smaller model or batch")
-
-
 def hardware(cfg: NodeConfig, setup: Setup | None) -> dict[str, Any]:
     """Where the node trains: device, torch threads, resident memory (MiB) and its limit."""
     rss = rss_mib()
@@ -287,18 +263,21 @@ MANIFEST_TTL_S = 300.0
 
 async def share_manifest(swarm: Swarm, cfg: NodeConfig, manifest: RunManifest | None) -> None:
     """With a manifest: keep it in the DHT under ``RUN/manifest`` (subkey: this node's peer ID).
-    Without one: read the run's published manifests once and warn, naming the first setting,
-    when this node's settings differ from each of them (a stranger can publish a manifest for
-    any run ID, so a node that did not join with one is not refused because of it)."""
+    Without one: read the manifest of the run's owner pinned on this machine
+    (:mod:`p2pdiloco.owners`; none pinned: nothing is read) once and warn, naming the first
+    setting, when this node's settings differ from it (a stranger can publish a manifest for
+    any run ID, so only the pinned owner's counts, and a node that did not join with one is
+    not refused because of it)."""
     key = f"{cfg.swarm.run_id}/manifest"
     if manifest is not None:
         while True:
             with contextlib.suppress(NetworkError):
                 await swarm.store(key, swarm.peer_id, manifest.encode(), MANIFEST_TTL_S)
             await asyncio.sleep(MANIFEST_REPUBLISH_S)
-    with contextlib.suppress(NetworkError):
+    with contextlib.suppress(NetworkError, ConfigError):  # ConfigError: a damaged owners file, said at `run show`
         mine = run_settings(cfg)
-        for m in published(await swarm.get(key)):
+        m = published(await swarm.get(key), owners.owner_of(cfg.swarm.run_id))
+        if m is not None:
             diff = next(((k, v, mine[k]) for k, v in m.settings.items() if mine.get(k) != v), None)
             if diff is not None:
                 log.warning("this node's %s = %s differs from the manifest of run %r (%s, by %s): it will merge only "
@@ -361,8 +340,11 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         trust = load_node_trust(cfg.trust, data_dir)
         # model and data first: a setting or a data folder that cannot work is refused in one
         # line before any daemon starts (the peer ID, which seeds the data order, is the identity's)
+        # its memory before the model is built: a run manifest may name any model size (docs/trust.md)
+        checked = await asyncio.to_thread(check_memory, cfg)
         setup = await asyncio.to_thread(Setup.build, cfg, name, trust.identity.peer_id)
-        check_memory(cfg, setup)
+        if not checked:  # a factory model that cannot be built on the meta device: its count now
+            check_memory(cfg, sum(p.numel() for p in setup.model.parameters()))
         swarm = await start_swarm(sw, trust)
         try:
             return await _serve(cfg, name, setup, swarm, board, status_path, report_path, on_ready, progress, manifest)

@@ -327,9 +327,13 @@ def render_swarm(view: dict[str, Any]) -> RenderableType:
     return Group(t, *notes)
 
 
-async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.0) -> dict[str, Any]:
+async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.0,
+                     owner: str | None = None) -> dict[str, Any]:
     """Join the DHT as a light peer (no model, no training), read ``{run}/heads`` until it is
     non-empty or ``wait`` seconds passed, shut the daemon down and return the summary.
+    ``owner``: the run owner's peer ID pinned on this machine (:mod:`p2pdiloco.owners`): its
+    newest manifest in the DHT gives ``manifests`` (a list of at most one) and the target;
+    None: no manifest is trusted, whatever the DHT holds (``manifests`` empty, no target).
 
     Raises:
         NetworkError: no initial peer answered, or the daemon did not start.
@@ -348,9 +352,11 @@ async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.
         view = summarize_swarm(run_id, records, swarm.clock.now())
         from p2pdiloco.manifest import published  # noqa: PLC0415
 
-        view["manifests"] = [{"digest": m.digest, "owner": m.owner_id, "target_tokens": m.target_tokens}
-                             for m in published(await swarm.get(f"{run_id}/manifest"))]
-        target = max((m["target_tokens"] for m in view["manifests"]), default=0)
+        m = published(await swarm.get(f"{run_id}/manifest"), owner)
+        view["owner"] = owner
+        view["manifests"] = [] if m is None else [{"digest": m.digest, "owner": m.owner_id,
+                                                   "target_tokens": m.target_tokens}]
+        target = m.target_tokens if m is not None else 0
         p = view["progress"]
         p.update({k: v for k, v in progress(p["tokens"], None, target, p["tokens_per_s"]).items() if k != "share"})
         return view

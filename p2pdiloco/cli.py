@@ -143,6 +143,19 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     show.add_argument("--json", action="store_true", help="print JSON (for scripts)")
 
 
+def _pin_owner(m: Any) -> bool:
+    """Pin the owner of manifest ``m`` for its run on first use (:mod:`p2pdiloco.owners`), saying
+    so on stderr; returns whether it was new. Raises ConfigError: the run is pinned to another
+    owner."""
+    from p2pdiloco import owners  # noqa: PLC0415
+
+    newly = owners.pin(m.run_id, m.owner_id)
+    if newly:
+        print(f"p2pdiloco: owner {m.owner_id} pinned for run {m.run_id!r} (first use on this machine; "
+              f"a manifest of this run from another key will be refused)", file=sys.stderr)
+    return newly
+
+
 def _run_command(args: argparse.Namespace) -> int:
     from p2pdiloco import manifest  # noqa: PLC0415
     from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
@@ -151,9 +164,10 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         if args.run_cmd == "show":
             m = manifest.load(args.manifest, "run show")
-            view = {"run_id": m.run_id, "owner": m.owner_id, "digest": m.digest, "created": m.created,
-                    "initial_peers": list(m.initial_peers), "target_tokens": m.target_tokens,
-                    "settings": dict(m.settings)}
+            newly = _pin_owner(m)
+            view = {"run_id": m.run_id, "owner": m.owner_id, "owner_pinned": "new" if newly else "same",
+                    "digest": m.digest, "created": m.created, "initial_peers": list(m.initial_peers),
+                    "target_tokens": m.target_tokens, "settings": dict(m.settings)}
             print(json.dumps(view, indent=1) if args.json else "\n".join(
                 f"{k}: {v}" for k, v in view.items() if k != "settings") + "\n" + "\n".join(
                 f"  {k} = {v}" for k, v in m.settings.items()))
@@ -286,13 +300,16 @@ def _swarm_status(args: argparse.Namespace) -> int:
             raise ConfigError("swarm status needs --initial-peers MULTIADDR (or --config with swarm.initial_peers)")
         for m in peers:
             check_peer_maddr(m)
+        from p2pdiloco import owners  # noqa: PLC0415
+
+        owner = owners.owner_of(run_id)  # whose manifest counts: anyone can publish one (docs/trust.md)
         check_any_reachable(peers)
     except P2PDilocoError as e:
         return report_error(e)
     from node.status_view import read_swarm, render_swarm  # noqa: PLC0415
 
     async def go() -> int:
-        view = await read_swarm(peers, run_id, wait=args.wait)
+        view = await read_swarm(peers, run_id, wait=args.wait, owner=owner)
         if args.json:
             print(json.dumps(view, indent=1))
         else:
@@ -321,12 +338,20 @@ def _node_run(args: argparse.Namespace) -> int:
         if args.join is not None:
             from p2pdiloco import manifest  # noqa: PLC0415
 
+            from p2pdiloco import owners  # noqa: PLC0415
+
             run = manifest.load(args.join)
+            owners.check(run.run_id, run.owner_id)  # another owner than the one pinned here: refused
             manifest.check_factory(run, overrides.get("model.factory"))
         # checking initial peers' multiaddrs imports hivemind, and torch with it: Ctrl+C held
         with _sigint_held() as held:
             cfg = load_config(args.config, overrides=overrides, run=run and manifest.pinned(run),
                               run_source=run and f"the manifest of run {run.run_id!r}" or "")
+            from p2pdiloco.footprint import check_memory  # noqa: PLC0415
+
+            # before anything is built, without torch for the built-in GPT: a manifest may name
+            # any model size (docs/trust.md); run_node checks again once torch is loaded
+            check_memory(cfg)
         if held:
             return interrupted()
         if run is not None and run.initial_peers:  # the run's peers, after the node's own
@@ -341,6 +366,8 @@ def _node_run(args: argparse.Namespace) -> int:
         if _load_native_libraries():  # before dialing: check_any_reachable parses with hivemind
             return interrupted()
         check_any_reachable(cfg.swarm.initial_peers)
+        if run is not None:
+            _pin_owner(run)
     except P2PDilocoError as e:
         return report_error(e)
     from node.main import run_node  # noqa: PLC0415

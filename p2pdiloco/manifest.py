@@ -33,7 +33,7 @@ import msgpack
 
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.trust import signing
-from p2pdiloco.trust.identity import Identity, peer_id_of
+from p2pdiloco.trust.identity import Identity, peer_id_of, public_key_of
 
 __all__ = ["RunManifest", "PREFIX", "MAX_BYTES", "run_settings", "decode", "load", "pinned", "published",
            "check_factory", "TRUSTED_FACTORIES"]
@@ -158,6 +158,18 @@ def _bad(why: str) -> ConfigError:
     return ConfigError(f"not a valid run manifest: {why}")
 
 
+def _unpack(data: bytes) -> Any:
+    """msgpack of at most :data:`MAX_BYTES`, with bounded strings, bins and arrays and no maps.
+    Raises ConfigError (one line) on anything else."""
+    if len(data) > MAX_BYTES:
+        raise _bad(f"more than {MAX_BYTES} bytes")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_str_len=4096,
+                               max_array_len=512, max_map_len=0, max_ext_len=0)
+    except Exception as e:  # msgpack raises several types on hostile input
+        raise _bad(f"undecodable ({type(e).__name__})") from None
+
+
 def decode(data: bytes) -> RunManifest:
     """Parse and verify a manifest's msgpack form (:meth:`RunManifest.encode`): its settings
     over this version's defaults must give the digest the owner signed.
@@ -165,13 +177,7 @@ def decode(data: bytes) -> RunManifest:
     Raises ConfigError (one line) on anything malformed, oversized, of another format, with a
     setting this version does not know or of another type, made over other defaults, or not
     signed by its owner."""
-    if len(data) > MAX_BYTES:
-        raise _bad(f"more than {MAX_BYTES} bytes")
-    try:
-        f = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_str_len=4096,
-                            max_array_len=512, max_map_len=0, max_ext_len=0)
-    except Exception as e:  # msgpack raises several types on hostile input
-        raise _bad(f"undecodable ({type(e).__name__})") from None
+    f = _unpack(data)
     if not isinstance(f, list) or len(f) != 9 or f[0] != FORMAT:
         raise _bad(f"expected format {FORMAT} with 9 fields")
     _, run_id, pairs, digest, peers, target, created, owner, sig = f
@@ -252,16 +258,34 @@ def pinned(m: RunManifest) -> dict[str, Any]:
     return {**m.settings, "swarm.run_id": m.run_id}
 
 
-def published(records: Mapping[Any, Any], limit: int = 8) -> list[RunManifest]:
-    """The distinct valid manifests among a run's DHT records ``{subkey: value}``
-    (``RUN/manifest``, each stored by a node that joined with it, under its own peer ID): each
-    value decoded (:func:`decode`, which checks the owner's signature); at most ``limit``
-    records are looked at, the rest and every invalid one are skipped."""
-    out: dict[str, RunManifest] = {}
-    for value in list(records.values())[:limit]:
+def published(records: Mapping[Any, Any], owner: str | None) -> RunManifest | None:
+    """The run's manifest among its DHT records ``{subkey: value}`` (``RUN/manifest``, each
+    stored by a node that joined with it, under its own peer ID): the newest (``created``, then
+    digest) valid one signed by ``owner``, the peer ID of the run's owner as this machine knows
+    it (:mod:`p2pdiloco.owners`, or the node's own manifest's owner); None when ``owner`` is None
+    or none of the records is its. Every record is looked at, whatever their number: anyone can
+    store manifests under the run's key, and their count must not decide which one is read
+    (docs/trust.md); only records signed by ``owner`` are verified (:func:`decode`)."""
+    if owner is None:
+        return None
+    key = public_key_of(owner)
+    best: RunManifest | None = None
+    for value in records.values():
+        if not isinstance(value, bytes) or _signer(value) != key:
+            continue
         try:
-            m = decode(value if isinstance(value, bytes) else b"")
+            m = decode(value)
         except ConfigError:
             continue
-        out.setdefault(m.digest, m)
-    return list(out.values())
+        if best is None or (m.created, m.digest) > (best.created, best.digest):
+            best = m
+    return best
+
+
+def _signer(data: bytes) -> bytes | None:
+    """The owner key field of a manifest's msgpack form, unverified (None if malformed)."""
+    try:
+        f = _unpack(data)
+    except ConfigError:
+        return None
+    return f[7] if isinstance(f, list) and len(f) == 9 and isinstance(f[7], bytes) else None

@@ -41,6 +41,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_config_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run owners that the tests' commands pin (``p2pdiloco.owners``) go to a folder of this
+    test session, inherited by every process it starts, never to the user's ~/.config."""
+    home = tmp_path_factory.mktemp("config")
+    os.environ["XDG_CONFIG_HOME"] = str(home)
+    return home
+
+
 def default_sigint() -> None:
     """``preexec_fn`` of the processes tests start: SIGINT back to its default, as in a
     terminal's job. A test run started in the background by a shell without job control

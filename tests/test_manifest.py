@@ -4,15 +4,20 @@ line naming it, before any daemon starts (real nodes over loopback for the last 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import json
+import os
 import random
 import subprocess
 import sys
+import time
 import zlib
+from pathlib import Path
 
 import msgpack
+import psutil
 import pytest
 
 from conftest import TINY, read_report, wait_for
@@ -156,3 +161,108 @@ def test_two_nodes_join_with_the_manifest_only_and_a_differing_one_is_refused(ha
     assert all(p["done"] == round(tokens / 10**7, 4) and 0 < p["share"] <= 1 for p in progress), progress
     assert dataclasses.asdict(load_config(env={}, overrides=run_settings).model) == {
         k.split(".")[1]: v for k, v in m.settings.items() if k.startswith("model.")}
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "p2pdiloco.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=None if env is None else {**os.environ, **env})
+
+
+def _init(tmp_path: Path, owner: str, run_id: str, *sets: str, target: int = 10**7) -> Path:
+    out = tmp_path / f"{owner}.manifest"
+    made = _cli("run", "init", "--run-id", run_id, "--identity", str(tmp_path / f"{owner}.key"), "--out", str(out),
+                "--target-tokens", str(target), *(a for s in sets for a in ("--set", s)))
+    assert made.returncode == 0, made.stderr
+    return out
+
+
+def _one_line(res: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("p2pdiloco: ") and "Traceback" not in res.stderr, res.stderr
+    return lines[0]
+
+
+def test_a_model_too_large_for_this_machine_is_refused_before_it_is_built(tmp_path):
+    """A validly signed manifest of a 38.6e9-parameter GPT: the joiner refuses it in one line,
+    exit 2, within 5 s, before its identity, daemon or model exist."""
+    path = _init(tmp_path, "owner", "huge", "model.n_layer=96", "model.n_embd=5788")
+    assert manifest.load(str(path)).settings["model.n_embd"] == 5788
+    d = tmp_path / "joiner"
+    t0 = time.monotonic()
+    res = _cli("node", "run", "--join", str(path), "--host", "127.0.0.1", "--port", "0", "--data-dir", str(d),
+               env={"XDG_CONFIG_HOME": str(tmp_path)})
+    seconds = time.monotonic() - t0
+    assert res.returncode == 2, res.stderr
+    assert _one_line(res).startswith("p2pdiloco: model: training this 38.")
+    assert seconds < 5, seconds
+    assert not (d / "p2p.key").exists()  # refused before the node made its identity, let alone a daemon
+    assert not (tmp_path / "p2pdiloco").exists()  # nor pinned the run's owner
+
+
+def test_a_factory_models_size_comes_from_the_meta_device():
+    from p2pdiloco.footprint import model_size
+    from p2pdiloco.model import build_model
+    from p2pdiloco.model_config import ModelConfig
+
+    small = ModelConfig(n_layer=2, n_embd=64, factory="p2pdiloco.models.torch_lm:decoder_lm")
+    built = build_model(small, 0)
+    assert model_size(small) == (sum(p.numel() for p in built.parameters()), 128 * 128 * 4)  # + the causal mask
+    assert model_size(ModelConfig()) == (ModelConfig().num_parameters, 0)  # the GPT: analytic
+    rss = psutil.Process().memory_info().rss
+    params, _ = model_size(ModelConfig(n_layer=64, n_embd=8192, factory="p2pdiloco.models.torch_lm:decoder_lm"))
+    assert params > 5 * 10**10  # 200 GB of fp32, not allocated:
+    assert psutil.Process().memory_info().rss - rss < 512 << 20
+
+
+def test_the_first_owner_of_a_run_is_pinned_and_another_is_refused(tmp_path):
+    ours, theirs = _init(tmp_path, "ours", "pinned"), _init(tmp_path, "theirs", "pinned", target=10**15)
+    owners_file = tmp_path / "cfg" / "p2pdiloco" / "owners.json"
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    first = _cli("run", "show", str(ours), "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    owner = manifest.load(str(ours)).owner_id
+    assert json.loads(first.stdout)["owner_pinned"] == "new" and owner in first.stderr
+    assert json.loads(owners_file.read_text()) == {"runs": {"pinned": owner}}
+    for args in (["run", "show", str(theirs)],
+                 ["node", "run", "--join", str(theirs), "--host", "127.0.0.1", "--port", "0",
+                  "--data-dir", str(tmp_path / "joiner")]):
+        res = _cli(*args, env=env)
+        assert res.returncode == 2, res.stderr
+        assert owner in _one_line(res)
+    assert not (tmp_path / "joiner" / "p2p.key").exists()
+    assert json.loads(owners_file.read_text()) == {"runs": {"pinned": owner}}
+    again = _cli("run", "show", str(ours), "--json", env=env)
+    assert again.returncode == 0 and json.loads(again.stdout)["owner_pinned"] == "same" and not again.stderr
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(240)
+async def test_sybil_manifests_do_not_change_what_swarm_status_shows(harness):
+    """Nine strangers store manifests of the run (target 1e15) under its DHT key before a node
+    republishes the owner's: `swarm status` shows the pinned owner's target only, and with no
+    owner pinned it trusts none."""
+    from p2pdiloco.net.transport import Swarm
+
+    maddr = harness.bootstrap()
+    ours = manifest.load(str(_init(harness.tmp, "ours", "sybil")))
+    sybils = [manifest.load(str(_init(harness.tmp, f"s{i}", "sybil", target=10**15))) for i in range(9)]
+    for m in [*sybils, ours]:  # each under its own storer's peer ID, as joined nodes store theirs
+        swarm = await Swarm.start(initial_peers=[maddr])
+        try:
+            assert await swarm.store("sybil/manifest", swarm.peer_id, m.encode(), 300)
+        finally:
+            await swarm.shutdown()
+    pinned = {"XDG_CONFIG_HOME": str(harness.tmp / "pinned")}
+    assert _cli("run", "show", str(harness.tmp / "ours.manifest"), env=pinned).returncode == 0
+
+    def status(env: dict[str, str]) -> dict:
+        res = _cli("swarm", "status", "--initial-peers", maddr, "--run-id", "sybil", "--json", "--wait", "1", env=env)
+        assert res.returncode == 1, res.stderr  # 1: no node of the run stored a heads record
+        return json.loads(res.stdout)
+
+    view = await asyncio.to_thread(status, pinned)
+    assert view["owner"] == ours.owner_id
+    assert view["manifests"] == [{"digest": ours.digest, "owner": ours.owner_id, "target_tokens": 10**7}]
+    assert view["progress"]["target_tokens"] == 10**7
+    view = await asyncio.to_thread(status, {"XDG_CONFIG_HOME": str(harness.tmp / "none")})
+    assert view["owner"] is None and view["manifests"] == [] and view["progress"]["target_tokens"] is None

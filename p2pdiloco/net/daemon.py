@@ -6,6 +6,16 @@ process that keeps the daemon alive after its parent is SIGKILLed. We run ``DHTN
 the caller's event loop instead, so the only child is p2pd, which exits as soon as its owner's
 control connection closes, including on SIGKILL. :class:`~p2pdiloco.net.transport.Swarm`
 owns both once started.
+
+Local sockets (docs/trust.md, "local users"): hivemind talks to p2pd over two unix sockets,
+p2pd's control socket and the client's socket for incoming streams; whoever can connect to
+the first drives the node's libp2p identity, to the second feeds it streams as any peer.
+hivemind 1.1.12 puts both at ``/tmp/hivemind-p2pd-RANDOM.sock`` and
+``/tmp/hivemind-p2pclient-RANDOM.sock`` (the prefix is the private ``P2P._UNIX_SOCKET_PREFIX``;
+``P2P.create`` takes no socket path), created with the process umask: 0777 under umask 000.
+:func:`private_sockets` holds the umask at 077 while they are created, so each is created
+owner-only (``bind`` applies the umask, no window where another user can connect); hivemind's
+``shutdown`` removes both.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -41,26 +52,29 @@ async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_ma
     """Start p2pd with ``identity``'s key (a key held only in memory is written to a temporary
     file for p2pd to read, then removed); returns the daemon's handle and its PID (None if it
     could not be found among our children). ``options``: more keyword arguments of
-    ``P2P.create`` (reachability and relays: ``net.reachability.daemon_options``).
+    ``P2P.create`` (reachability and relays: ``net.reachability.daemon_options``). p2pd's
+    control socket is owner-only (:func:`private_sockets`); hold that block also over the first
+    ``add_binary_stream_handler``, which binds hivemind's client socket (``Swarm.start`` does).
 
     Raises:
-        NetworkError: the daemon did not start (port in use...), or its bootstrap through
-            ``initial_peers`` failed.
+        NetworkError: the daemon did not start (port in use...), its bootstrap through
+            ``initial_peers`` failed, or its socket is open to other users (:func:`check_owner_only`).
     """
     key_file = identity.path if identity.path is not None else identity.write_temporary()
     known = {c.pid for c in psutil.Process().children()}
     try:
-        p2p = await _create_shielded(
-            known,
-            initial_peers=list(initial_peers) or None,
-            host_maddrs=list(host_maddrs),
-            announce_maddrs=list(announce_maddrs) or None,
-            identity_path=str(key_file),
-            check_if_identity_free=False,  # identity_in_use instead: hivemind's check reads RSA keys only
-            startup_timeout=startup_timeout,
-            idle_timeout=365 * 24 * 3600,  # quiet inner phases must not kill the daemon
-            **(options or {}),
-        )
+        with private_sockets():
+            p2p = await _create_shielded(
+                known,
+                initial_peers=list(initial_peers) or None,
+                host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) or None,
+                identity_path=str(key_file),
+                check_if_identity_free=False,  # identity_in_use instead: hivemind's check reads RSA keys only
+                startup_timeout=startup_timeout,
+                idle_timeout=365 * 24 * 3600,  # quiet inner phases must not kill the daemon
+                **(options or {}),
+            )
     except Exception as e:
         if initial_peers and "bootstrap" in str(e):
             raise NetworkError(_no_peers_message(initial_peers)) from None
@@ -68,8 +82,56 @@ async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_ma
     finally:
         if identity.path is None:  # p2pd has read the temporary key file
             shutil.rmtree(Path(key_file).parent, ignore_errors=True)
+    try:
+        check_owner_only(p2p)
+    except BaseException:
+        await p2p.shutdown()
+        raise
     daemon = _new_daemons(known)
     return p2p, daemon[0] if daemon else None
+
+
+OWNER_ONLY = 0o077  # umask while the sockets are created: no permission for group and others
+
+
+@contextlib.contextmanager
+def private_sockets() -> Iterator[None]:
+    """Hold the process umask at (its value | 077) for the block: p2pd, forked meanwhile,
+    inherits it and creates its control socket owner-only (srwx------), and so does hivemind's
+    client socket, bound when the first stream handler is added (``P2P.add_binary_stream_handler``
+    starts its listener): connect(2) to a unix socket needs write permission on it (unix(7)),
+    so no other local user can open either. The umask is per process: nested and concurrent
+    blocks (several swarms in one process) share one hold, restored when the last one ends;
+    files this process creates meanwhile get no group or other permission either, never more."""
+    global _umask_holds, _umask_saved
+    with _umask_lock:
+        if _umask_holds == 0:
+            _umask_saved = os.umask(OWNER_ONLY)
+            os.umask(_umask_saved | OWNER_ONLY)
+        _umask_holds += 1
+    try:
+        yield
+    finally:
+        with _umask_lock:
+            _umask_holds -= 1
+            if _umask_holds == 0:
+                os.umask(_umask_saved)
+
+
+_umask_lock = threading.Lock()
+_umask_holds, _umask_saved = 0, 0o022  # blocks inside private_sockets; the umask they replaced
+
+
+def check_owner_only(p2p: P2P) -> None:
+    """Check that ``p2p``'s control socket (``P2P.daemon_listen_maddr``) gives group and others
+    no permission.
+
+    Raises:
+        NetworkError: it does (p2pd was not started inside :func:`private_sockets`)."""
+    path = str(p2p.daemon_listen_maddr).removeprefix("/unix")
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & OWNER_ONLY:
+        raise NetworkError(f"the libp2p daemon's socket {path} is open to other local users (mode {mode:o})")
 
 
 async def _create_shielded(known: set[int], **kwargs) -> P2P:
@@ -245,8 +307,9 @@ async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: f
     """
     probe = None
     try:
-        probe = await P2P.create(initial_peers=list(initial_peers), dht_mode="client", startup_timeout=15,
-                                 check_if_identity_free=False)
+        with private_sockets():
+            probe = await P2P.create(initial_peers=list(initial_peers), dht_mode="client", startup_timeout=15,
+                                     check_if_identity_free=False)
         try:
             async with asyncio.timeout(timeout):
                 while True:

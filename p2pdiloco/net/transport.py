@@ -57,7 +57,7 @@ from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_pay
 )
 from p2pdiloco.net import clock as swarm_clock
 from p2pdiloco.net import sessions
-from p2pdiloco.net.daemon import identity_in_use, rejoin_dht, start_daemon, start_dht
+from p2pdiloco.net.daemon import identity_in_use, private_sockets, rejoin_dht, start_daemon, start_dht
 from p2pdiloco.net.drops import DropLedger, TrafficStats, record_kind
 from p2pdiloco.net.framing import short_error as _short
 from p2pdiloco.net.reachability import RPC as DIALBACK
@@ -169,24 +169,25 @@ class Swarm:
                     f"identity {identity.path} (peer ID {identity.peer_id}) is already used by a running node of "
                     "this swarm; a second node with the same identity would steal its connections. Stop the "
                     "other node, or give this one its own --data-dir (or trust.identity) to get a new identity")
-        p2p, daemon_pid = await start_daemon(identity, initial_peers, host_maddrs, announce_maddrs, startup_timeout,
-                                             daemon_options(reachability, relay, initial_peers))
-        clock = swarm_clock.SwarmClock()
-        try:
-            strict = await swarm_clock.check_initial(clock, p2p, initial_peers)
-        except BaseException:
-            await p2p.shutdown()
-            raise
-        records = SignedRecords(identity, membership)
-        dht = await start_dht(p2p, initial_peers, bootstrap_timeout, records, strict=strict)
-        swarm = cls(p2p, dht, daemon_pid, identity, membership, records, clock)
-        if swarm.peer_id != identity.peer_id:  # p2pd must run with exactly our key
-            await swarm.shutdown()
-            raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
-        swarm._clock_task = asyncio.create_task(swarm_clock.watch(swarm.clock, p2p))
-        await swarm.server.start()
-        await swarm.add_handler("trust.hello", swarm._on_hello)
-        await swarm.add_handler(DIALBACK, DialbackServer(swarm))
+        with private_sockets():  # p2pd's socket, and hivemind's, bound by the first handler: owner-only
+            p2p, daemon_pid = await start_daemon(identity, initial_peers, host_maddrs, announce_maddrs,
+                                                 startup_timeout, daemon_options(reachability, relay, initial_peers))
+            clock = swarm_clock.SwarmClock()
+            try:
+                strict = await swarm_clock.check_initial(clock, p2p, initial_peers)
+            except BaseException:
+                await p2p.shutdown()
+                raise
+            records = SignedRecords(identity, membership)
+            dht = await start_dht(p2p, initial_peers, bootstrap_timeout, records, strict=strict)
+            swarm = cls(p2p, dht, daemon_pid, identity, membership, records, clock)
+            if swarm.peer_id != identity.peer_id:  # p2pd must run with exactly our key
+                await swarm.shutdown()
+                raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
+            swarm._clock_task = asyncio.create_task(swarm_clock.watch(swarm.clock, p2p))
+            await swarm.server.start()
+            await swarm.add_handler("trust.hello", swarm._on_hello)
+            await swarm.add_handler(DIALBACK, DialbackServer(swarm))
         swarm.reach, swarm.initial_peers = Reachability(reachability or "auto", relay), list(initial_peers)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
         try:  # on any failure, also cancellation (Ctrl+C), the daemon must not outlive us
