@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Raises ConfigError (AddressError) for a malformed address, host or port, CertificateError
-    (a ConfigError) for a ``--swarm-key`` that is not a public key."""
+    """Raises ConfigError (AddressError) for a malformed address, host or port, or a
+    ``--swarm-key`` that is not a public key."""
     for m in args.initial_peers:
         check_peer_maddr(m)
     for m in args.announce:
@@ -54,7 +54,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be in 0..65535 (0: any free port)")
     if args.swarm_key is not None:
-        decode_swarm_key(args.swarm_key)
+        try:
+            decode_swarm_key(args.swarm_key)
+        except ConfigError:
+            raise ConfigError(f"--swarm-key {args.swarm_key[:70]!r}: expected the swarm's public key (64 hex digits, "
+                              "printed by `p2pdiloco swarm init`) or the path of its swarm.pub") from None
 
 
 async def serve(args: argparse.Namespace) -> int:
