@@ -152,7 +152,7 @@ async def test_bad_entries_do_not_hide_a_members_heads_and_revocation_list(no_da
         a = await Swarm.start(initial_peers=maddrs, identity=ids[0], membership=ms[0])
         x = await Swarm.start(initial_peers=maddrs)  # the attacker: no certificate, its own validator
         swarms += [a, x]
-        heads = HeadsRecord(((3, "ab" * 32),), t=a.clock.now(), name="a")
+        heads = HeadsRecord(((3, "ab" * 32),), rounds=("r1",), t=a.clock.now(), name="a")
         assert await a.store(HEADS, a.peer_id, heads.to_wire(), 60)
         assert await a.store(rev_key, a.peer_id, revocations.encode(), 60)
         for key in (HEADS, rev_key):
