@@ -1,6 +1,12 @@
 """Run a bootstrap peer: join (or start) the DHT, print the multiaddrs to join with, serve
 until SIGINT/SIGTERM. It holds no model and merges nothing: peers only use it to find
-each other, so the swarm has no central server."""
+each other, so the swarm has no central server.
+
+A bootstrap peer of a private swarm holds no certificate, but given the swarm's public key
+(``--swarm-key``) it stores only members' DHT records: it checks each record's certificate as
+a member does (docs/trust.md, "Public and private swarms"). It follows no revocation list, so
+it may still hold a revoked member's records; members drop those entry by entry on reading.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from pathlib import Path
 
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.net.addresses import check_announce_maddr, check_any_reachable, check_listen_port, check_peer_maddr
+from p2pdiloco.trust.certificates import decode_swarm_key
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not serve as a circuit relay for nodes behind NAT (default: serve; docs/operating.md)")
     parser.add_argument("--identity", default=None, help="private key file: keeps the same peer ID across restarts")
     parser.add_argument("--maddrs-file", type=Path, default=None, help="also write the multiaddrs to this file")
+    parser.add_argument("--swarm-key", default=None, metavar="HEX_OR_PATH",
+                        help="a private swarm's public key (64 hex digits or its swarm.pub): store only its "
+                             "members' DHT records (default: any signed record)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Raises ConfigError (AddressError) for a malformed address, host or port."""
+    """Raises ConfigError (AddressError) for a malformed address, host or port, or a
+    ``--swarm-key`` that is not a public key."""
     for m in args.initial_peers:
         check_peer_maddr(m)
     for m in args.announce:
@@ -42,6 +53,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"--host {args.host!r}: not an IPv4 address (0.0.0.0: every interface)") from None
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be in 0..65535 (0: any free port)")
+    if args.swarm_key is not None:
+        try:
+            decode_swarm_key(args.swarm_key)
+        except ConfigError:
+            raise ConfigError(f"--swarm-key {args.swarm_key[:70]!r}: expected the swarm's public key (64 hex digits, "
+                              "printed by `p2pdiloco swarm init`) or the path of its swarm.pub") from None
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -55,7 +72,8 @@ async def serve(args: argparse.Namespace) -> int:
     # public: nodes must be able to dial a bootstrap peer, and p2pd serves relays only when public
     swarm = await Swarm.start(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
                               announce_maddrs=args.announce, identity_path=args.identity, reachability="public",
-                              relay=not args.no_relay)
+                              relay=not args.no_relay,
+                              record_swarm=decode_swarm_key(args.swarm_key) if args.swarm_key else None)
     try:
         maddrs = await swarm.visible_maddrs()
         if args.maddrs_file:
@@ -63,6 +81,7 @@ async def serve(args: argparse.Namespace) -> int:
             tmp.write_text("\n".join(maddrs) + "\n")
             tmp.replace(args.maddrs_file)
         print("bootstrap peer running (" + ("no relay" if args.no_relay else "circuit relay for nodes behind NAT")
+              + (f"; stores records of {swarm.records.membership.name} only" if args.swarm_key else "")
               + "); nodes join with:", flush=True)
         for m in maddrs:
             print(f"  --initial-peers {m}", flush=True)

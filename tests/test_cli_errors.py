@@ -164,6 +164,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             "port 0": NODE + ["--initial-peers", f"/ip4/127.0.0.1/tcp/0/p2p/{PID}"],
             "bad peer id": NODE + ["--initial-peers", "/ip4/127.0.0.1/tcp/5000/p2p/notapeerid"],
             "bootstrap bad peer": BOOT + ["--initial-peers", "/ip4/127.0.0.1/tcp/5000"],
+            "bootstrap bad swarm key": BOOT + ["--swarm-key", "not-a-key"],
             "set without =": CLI_NODE + ["--set", "outer.lr"],
             "set bad value": NODE + ["--set", "outer.lr=fast"],
             "not toml": NODE + ["--config", str(tmp / "not.toml")],
@@ -217,6 +218,10 @@ def test_malformed_initial_peer(results: Runs, case: str) -> None:
     assert ADDRESS_CASES[case] in line
     assert line.endswith("(from the command line)")
     assert not results[case].daemons_seen  # refused before any daemon started
+
+
+def test_bootstrap_malformed_swarm_key(results: Runs) -> None:
+    assert one_line(results["bootstrap bad swarm key"], code=2).startswith("p2pdiloco: --swarm-key 'not-a-key':")
 
 
 def test_bootstrap_malformed_initial_peer(results: Runs) -> None:

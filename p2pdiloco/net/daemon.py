@@ -270,6 +270,12 @@ async def start_dht(p2p: P2P, initial_peers: Sequence[str], bootstrap_timeout: f
             record_validator=records,
             strict=strict,
             cache_refresh_before_expiry=0,  # no hidden re-reads: the node reads the DHT when it needs to
+            # lookups are validated per entry by SignedRecords.lookup (docs/trust.md, "Signed records"),
+            # which lets hivemind merge unchecked entries: its merged answer must neither be cached
+            # (and served to others) nor handed to a concurrent lookup of the same key
+            cache_locally=False,
+            cache_nearest=0,
+            reuse_get_requests=False,
         )
     except Exception as e:
         await p2p.shutdown()

@@ -24,12 +24,9 @@ validator and their RPCs refused with ``AccessDenied``; they are also banned
 (``Swarm.ban``), which takes them out of matchmaking and the all-reduce. A member that finds
 itself revoked sets :attr:`RevocationWatch.revoked_self` and stops re-publishing the list.
 
-Limitation (hivemind): a lookup drops a responder's whole dictionary when one entry fails
-validation, so an entry stored by a member before its revocation hides that responder's
-other entries from members that adopted the revocation, until it expires (at most
-:attr:`RevocationWatch.ttl` seconds, 3 x ``poll_s`` and at least 60 s, plus the DHT's clock
-slack ``clock.TOLERANCE_S``, 120 s: ``Swarm.store``). A list already adopted is not affected;
-a still newer list may reach those members that much later.
+Lookups are validated per entry (``Swarm.get``, ``SignedRecords.lookup``): an entry stored by
+a member before its revocation, or a non-member's, is dropped alone and the other copies in
+the same answer count (docs/trust.md, "Signed records").
 """
 
 from __future__ import annotations
@@ -269,8 +266,8 @@ async def publish_revocations(revocations: RevocationList, swarm_key: SwarmKey, 
         raise CertificateError(f"revocation list #{revocations.serial} is {len(data)} bytes; members read at "
                                f"most {MAX_LIST_BYTES} bytes from the DHT", "malformed")
     identity = Identity.generate()
-    # no revocations here: reading with the new list would drop whole lookups that still hold an
-    # entry of a member revoked by it, and hide the members' copies from us
+    # no revocations here: the publisher only counts the members' copies (entries of members it
+    # revokes would be dropped one by one anyway: lookups are validated per entry)
     cert = swarm_key.admit(identity.public_key, valid_for=PUBLISHER_CERT_S)
     membership = Membership(swarm_key.public_key, cert)
     key = revocations_key(swarm_key.public_key)

@@ -44,7 +44,11 @@ from typing import Any
 
 import psutil
 from hivemind.dht import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
 
 from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
 from p2pdiloco.net.framing import (  # noqa: F401  (frame, read_header, read_payload: re-exported)
@@ -137,6 +141,7 @@ class Swarm:
         startup_timeout: float = 20.0,
         reachability: ReachabilityMode | None = None,
         relay: bool = True,
+        record_swarm: bytes | None = None,
     ) -> Swarm:
         """Start p2pd and join the DHT through ``initial_peers`` (multiaddr strings).
 
@@ -148,6 +153,10 @@ class Swarm:
                 :meth:`check_admission` runs before returning.
             reachability, relay: ``p2pdiloco.net.reachability`` (None: p2pd decides, no
                 dial-back check; ``auto``: :attr:`reach` holds the check's verdict).
+            record_swarm: for a node of a public ``membership`` (a bootstrap peer): the raw
+                32-byte public key of a private swarm whose members alone may store DHT
+                records here (their certificates are checked as a member checks them; the
+                node's RPCs stay open to everybody, as it holds no certificate of its own).
 
         Raises:
             IdentityError: the identity file is unusable, or a running peer of the swarm
@@ -178,7 +187,10 @@ class Swarm:
             except BaseException:
                 await p2p.shutdown()
                 raise
-            records = SignedRecords(identity, membership)
+            if record_swarm is not None and membership.private and record_swarm != membership.swarm:
+                await p2p.shutdown()
+                raise ValueError("record_swarm names another swarm than membership")
+            records = SignedRecords(identity, Membership(record_swarm) if record_swarm is not None else membership)
             dht = await start_dht(p2p, initial_peers, bootstrap_timeout, records, strict=strict)
             swarm = cls(p2p, dht, daemon_pid, identity, membership, records, clock)
             if swarm.peer_id != identity.peer_id:  # p2pd must run with exactly our key
@@ -276,17 +288,38 @@ class Swarm:
             raise NetworkError(f"DHT store of {key!r} failed: {_short(e)}") from None
 
     async def get(self, key: str, *, beam: int | None = None) -> dict[str, Any]:
-        """Latest non-expired values under ``key`` as {subkey: value}, merged from every peer the
-        search visits; {} when none. ``beam`` as in :meth:`store`."""
+        """Latest non-expired values under ``key`` as {subkey: value}, merged from this node's
+        own share of the DHT and every peer the search visits; {} when none. ``beam`` as in
+        :meth:`store`.
+
+        Every entry is validated on its own (:meth:`SignedRecords.lookup`): a bad entry in a
+        peer's answer is dropped and counted (``records.read_dropped``), the rest of that
+        answer kept; of the valid entries under one subkey the one that expires last wins."""
         self.stats.dht[f"get:{record_kind(key)}"] += 1
         narrow = {} if beam is None else {"beam_size": beam}
-        try:
-            found = await self._dht.get(key, latest=True, **narrow)
-        except Exception as e:
-            raise NetworkError(f"DHT get of {key!r} failed: {_short(e)}") from None
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        return {str(sub): item.value for sub, item in found.value.items()}
+        key_id = DHTID.generate(source=key)
+        with self.records.lookup(key_id.to_bytes(), get_dht_time()) as entries:
+            for record in self._held_records(key_id):  # hivemind adds these unchecked: checked here
+                entries.offer(record)
+            try:
+                await self._dht.get(key, latest=True, **narrow)  # its merged answer is ignored (lookup())
+            except Exception as e:
+                raise NetworkError(f"DHT get of {key!r} failed: {_short(e)}") from None
+        return {str(sub): value for sub, value in entries.values().items()}
+
+    def _held_records(self, key_id: DHTID) -> list[DHTRecord]:
+        """The entries of ``key_id`` this node stores for the DHT, as stored (signed envelopes);
+        read through hivemind's public ``DHTNode.protocol.storage``."""
+        found = self._dht.protocol.storage.get(key_id)
+        if found is None or not hasattr(found.value, "items"):  # none, or a plain value (we store none)
+            return []
+        return [DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(sub), item.value, item.expiration_time)
+                for sub, item in found.value.items()]
+
+    def held(self, key: str) -> dict[str, bytes]:
+        """What this node itself stores for the DHT under ``key``: {subkey: signed envelope},
+        unchecked (what it would answer a lookup with); for tests and diagnostics."""
+        return {str(MSGPackSerializer.loads(r.subkey)): r.value for r in self._held_records(DHTID.generate(source=key))}
 
     # ---- RPC ----------------------------------------------------------------------------
     def drop(self, peer: str, reason: str) -> None:
