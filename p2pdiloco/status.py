@@ -87,7 +87,7 @@ class Status(Starting):
                                                 "net.patches), received, other_run (refused: another run's or other "
                                                 "settings')"]
     record_pushes: Annotated[dict[str, int], "heads records pushed to the learners it knows (net.statesync, "
-                                             "st.heads): sent, failed, resent, received, other_run (refused)"]
+                                             "st.heads): sent, failed, resent, received, other_run and ignored (refused)"]
     link_bytes_per_s: Annotated[int | None, "measured link rate (median of large replies), bytes/s"]
     rejected: Annotated[dict[str, int], "contributions refused, by reason"]
     rejected_total: Annotated[int, "sum of rejected"]

@@ -296,7 +296,7 @@ class MemoryDHT:
         out = {}
         for subkey_bytes, (signed, expiration) in live.items():
             record = DHTRecord(key_id, subkey_bytes, signed, expiration)
-            if not self.validator.validate(record):
+            if not self.validator.validate(record):  # within Swarm.get's lookup every entry passes (to its filter)
                 return None  # hivemind drops a dictionary with an invalid entry whole
             value = MSGPackSerializer.loads(self.validator.strip_value(record))
             out[MSGPackSerializer.loads(subkey_bytes)] = ValueWithExpiration(value, expiration)

@@ -143,7 +143,7 @@ class StateSync:
         self._changed: dict[str, tuple[float, float]] = {}  # peer -> (its record's t, monotonic s we first saw it)
         self.pusher = Pusher(swarm, "st.heads", PUSH_DEFER_S, 1, rec.BEAT_S)  # pushes our record to the learners we know
         self._known_by: set[str] | None = None  # peers that know what our next publish changes (known_by)
-        self.pushes_received: Counter[str] = Counter()  # "received", "other_run" (refused)
+        self.pushes_received: Counter[str] = Counter()  # "received", "other_run", "ignored" (refused)
         self.on_heard: Callable[[str, bool], object] = self.pusher.heard_from  # a peer pushed (hello?): the node widens it
         self._pushed: dict[str, HeadsRecord] = {}  # author -> its newest pushed record, oldest author first
         self.patches = Received(lambda peer, why: self.swarm.drop(peer, why))  # bases of authors' patches
@@ -242,6 +242,9 @@ class StateSync:
         never replaces a newer one."""
         if peer in self.swarm.bans:
             raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
+        if peer in self.strikes.ignored and peer in self.strikes.ignoring():  # unread: no parse, no push back
+            self.pushes_received["ignored"] += 1
+            raise ProtocolError("this node ignores your records for now")
         if (header := self.patches.expand(peer, header)) is None:  # a patch of another base than ours
             return {"resend": True}, b""
         if header.get("run") != self.run_id:

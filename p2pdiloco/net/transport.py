@@ -309,8 +309,12 @@ class Swarm:
 
     def _held_records(self, key_id: DHTID) -> list[DHTRecord]:
         """The entries of ``key_id`` this node stores for the DHT, as stored (signed envelopes);
-        read through hivemind's public ``DHTNode.protocol.storage``."""
-        found = self._dht.protocol.storage.get(key_id)
+        read through hivemind's public ``DHTNode.protocol.storage`` ([] for a DHT without one: the
+        in-memory network's ``MemoryDHT`` answers its own replica through ``get``)."""
+        protocol = getattr(self._dht, "protocol", None)
+        if protocol is None:
+            return []
+        found = protocol.storage.get(key_id)
         if found is None or not hasattr(found.value, "items"):  # none, or a plain value (we store none)
             return []
         return [DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(sub), item.value, item.expiration_time)
