@@ -16,4 +16,4 @@ __all__ = ["OutlierPolicy", "OUTLIER_POLICIES", "DEFAULT_OUTLIER_FACTOR"]
 
 OutlierPolicy = Literal["clip", "drop", "off"]
 OUTLIER_POLICIES: tuple[str, ...] = typing.get_args(OutlierPolicy)
-DEFAULT_OUTLIER_FACTOR = 2.0
+DEFAULT_OUTLIER_FACTOR = 1.25
