@@ -189,11 +189,13 @@ def robust_merge(
        each weight is multiplied by ``trust[m]`` (a reputation the node earned for the peer,
        e.g. small for a fresh identity; applied after the cap so a low trust never lowers the
        cap). Medians below are over the members whose weight is then positive.
-    4. Norms, per slot i: ``T_i = factor × max(lower median of ‖Δ_m,i‖, ‖Δ_own,i‖)``
-       (the own norm only when ``own`` is given; skipped when the base is 0). A tensor with
-       ‖Δ_m,i‖ > T_i is scaled to norm T_i (``clip``), or its member is dropped from the merge
-       (``drop``, reason ``outlier``). The own norm keeps colluders that send tiny Δ from
-       shrinking the honest ones.
+    4. Norms, per slot i, of the members with positive weight: ``T_i = factor × b_i`` with
+       ``b_i`` their lower median norm, or, when ``own`` is given, max(lower median,
+       min(‖Δ_own,i‖, upper median)) (skipped when ``b_i`` is 0). A tensor with ‖Δ_m,i‖ > T_i
+       is scaled to norm T_i (``clip``), or its member is dropped from the merge (``drop``,
+       reason ``outlier``); the own Δ too. With an even count the own norm picks between the
+       two medians, so two colluders of 4 that send tiny Δ cannot shrink the honest ones to
+       their norm, and two that send huge Δ cannot raise the bound above an honest norm.
     5. Directions, per slot i, against a reference direction R_i:
        * ``own`` given, kept, and Δ_own,i ≠ 0: R_i = Δ_own,i, the reducer's own pseudo-gradient,
          which it knows to be honest (FLTrust's root gradient, see Sources). Every other
@@ -329,14 +331,15 @@ def robust_merge(
 def _clip_norms(live: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: int, factor: float,
                 ref: int | None, drop: bool, clipped: list[tuple[int, int]]) -> set[int]:
     """Step 4 of :func:`robust_merge`: scale (in ``deltas``) or collect (``drop``) the tensors of
-    ``live`` above ``factor`` × max(lower median norm, own norm); returns the members to drop
-    and appends (member, slot) of each scaled tensor to ``clipped``."""
+    ``live`` above ``factor`` × max(lower median, min(own, upper median)) of their norms; returns
+    the members to drop and appends (member, slot) of each scaled tensor to ``clipped``."""
     outliers: set[int] = set()
     for i in range(n_slots):
         norms = {m: _norm(deltas[m][i]) for m in live}
         base = statistics.median_low(norms.values()) if norms else 0.0
-        if ref is not None:
-            base = max(base, norms[ref] if ref in norms else _norm(deltas[ref][i]))
+        if ref is not None and norms:
+            own_norm = norms[ref] if ref in norms else _norm(deltas[ref][i])
+            base = max(base, min(own_norm, statistics.median_high(norms.values())))
         if base <= 0:
             continue
         bound = factor * base
