@@ -154,8 +154,9 @@ class RobustMerge:
             (after the median cap and ``trust``; 0.0 for dropped members).
         scores: (member index, slot index, score) of every tensor whose weight was multiplied
             by an alignment score below 1 (0 < score < 1; a score of 0 is in ``misaligned``).
-        reference: the member whose own Δ was the reference direction (``own``), or None
-            where the median direction was used.
+        reference: the member whose own Δ was the reference direction (``own``, in every slot
+            where that Δ is nonzero; the median direction in the others), or None where the
+            median direction was used throughout.
     """
 
     merged: list[Tensor]
@@ -299,22 +300,20 @@ def robust_merge(
             dropped[m] = "outlier"
         clipped = [(m, i) for m, i in clipped if m not in outliers]
         members = [m for m in live if m not in outliers]
-        if ref is not None:
-            slot_ws, against, scores, muted = _aligned(members, deltas, n_slots, ref, ws, full_trust_cosine)
-            if policy == "drop":
-                for m in sorted(against):
-                    dropped[m] = "misaligned"
-            misaligned = [(m, i) for m, i in muted if m not in dropped]
-            scores = [(m, i, s) for m, i, s in scores if m not in dropped]
+        own_slots = [i for i in range(n_slots) if ref is not None and _norm(deltas[ref][i]) > 0]
+        slot_ws, against, scores, muted = _aligned(members, deltas, n_slots, own_slots, ref, ws,
+                                                   full_trust_cosine)
+        by_median = _misaligned(members, deltas, [i for i in range(n_slots) if i not in own_slots])
+        against |= {m for m, _ in by_median}
+        if policy == "drop":
+            for m in sorted(against):
+                dropped[m] = "misaligned"
         else:
-            against_pairs = _misaligned(members, deltas, n_slots)
-            if policy == "drop":
-                for m in sorted({m for m, _ in against_pairs}):
-                    dropped[m] = "misaligned"
-            else:
-                misaligned = against_pairs
-                slot_ws = [[0.0 if (m, i) in set(against_pairs) else w for m, w in enumerate(ws)]
-                           for i in range(n_slots)]
+            muted += by_median
+            for m, i in by_median:
+                slot_ws[i][m] = 0.0
+        misaligned = [(m, i) for m, i in muted if m not in dropped]
+        scores = [(m, i, s) for m, i, s in scores if m not in dropped]
     else:
         ws = [w * x for w, x in zip(ws, trusts)]
         slot_ws = [ws] * n_slots
@@ -359,20 +358,20 @@ def _margin(numel: int) -> float:
     return max(DIRECTION_MARGIN, 3.0 / math.sqrt(numel))
 
 
-def _aligned(members: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: int, ref: int,
-             ws: Sequence[float], full: float):
-    """Step 5 of :func:`robust_merge` against the own Δ ``ref``: (per-slot weights, members
-    clearly against the reference in some slot, (member, slot, score) of partial scores,
-    (member, slot) of zero scores)."""
+def _aligned(members: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: int, own_slots: Sequence[int],
+             ref: int | None, ws: Sequence[float], full: float):
+    """Step 5 of :func:`robust_merge` against the own Δ ``ref`` in ``own_slots``: (per-slot
+    weights, members clearly against the reference in some slot, (member, slot, score) of
+    partial scores, (member, slot) of zero scores)."""
     slot_ws: list[list[float]] = []
     against: set[int] = set()
     scores: list[tuple[int, int, float]] = []
     muted: list[tuple[int, int]] = []
     for i in range(n_slots):
         row = list(ws)
-        r = deltas[ref][i].reshape(-1)
-        r_norm = _norm(r)
-        if r_norm > 0:
+        if i in own_slots and ref is not None:
+            r = deltas[ref][i].reshape(-1)
+            r_norm = _norm(r)
             for m in members:
                 if m == ref:
                     continue
@@ -392,12 +391,12 @@ def _aligned(members: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: i
     return slot_ws, against, scores, muted
 
 
-def _misaligned(members: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: int) -> list[tuple[int, int]]:
-    """(member, slot) pairs whose Δ points against the coordinate-wise median direction
-    (step 5 of :func:`robust_merge` without an own reference); only a strict minority of a
-    slot's members is flagged."""
+def _misaligned(members: Sequence[int], deltas: dict[int, list[Tensor]], slots: Sequence[int]) -> list[tuple[int, int]]:
+    """(member, slot) pairs whose Δ points against the coordinate-wise median direction in
+    ``slots`` (step 5 of :func:`robust_merge` without an own reference); only a strict
+    minority of a slot's members is flagged."""
     out: list[tuple[int, int]] = []
-    for i in range(n_slots):
+    for i in slots:
         units = {}
         for m in members:
             norm = _norm(deltas[m][i])
