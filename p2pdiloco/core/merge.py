@@ -286,14 +286,14 @@ def robust_merge(
     clipped: list[tuple[int, int]] = []
     misaligned: list[tuple[int, int]] = []
     scores: list[tuple[int, int, float]] = []
+    robust = policy != "off" and len(alive) > 1
+    positive = [ws[m] for m in alive if ws[m] > 0]
+    if robust and positive:
+        cap = statistics.median_low(positive)
+        ws = [min(w, cap) if m in deltas else w for m, w in enumerate(ws)]
+    ws = [w * x for w, x in zip(ws, trusts)]
     slot_ws = [ws] * n_slots
-    if policy != "off" and len(alive) > 1:
-        positive = [ws[m] for m in alive if ws[m] > 0]
-        if positive:
-            cap = statistics.median_low(positive)
-            for m in alive:
-                ws[m] = min(ws[m], cap)
-        ws = [w * x for w, x in zip(ws, trusts)]
+    if robust:
         live = [m for m in alive if ws[m] > 0]
         outliers = _clip_norms(live, deltas, n_slots, factor, ref, policy == "drop", clipped)
         for m in sorted(outliers):
@@ -314,9 +314,6 @@ def robust_merge(
                 slot_ws[i][m] = 0.0
         misaligned = [(m, i) for m, i in muted if m not in dropped]
         scores = [(m, i, s) for m, i, s in scores if m not in dropped]
-    else:
-        ws = [w * x for w, x in zip(ws, trusts)]
-        slot_ws = [ws] * n_slots
     kept = tuple(m for m in alive if m not in dropped)
     if not kept:
         raise ValueError(f"no contribution left to merge: {dropped}")
