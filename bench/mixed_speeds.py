@@ -13,11 +13,11 @@ schedule is kept at the swarm's (``Node._keep_schedule``). Merge rules:
 * ``off``: no norm bound (``trust.outliers = off``): the plain token-weighted merge, the reference;
 * ``clip``: the default, ``trust.outliers = clip`` with ``outlier_factor`` 1.25, as the
   reducers run it: each tensor merged by its reducer (``assign_parts``) with its own Δ as the
-  reference (docs/trust.md §5): weights capped at the lower median, a tensor whose norm is over
-  1.25 × the median norm (between the lower and upper median, picked by the reducer's own) is
-  scaled down to that bound, each other member weighed by its alignment with the reducer's Δ.
-  With two members the reducer's own norm sets the bound, so the other's honest Δ is clipped
-  when it is longer.
+  reference (docs/trust.md §5): weights capped at the median and a tensor whose norm is over
+  1.25 × the median norm scaled down to that bound (each median between the lower and the
+  upper one, picked by the reducer's own), each other member weighed by its alignment with the
+  reducer's Δ. With two members the reducer's own weight and norm set the bounds, so the
+  faster learner's honest Δ is cut in the tensors the slower one reduces.
 
 Reported: held-out loss of the final global state (nats per byte), and the share of
 (member, tensor) pairs the bound clipped, all of them honest.

@@ -204,3 +204,15 @@ def test_trust_applies_with_policy_off_too():
     out = robust_merge(OWN, [1.0] * 4, [True], policy="off", own=0, trust=[1.0, 1.0, 1.0, 0.0])
     assert out.weights == (1.0, 1.0, 1.0, 0.0) and out.misaligned == ()
     assert torch.allclose(out.merged[0], t(3.2 / 3, 3.6 / 3), atol=1e-6)
+
+
+def test_the_reducers_own_weight_picks_the_cap_between_the_two_medians():
+    # weights 4 (a faster learner) and 1: lower median 1, upper 4. Without a reference the cap is
+    # 1; reducer 0 (weight 4) caps at max(1, min(4, 4)) = 4, reducer 1 at max(1, min(1, 4)) = 1
+    members = [[t(1, 0)], [t(1, 0.5)]]
+    assert robust_merge(members, [4.0, 1.0], [True]).weights == (1.0, 1.0)
+    assert robust_merge(members, [4.0, 1.0], [True], own=0).weights == (4.0, 1.0)
+    assert robust_merge(members, [4.0, 1.0], [True], own=1).weights == (1.0, 1.0)
+    # two colluders of 4 claiming 10**6: upper median 10**6, but never above the own weight 1
+    four = [[t(1, 0)]] * 4
+    assert robust_merge(four, [1.0, 1.0, 1e6, 1e6], [True], own=0).weights == (1.0,) * 4

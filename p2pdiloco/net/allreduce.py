@@ -21,7 +21,7 @@ inlined Ed25519 key), ``bad_signature``, ``bad_counters``, ``malformed``, ``non_
 rejected: the round goes on without it, the sender is banned for the rest of the run
 (``Swarm.bans``), and the rejection is logged and counted in ``AllReducer.stats.rejected``.
 The reducer merges what it accepted with :func:`p2pdiloco.core.merge.robust_merge`
-(weights capped at the lower median; norm outliers clipped or dropped, reason ``outlier``;
+(weights capped at the median; norm outliers clipped or dropped, reason ``outlier``;
 every other member's weight scaled by its alignment with the reducer's own slice, which it
 knows to be honest, and tensors pointing against it left out, or their member dropped, reason
 ``misaligned``; the members' median direction when its own slice is not among them) and
