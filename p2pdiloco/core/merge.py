@@ -190,7 +190,7 @@ def robust_merge(
        median, or when ``own`` is given, max(lower median, min(w_own, upper median)) (with an
        even count the reducer's own weight picks between the two medians: two honest learners
        of different speeds keep their token weighting in the slots the faster one reduces;
-       measured, the lower median alone cost 1.3-2.0 % held-out loss in
+       measured, the lower median alone cost up to 2.0 % held-out loss in
        ``bench/mixed_speeds.py``). Then
        each weight is multiplied by ``trust[m]`` (a reputation the node earned for the peer,
        e.g. small for a fresh identity; applied after the cap so a low trust never lowers the
