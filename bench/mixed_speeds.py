@@ -11,10 +11,13 @@ step (``round_fraction``), as ``Node._round`` does; a slow learner's place in th
 schedule is kept at the swarm's (``Node._keep_schedule``). Merge rules:
 
 * ``off``: no norm bound (``trust.outliers = off``): the plain token-weighted merge, the reference;
-* ``clip``: the default, ``trust.outliers = clip`` with ``outlier_factor`` 2: a tensor whose
-  norm is over 2 × the lower median of the members' norms is scaled down to that bound. With
-  two members the slower one's shorter Δ sets the bound, so the faster one's honest Δ is
-  clipped in many rounds (seen in a real 2-node swarm at 1.0 and 0.25 cores).
+* ``clip``: the default, ``trust.outliers = clip`` with ``outlier_factor`` 1.25, as the
+  reducers run it: each tensor merged by its reducer (``assign_parts``) with its own Δ as the
+  reference (docs/trust.md §5): weights capped at the median and a tensor whose norm is over
+  1.25 × the median norm scaled down to that bound (each median between the lower and the
+  upper one, picked by the reducer's own), each other member weighed by its alignment with the
+  reducer's Δ. With two members the reducer's own weight and norm set the bounds, so the
+  faster learner's honest Δ is cut in the tensors the slower one reduces.
 
 Reported: held-out loss of the final global state (nats per byte), and the share of
 (member, tensor) pairs the bound clipped, all of them honest.
@@ -30,8 +33,12 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 from bench.common import Doc, fmt, replica_main
 from bench.partial_rounds import Replica
+
+from p2pdiloco.core.fragments import assign_parts
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import nesterov_outer_step, round_fraction, span_fraction
 
@@ -58,13 +65,19 @@ class MixedReplica(Replica):
         deltas = [ln.pseudo_gradient(0) for ln in learners]
         counters = [(*ln.counters(0), ln.span(0)) for ln in learners]
         weights = [contribution_weight(t, s) for t, s, _ in counters]
-        out = robust_merge(deltas, weights, self.mask, policy=rule, factor=2.0)
-        self.clipped += len(out.clipped)
+        merged: dict[int, torch.Tensor] = {}
+        slots = self.setups[0].fragments[0].slots
+        for r, part in enumerate(assign_parts([s.numel for s in slots], len(learners))):  # reducer r: own = r
+            if part:
+                out = robust_merge([[d[i] for i in part] for d in deltas], weights, [self.mask[i] for i in part],
+                                   policy=rule, own=r)
+                merged.update(zip(part, out.merged))
+                self.clipped += len(out.clipped)
         self.pairs += len(deltas) * len(self.mask)
         position = sorted(ln.step for ln in learners)[(len(learners) - 1) // 2]
         f, ledger = round_fraction(anchor.ledger, sum(t for t, _, _ in counters), position, self.H,
                                    span_fraction(counters, self.H))
-        new = nesterov_outer_step(anchor, out.merged, self.out.lr, self.out.momentum, f, ledger)
+        new = nesterov_outer_step(anchor, [merged[i] for i in range(len(slots))], self.out.lr, self.out.momentum, f, ledger)
         for ln in learners:  # and the schedule's place at least the swarm's (Node._keep_schedule)
             ln.install(new)
             ln.step = max(ln.step, new.ledger.period_start)

@@ -332,7 +332,7 @@ class Node:
         if self.cfg.trace_dir:
             await asyncio.to_thread(save_round_trace, Path(self.cfg.trace_dir), self.swarm.peer_id,
                                     group.round_id, group.members, contrib, merged, fraction, anchor,
-                                    new, [s.is_embedding for s in self.setup.fragments[p].slots])
+                                    new, [s.is_embedding for s in self.setup.fragments[p].slots], group.shares)
         return new
 
     async def _take_excluded(self, p: int, anchor: FragmentState, merged: RoundResult, group: Group) -> None:

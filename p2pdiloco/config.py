@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from p2pdiloco.core.choices import OUTLIER_POLICIES
+from p2pdiloco.core.choices import DEFAULT_OUTLIER_FACTOR, OUTLIER_POLICIES
 from p2pdiloco.core.inner import InnerConfig
 from p2pdiloco.errors import AddressError, ConfigError
 from p2pdiloco.model_config import ModelConfig
@@ -203,7 +203,7 @@ class TrustConfig:
     certificate: str = ""  # membership certificate; "" = {data_dir}/member.cert
     revocations: str = ""  # the swarm's signed revocation list (optional)
     outliers: str = "clip"  # norms far above the round's median: clip | drop | off
-    outlier_factor: float = 2.0  # "far above": more than this many times the lower median
+    outlier_factor: float = DEFAULT_OUTLIER_FACTOR  # "far above": more than this many times the lower median (or own) norm
 
     def __post_init__(self) -> None:
         _validate(

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import time
 
 import psutil
 import pytest
@@ -172,6 +173,7 @@ def test_lone_node_progresses_then_merges_with_a_newcomer(harness):
     # n0 merges alone for a few rounds (both fragments moved) before the newcomer starts
     wait_for(lambda: _status(d0).get("rounds_alone", 0) >= 3, 60, lambda: f"n0's lone rounds:\n{_log(d0)[-2000:]}",
              tick=harness.track_daemons)
+    started = time.time()
     p1, d1 = harness.node(maddr, "n1", _shards(1, 2), "--duration", "10", "--set", "settle=90")
     for p, d in ((p1, d1), (p0, d0)):
         assert harness.wait(p, 150, d / "node.log") == 0, _log(d)[-2000:]
@@ -181,6 +183,9 @@ def test_lone_node_progresses_then_merges_with_a_newcomer(harness):
     assert r0["end_loss"] < r0["start_loss"]
     follows, rounds = _events(d1, "follow"), _events(d1, "round", committed=True)
     assert follows and follows[0]["t"] <= rounds[0]["t"]  # the newcomer adopted the swarm's state first
+    # it trusted nobody: it vetted n0's state by its own held-out loss (node.vetting), then merged
+    together = [e["t"] for e in rounds if e["members"] >= 2]
+    assert together and together[0] - started <= 30.0, f"first merged round {together[:1]} s, start {started}"
     assert r0["global_digest"] == r1["global_digest"]
 
 

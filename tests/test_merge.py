@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from p2pdiloco.core.merge import contribution_weight, is_finite_contribution, merge_pseudo_gradients, merge_tensor
+from p2pdiloco.core.merge import (contribution_weight, is_finite_contribution, merge_pseudo_gradients, merge_tensor,
+                                   robust_merge)
 
 t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
 
@@ -118,3 +119,100 @@ def test_is_finite_contribution():
     assert is_finite_contribution([A, B])
     assert not is_finite_contribution([A, t(0, float("inf"))])
     assert not is_finite_contribution([t(float("nan"))])
+
+
+# ---- robust_merge with the reducer's own Δ as reference (docs/trust.md §5) -------------------
+
+# Four members of equal weight, member 0 the reducer: own Δ [2, 0]; [1.2, 1.6] has cosine 0.6
+# with it, [0, 2] cosine 0, [-2, 0] cosine -1. All norms 2: bound 1.25 x 2, nothing clipped.
+OWN = [[t(2, 0)], [t(1.2, 1.6)], [t(0, 2)], [t(-2, 0)]]
+
+
+def test_own_reference_scores_each_member_by_its_cosine_with_the_reducers_delta():
+    # full_trust_cosine 0.8: score min(1, max(0, cos)/0.8) = 0.75, 0, 0; weights 1, 0.75, 0, 0
+    out = robust_merge(OWN, [1.0] * 4, [True], own=0, full_trust_cosine=0.8)
+    # embedding: ([2, 0] + 0.75 [1.2, 1.6]) / 1.75 = [2.9, 1.2] / 1.75 = [1.657143, 0.685714]
+    assert torch.allclose(out.merged[0], t(1.657143, 0.685714), atol=1e-6)
+    assert out.reference == 0 and out.misaligned == ((2, 0), (3, 0)) and out.kept == (0, 1, 2, 3)
+    assert [(m, i) for m, i, _ in out.scores] == [(1, 0)] and math.isclose(out.scores[0][2], 0.75, rel_tol=1e-6)
+    # the default full_trust_cosine 0.2: cosine 0.6 is whole; ([2, 0] + [1.2, 1.6]) / 2 = [1.6, 0.8]
+    assert torch.allclose(robust_merge(OWN, [1.0] * 4, [True], own=0).merged[0], t(1.6, 0.8), atol=1e-6)
+
+
+def test_own_reference_radial_directional():
+    # weights 1, 0.75, 0 -> 4/7, 3/7; magnitude 2; direction 4/7 [1, 0] + 3/7 [0.6, 0.8] = [5.8, 2.4] / 7,
+    # norm sqrt(39.4) / 7; merged = 2 [5.8, 2.4] / sqrt(39.4) = [1.848034, 0.764704]
+    out = robust_merge([OWN[0], OWN[1], OWN[3]], [1.0] * 3, [False], own=0, full_trust_cosine=0.8)
+    assert torch.allclose(out.merged[0], t(1.848034, 0.764704), atol=1e-5)
+    assert out.misaligned == ((2, 0),)
+
+
+def test_own_reference_drop_policy_drops_members_clearly_against_it():
+    # the same Δ repeated 450 times (numel 900): margin max(0.1, 3/30) = 0.1, cosines unchanged.
+    # Cosine -1 < -0.1: member 3 dropped; cosine 0 is not clearly against: weight 0 in the slot
+    big = [[d[0].repeat(450)] for d in OWN]
+    out = robust_merge(big, [1.0] * 4, [True], policy="drop", own=0, full_trust_cosine=0.8)
+    assert out.dropped == {3: "misaligned"} and out.kept == (0, 1, 2) and out.misaligned == ((2, 0),)
+    assert torch.allclose(out.merged[0][:2], t(1.657143, 0.685714), atol=1e-6)
+    # without an own reference the median direction flags nobody here (no strict minority against)
+    assert robust_merge(big, [1.0] * 4, [True], policy="drop").dropped == {}
+
+
+def test_weights_capped_at_the_lower_median_then_trust_then_norms():
+    # weights 1, 4, 9, 16: lower median 4 -> 1, 4, 4, 4; trust 1, 1, 0.5, 0 -> 1, 4, 2, 0.
+    # norms of the members of positive weight 1, 1, sqrt(2): lower median 1, bound 1.25:
+    # [1, 1] scaled to 1.25/sqrt(2) [1, 1] = [0.883883, 0.883883] (member 3 takes no part).
+    # mean: ([1, 0] + 4 [0, 1] + 2 [0.883883, 0.883883]) / 7 = [0.395395, 0.823967]
+    members = [[t(1, 0)], [t(0, 1)], [t(1, 1)], [t(5, 5)]]
+    out = robust_merge(members, [1.0, 4.0, 9.0, 16.0], [True], trust=[1.0, 1.0, 0.5, 0.0])
+    assert out.weights == (1.0, 4.0, 2.0, 0.0) and out.clipped == ((2, 0),)
+    assert torch.allclose(out.merged[0], t(0.395395, 0.823967), atol=1e-6)
+
+
+def test_own_norm_keeps_tiny_colluders_from_shrinking_the_merge():
+    # norms 4, 0.01, 0.01, 5: lower median 0.01, upper median 4. Without a reference the bound is
+    # 1.25 x 0.01: [4, 0] and [5, 0] clipped to 0.0125, mean 0.01125. With own = 0 the base is
+    # max(0.01, min(4, 4)) = 4, bound 5: nothing clipped, mean (4 + 0.01 + 0.01 + 5) / 4 = 2.255
+    members = [[t(4, 0)], [t(0.01, 0)], [t(0.01, 0)], [t(5, 0)]]
+    shrunk = robust_merge(members, [1.0] * 4, [True])
+    assert shrunk.clipped == ((0, 0), (3, 0)) and torch.allclose(shrunk.merged[0], t(0.01125, 0), atol=1e-7)
+    kept = robust_merge(members, [1.0] * 4, [True], own=0)
+    assert kept.clipped == () and torch.allclose(kept.merged[0], t(2.255, 0), atol=1e-6)
+    # an honest reducer still bounds its own Δ: three members, own [400, 0], median 0.01
+    out = robust_merge([[t(400, 0)], members[1], members[2]], [1.0] * 3, [True], own=0)
+    assert out.clipped == ((0, 0),)
+
+
+def test_own_reference_falls_back_to_the_median_when_the_own_delta_is_unusable():
+    nan = [[t(float("nan"), 0)], *OWN[1:]]
+    out = robust_merge(nan, [1.0] * 4, [True], own=0)
+    assert out.reference is None and out.dropped == {0: "non_finite"}
+    zero = robust_merge([[t(0, 0)], *OWN[1:]], [1.0] * 4, [True], own=0)  # no direction: no score in that slot
+    assert zero.scores == () and zero.misaligned == ()
+
+
+@pytest.mark.parametrize("kw", [dict(own=4), dict(own=-1), dict(trust=[1.0] * 3), dict(trust=[1.0, 1.0, 1.0, 1.5]),
+                                dict(trust=[1.0, 1.0, 1.0, float("nan")]), dict(full_trust_cosine=0.0),
+                                dict(full_trust_cosine=1.5)])
+def test_robust_merge_argument_errors(kw):
+    with pytest.raises(ValueError):
+        robust_merge(OWN, [1.0] * 4, [True], **kw)
+
+
+def test_trust_applies_with_policy_off_too():
+    # off: no cap, no bound, no scores; weights x trust: 1, 1, 1, 0 -> mean of the first three
+    out = robust_merge(OWN, [1.0] * 4, [True], policy="off", own=0, trust=[1.0, 1.0, 1.0, 0.0])
+    assert out.weights == (1.0, 1.0, 1.0, 0.0) and out.misaligned == ()
+    assert torch.allclose(out.merged[0], t(3.2 / 3, 3.6 / 3), atol=1e-6)
+
+
+def test_the_reducers_own_weight_picks_the_cap_between_the_two_medians():
+    # weights 4 (a faster learner) and 1: lower median 1, upper 4. Without a reference the cap is
+    # 1; reducer 0 (weight 4) caps at max(1, min(4, 4)) = 4, reducer 1 at max(1, min(1, 4)) = 1
+    members = [[t(1, 0)], [t(1, 0.5)]]
+    assert robust_merge(members, [4.0, 1.0], [True]).weights == (1.0, 1.0)
+    assert robust_merge(members, [4.0, 1.0], [True], own=0).weights == (4.0, 1.0)
+    assert robust_merge(members, [4.0, 1.0], [True], own=1).weights == (1.0, 1.0)
+    # two colluders of 4 claiming 10**6: upper median 10**6, but never above the own weight 1
+    four = [[t(1, 0)]] * 4
+    assert robust_merge(four, [1.0, 1.0, 1e6, 1e6], [True], own=0).weights == (1.0,) * 4

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from p2pdiloco.core.fragments import assign_parts
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import round_fraction, span_fraction
 
@@ -67,9 +68,16 @@ def test_three_nodes_merge_like_one_process(harness):
         rounds = sorted((t[rid] for t in traces), key=lambda t: t["me"])
         assert [t["me"] for t in rounds] == list(rounds[0]["members"])
         weights = [contribution_weight(t["tokens"], t["steps"]) for t in rounds]
-        # the node's default robust merge (trust.outliers = clip, factor 2): a learner with over
-        # twice the median steps since its last merge has its weight capped
-        expected = robust_merge([t["delta"] for t in rounds], weights, rounds[0]["embedding_mask"]).merged
+        # the node's default robust merge (trust.outliers = clip): weights capped at the lower
+        # median, each reducer's own Δ the reference for the tensors it reduces (assign_parts)
+        mask, expected = rounds[0]["embedding_mask"], {}
+        parts = assign_parts([t.numel() for t in rounds[0]["delta"]], len(rounds), rounds[0]["shares"])
+        for r, slots in enumerate(parts):
+            if slots:
+                out = robust_merge([[t["delta"][i] for i in slots] for t in rounds], weights,
+                                   [mask[i] for i in slots], own=r)
+                expected.update(zip(slots, out.merged))
+        expected = [expected[i] for i in range(len(mask))]
         # every member applies the step for the same fraction of a period: from the anchor's ledger
         # and the round's signed counters (tokens, lower median position, span fraction for the first period)
         H = int(TINY["outer.sync_every"])

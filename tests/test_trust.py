@@ -255,12 +255,13 @@ def test_robust_merge_clips_norms_far_above_the_lower_median() -> None:
 
 
 def test_robust_merge_caps_inflated_weights() -> None:
-    # weights 100, 100 and 10**8 (claimed tokens): capped at 2 * 100 (default factor), so 200 / 400 of the mean
+    # weights 100, 100 and 10**8 (claimed tokens): capped at the lower median 100, whatever the
+    # factor, so a third of the mean
     members = [[t(1, 0)], [t(1, 0)], [t(0, 1)]]
     out = robust_merge(members, [100.0, 100.0, 1e8], [True])
-    assert out.weights == (100.0, 100.0, 200.0)
-    assert torch.allclose(out.merged[0], t(0.5, 0.5), atol=1e-6)
-    assert robust_merge(members, [100.0, 100.0, 1e8], [True], factor=4.0).weights == (100.0, 100.0, 400.0)
+    assert out.weights == (100.0, 100.0, 100.0)
+    assert torch.allclose(out.merged[0], t(2 / 3, 1 / 3), atol=1e-6)
+    assert robust_merge(members, [100.0, 100.0, 1e8], [True], factor=4.0).weights == (100.0, 100.0, 100.0)
 
 
 def test_robust_merge_two_members_and_edge_cases() -> None:

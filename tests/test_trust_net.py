@@ -44,8 +44,10 @@ KEY = GroupKey(0, 3, "ab" * 32)
 
 
 def delta(seed: int, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(s, generator=g) * scale * 1e-2 for s in SHAPES)
+    """A member's Δ: a direction common to every seed plus as much of the seed's own, so two
+    members' Δ have a cosine of about 0.5, as honest learners' do (docs/trust.md §5)."""
+    g, common = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(2**31 - 1)
+    return tuple((torch.randn(s, generator=common) + torch.randn(s, generator=g)) * scale * 1e-2 for s in SHAPES)
 
 
 class Resigned(AllReducer):
@@ -92,10 +94,22 @@ async def run_round(reducers: dict[str, AllReducer], contribs: dict[str, Contrib
     return dict(zip(members, results))
 
 
-def expected_merge(contribs: list[Contribution], policy: str = "drop") -> list[torch.Tensor]:
-    out = robust_merge([c.delta for c in contribs], [contribution_weight(c.tokens, c.steps) for c in contribs],
-                       FRAGMENT.embedding_mask, policy=policy, factor=4.0)
-    return out.merged
+def expected_merge(contribs: list[Contribution], policy: str = "drop", *, group: int | None = None,
+                   positions: tuple[int, ...] | None = None, shares: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """The round's result computed in one process: each reducer r of a group of ``group``
+    members (default: the contributors) merges its tensors (``assign_parts``) with its own Δ as
+    the reference (``robust_merge(own=...)``) when it is a contributor; ``positions[k]``: the
+    group index of ``contribs[k]`` (default k)."""
+    positions = tuple(range(len(contribs))) if positions is None else positions
+    weights = [contribution_weight(c.tokens, c.steps) for c in contribs]
+    merged: dict[int, torch.Tensor] = {}
+    for r, slots in enumerate(assign_parts([s.numel for s in FRAGMENT.slots], group or len(contribs), shares)):
+        if slots:
+            out = robust_merge([[c.delta[i] for i in slots] for c in contribs], weights,
+                               [FRAGMENT.embedding_mask[i] for i in slots], policy=policy, factor=4.0,
+                               own=positions.index(r) if r in positions else None)
+            merged.update(zip(slots, out.merged))
+    return [merged[i] for i in range(len(SHAPES))]
 
 
 @pytest.mark.asyncio
@@ -122,7 +136,8 @@ async def test_faulty_and_malicious_members_are_rejected_and_honest_members_agre
 
         results = await run_round(reducers, contribs)
 
-        expected = expected_merge([contribs[p] for p in sorted(honest)])
+        expected = expected_merge([contribs[p] for p in sorted(honest)], group=len(ids),
+                                  positions=tuple(sorted(ids).index(p) for p in sorted(honest)))
         # the round's counters, from the honest contributions only (H = 10, spans 1)
         clean = [contribs[p] for p in sorted(honest)]
         counters = (sum(c.tokens for c in clean), sorted(c.position for c in clean)[(len(clean) - 1) // 2],
@@ -163,7 +178,8 @@ async def test_a_member_dropped_by_every_reducer_in_phase_one_gets_the_round_res
         results = await run_round(reducers, contribs)
         excluded = results[ids[0]]
         assert isinstance(excluded, ContributionExcluded) and excluded.result is not None, excluded
-        expected = expected_merge([contribs[p] for p in ids[1:]])
+        expected = expected_merge([contribs[p] for p in ids])  # every reducer drops member 0 (its weight
+        # still counts in the median cap, taken before the norm bound)
         for got in (excluded.result, results[ids[1]], results[ids[2]]):
             assert isinstance(got, RoundResult), got
             assert all(torch.equal(a, b) for a, b in zip(got.delta, expected))

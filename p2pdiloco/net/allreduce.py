@@ -21,8 +21,11 @@ inlined Ed25519 key), ``bad_signature``, ``bad_counters``, ``malformed``, ``non_
 rejected: the round goes on without it, the sender is banned for the rest of the run
 (``Swarm.bans``), and the rejection is logged and counted in ``AllReducer.stats.rejected``.
 The reducer merges what it accepted with :func:`p2pdiloco.core.merge.robust_merge`
-(norm outliers clipped or dropped, reason ``outlier``; tensors pointing against the group's
-median direction left out, or their member dropped, reason ``misaligned``) and answers every member with the same
+(weights capped at the median; norm outliers clipped or dropped, reason ``outlier``;
+every other member's weight scaled by its alignment with the reducer's own slice, which it
+knows to be honest, and tensors pointing against it left out, or their member dropped, reason
+``misaligned``; the members' median direction when its own slice is not among them) and
+answers every member with the same
 statement: the contributor set it used (member indices), the round's counters over those
 contributors (their tokens summed, their lower median schedule position, and the fraction of a
 period ``core.outer.span_fraction`` gives their signed tokens, steps and spans), the merged
@@ -138,7 +141,8 @@ class AllReducer:
         run_id: the run's name (with its protocol tag), part of every signature.
         outliers: robust-merge policy for norms far above the round's median: ``clip``,
             ``drop`` or ``off`` (non-finite contributions are always dropped).
-        outlier_factor: "far above" means more than this many times the lower median.
+        outlier_factor: "far above" means more than this many times the lower median (or the
+            reducer's own) norm.
     """
 
     def __init__(self, swarm: Swarm, fragments: Sequence[Fragment], precision: str, timeout: float, *,
@@ -517,11 +521,16 @@ class AllReducer:
             del self._rounds[rnd.round_id]
 
     def _merge(self, rnd: _Round, contributors: Sequence[int], policy: str):
-        """Robust merge of the given members' slices (indices into rnd.members, sorted)."""
+        """Robust merge of the given members' slices (indices into rnd.members, sorted). This
+        reducer is the member ``rnd.index``: its own slice, when among them, is the merge's
+        trusted reference direction (``robust_merge``'s ``own``; docs/trust.md §5), else the
+        merge falls back to the members' median direction."""
         order = [rnd.parts[rnd.members[i]] for i in contributors]
         weights = [contribution_weight(tok, st) for _, tok, st, _, _ in order]
         mask = [self.fragments[rnd.fragment].slots[i].is_embedding for i in rnd.slots]
-        out = robust_merge([ts for ts, *_ in order], weights, mask, policy=policy, factor=self.outlier_factor)
+        own = list(contributors).index(rnd.index) if rnd.index in contributors else None
+        out = robust_merge([ts for ts, *_ in order], weights, mask, policy=policy, factor=self.outlier_factor,
+                           own=own)
         self.stats.clipped += len(out.clipped)
         self.stats.misaligned += len(out.misaligned)
         if out.clipped or out.misaligned:
