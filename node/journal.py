@@ -107,12 +107,14 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
 
 
 def save_round_trace(folder: Path, peer_id: str, round_id: str, members, contrib, merged, fraction: float, anchor,
-                     new, embedding_mask: list[bool], shares: tuple[int, ...] = ()) -> Path:
+                     new, embedding_mask: list[bool], shares: tuple[int, ...] = (),
+                     trust: tuple[float, ...] = ()) -> Path:
     """Save one committed round, its inputs and result, for offline checks (``trace_dir``):
     ``f{fragment}-v{version}-{round}-{peer[-8:]}.pt`` with this member's Δ and counters (a
     ``Contribution``), the merged Δ and counters (a ``RoundResult``), the fraction of a period
     the step applied, the anchor's ledger and digest, the new digest, the group's all-reduce
-    shares (which member reduced which tensor: ``assign_parts``). Atomic write; returns the path."""
+    shares (which member reduced which tensor: ``assign_parts``) and this member's trust multipliers of
+    the members in the merges it reduced (``AllReducer.trust_used``). Atomic write; returns the path."""
     import torch  # noqa: PLC0415  (only nodes that trace pay for the import here)
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -122,6 +124,7 @@ def save_round_trace(folder: Path, peer_id: str, round_id: str, members, contrib
                 "me": peer_id, "delta": contrib.delta, "tokens": contrib.tokens, "steps": contrib.steps,
                 "span": contrib.span, "position": contrib.position, "merged": merged.delta, "fraction": fraction,
                 "first": merged.first, "ledger": anchor.ledger, "anchor_digest": anchor.digest,
-                "digest": new.digest, "embedding_mask": embedding_mask, "shares": tuple(shares)}, tmp)
+                "digest": new.digest, "embedding_mask": embedding_mask, "shares": tuple(shares),
+                "trust": tuple(trust)}, tmp)
     tmp.replace(path)
     return path

@@ -78,7 +78,8 @@ class Node:
                               on_event=self.journal.record, tag=tag, outer=(out.lr, out.momentum),
                               rounds=(out.sync_every, out.wire_precision))
         self.reputation = Reputation()  # trust earned by work this node verified (trust.reputation)
-        self.sync.reputation = self.reputation
+        self.sync.reputation = self.reputation  # whose records move the state
+        self.allreducer.trust = self.reputation.merge_weight  # and how much each member weighs in our merges
         self.vetting = Vetting(self.sync, self.reputation,
                                lambda states: evaluate(setup.global_model(states), setup.heldout), swarm.peer_id)
         self.matchmaker.listed_in = self.allreducer.expect  # our reducer part serves each group we are listed in
@@ -332,7 +333,8 @@ class Node:
         if self.cfg.trace_dir:
             await asyncio.to_thread(save_round_trace, Path(self.cfg.trace_dir), self.swarm.peer_id,
                                     group.round_id, group.members, contrib, merged, fraction, anchor,
-                                    new, [s.is_embedding for s in self.setup.fragments[p].slots], group.shares)
+                                    new, [s.is_embedding for s in self.setup.fragments[p].slots], group.shares,
+                                    self.allreducer.trust_used.get(group.round_id, ()))
         return new
 
     async def _take_excluded(self, p: int, anchor: FragmentState, merged: RoundResult, group: Group) -> None:

@@ -74,8 +74,9 @@ def test_three_nodes_merge_like_one_process(harness):
         parts = assign_parts([t.numel() for t in rounds[0]["delta"]], len(rounds), rounds[0]["shares"])
         for r, slots in enumerate(parts):
             if slots:
+                trust = rounds[r]["trust"] or None  # reducer r's earned trust in each member (trust.reputation)
                 out = robust_merge([[t["delta"][i] for i in slots] for t in rounds], weights,
-                                   [mask[i] for i in slots], own=r)
+                                   [mask[i] for i in slots], own=r, trust=trust)
                 expected.update(zip(slots, out.merged))
         expected = [expected[i] for i in range(len(mask))]
         # every member applies the step for the same fraction of a period: from the anchor's ledger

@@ -67,7 +67,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -126,6 +126,7 @@ class _Round:
     contributors: tuple[int, ...] = ()
     answer: tuple[Header, bytes] = ({}, b"")
     final: tuple[tuple[int, ...], Header, bytes] | None = None
+    trust: tuple[float, ...] = ()  # per member, this reducer's trust multiplier, frozen at the round's first merge
 
 
 class AllReducer:
@@ -159,6 +160,10 @@ class AllReducer:
         self._group_added = asyncio.Event()  # set, and replaced, when a group is added
         self._fragment_bytes = [wire.wire_nbytes([s.shape for s in f.slots], precision) for f in self.fragments]
         self.stats = AllReduceStats()
+        # a member's multiplier of its token weight in the merges this node reduces, in [0, 1]
+        # (the node's Reputation.merge_weight: locally earned, docs/trust.md); None: all 1
+        self.trust: Callable[[str], float] | None = None
+        self.trust_used: dict[str, tuple[float, ...]] = {}  # round ID -> _Round.trust (the last 256 rounds)
 
     async def start(self) -> None:
         await self.swarm.add_handler("ar.reduce", self._on_reduce, max_payload=max(self._fragment_bytes))
@@ -524,13 +529,21 @@ class AllReducer:
         """Robust merge of the given members' slices (indices into rnd.members, sorted). This
         reducer is the member ``rnd.index``: its own slice, when among them, is the merge's
         trusted reference direction (``robust_merge``'s ``own``; docs/trust.md §5), else the
-        merge falls back to the members' median direction."""
+        merge falls back to the members' median direction. The others' weights are multiplied
+        by :attr:`trust` (this node's earned trust in them; each slice has one reducer, so its
+        members get its bytes whatever another reducer would have weighed)."""
         order = [rnd.parts[rnd.members[i]] for i in contributors]
         weights = [contribution_weight(tok, st) for _, tok, st, _, _ in order]
         mask = [self.fragments[rnd.fragment].slots[i].is_embedding for i in rnd.slots]
         own = list(contributors).index(rnd.index) if rnd.index in contributors else None
+        if self.trust is not None and not rnd.trust:  # frozen for the round: phase 2 weighs as phase 1
+            rnd.trust = tuple(1.0 if i == rnd.index else self.trust(m) for i, m in enumerate(rnd.members))
+            self.trust_used[rnd.round_id] = rnd.trust
+            while len(self.trust_used) > 256:
+                del self.trust_used[next(iter(self.trust_used))]
+        trust = [rnd.trust[i] for i in contributors] if rnd.trust else None
         out = robust_merge([ts for ts, *_ in order], weights, mask, policy=policy, factor=self.outlier_factor,
-                           own=own)
+                           own=own, trust=trust)
         self.stats.clipped += len(out.clipped)
         self.stats.misaligned += len(out.misaligned)
         if out.clipped or out.misaligned:
