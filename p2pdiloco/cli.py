@@ -131,7 +131,9 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--run-id", required=True, help="the run's name")
     init.add_argument("--initial-peers", nargs="+", default=None, metavar="MULTIADDR",
                       help="multiaddrs nodes join through (from `p2pdiloco bootstrap`)")
-    init.add_argument("--config", type=Path, default=None, help="TOML config with the run's settings")
+    init.add_argument("--config", type=Path, default=None,
+                      help="TOML config with the run's settings (a node's own config works too: its per-node "
+                           "settings, such as data.path or swarm.port, are left out)")
     init.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                       help="a run setting, e.g. --set outer.sync_every=50")
     init.add_argument("--target-tokens", type=int, default=0, help="tokens the run means to train on (0: none)")
@@ -158,7 +160,7 @@ def _pin_owner(m: Any) -> bool:
 
 def _run_command(args: argparse.Namespace) -> int:
     from p2pdiloco import manifest  # noqa: PLC0415
-    from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
+    from p2pdiloco.config import load_config, parse_overrides, settings_in  # noqa: PLC0415
     from p2pdiloco.trust.identity import Identity  # noqa: PLC0415
 
     try:
@@ -175,8 +177,16 @@ def _run_command(args: argparse.Namespace) -> int:
         overrides: dict[str, Any] = {**parse_overrides(args.set), "swarm.run_id": args.run_id}
         if args.initial_peers:
             overrides["swarm.initial_peers"] = args.initial_peers
+        # a node's own config file works too: its per-node settings (data.path, swarm.port...) are
+        # left out, said in one line; on the command line one is a mistake
+        per_node = manifest.per_node_settings()
+        named = [k for k in overrides if k in per_node]
+        if named:
+            raise ConfigError(f"run init: --set {named[0]} is a per-node setting, which a manifest does not carry "
+                              f"(each node sets its own); give run settings only")
+        skipped = [k for k in settings_in(args.config) if k in per_node] if args.config is not None else []
         with _sigint_held() as held:  # initial peers' multiaddrs are parsed with hivemind (and torch)
-            cfg = load_config(args.config, overrides=overrides)
+            cfg = load_config(args.config, overrides=overrides, skip=per_node)
         if held:
             return interrupted()
         if args.target_tokens < 0:
@@ -190,6 +200,9 @@ def _run_command(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"p2pdiloco: {e}", file=sys.stderr)
         return 1
+    if skipped:
+        print(f"p2pdiloco: {args.config}: left out of the manifest: {', '.join(skipped)} (per-node settings: "
+              f"each node sets its own)", file=sys.stderr)
     if created:
         print(f"p2pdiloco: made the run owner's key {args.identity}: keep it private", file=sys.stderr)
     if not m.initial_peers:

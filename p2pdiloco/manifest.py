@@ -35,8 +35,8 @@ from p2pdiloco.errors import ConfigError
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.identity import Identity, peer_id_of, public_key_of
 
-__all__ = ["RunManifest", "PREFIX", "MAX_BYTES", "run_settings", "decode", "load", "pinned", "published",
-           "check_factory", "TRUSTED_FACTORIES"]
+__all__ = ["RunManifest", "PREFIX", "MAX_BYTES", "run_settings", "per_node_settings", "decode", "load", "pinned",
+           "published", "check_factory", "TRUSTED_FACTORIES"]
 
 PREFIX = "p2pdiloco-run:"
 FORMAT = 1
@@ -67,6 +67,19 @@ def run_settings(cfg: Any) -> dict[str, Any]:
     """{dotted name: value} of every run setting of ``cfg`` (a ``NodeConfig``), in a fixed
     order (seed, model.*, inner.*, outer.*, then single fields); tuples become lists."""
     return {name: _get(cfg, name) for name in _fields(cfg)}
+
+
+CARRIED_SWARM = ("swarm.run_id", "swarm.initial_peers")  # carried too, outside the settings
+
+
+def per_node_settings() -> list[str]:
+    """Dotted names of every setting a manifest does not carry (``data.path``, ``swarm.port``,
+    ``data_dir``, ``duration``...): each node sets its own. ``run init`` leaves them out of a
+    node's config file (docs/operating.md, "Start a node")."""
+    from p2pdiloco.config import setting_names  # noqa: PLC0415
+
+    carried = {*run_settings(_defaults()), *CARRIED_SWARM}
+    return [name for name in setting_names() if name not in carried]
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,43 @@ def _init(tmp_path: Path, owner: str, run_id: str, *sets: str, target: int = 10*
     return out
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_toml(first_line: str) -> str:
+    """The README's ```toml block whose first line starts with ``first_line``."""
+    blocks = README.read_text().split("```toml\n")[1:]
+    found = [b.split("```")[0] for b in blocks if b.startswith(first_line)]
+    assert len(found) == 1, first_line
+    return found[0]
+
+
+def test_run_init_takes_the_readmes_run_toml_and_node_toml(tmp_path):
+    (tmp_path / "run.toml").write_text(_readme_toml("# run.toml"))
+    (tmp_path / "node.toml").write_text(_readme_toml("seed = 0 "))  # data.path names a folder that is not there
+    made = {}
+    for name in ("run", "node"):
+        out = tmp_path / f"{name}.manifest"
+        res = _cli("run", "init", "--run-id", name, "--config", str(tmp_path / f"{name}.toml"),
+                   "--identity", str(tmp_path / "owner.key"), "--out", str(out))
+        assert res.returncode == 0, res.stderr
+        made[name] = manifest.load(str(out))
+    for m in made.values():
+        assert m.settings["model.n_embd"] == 128 and m.settings["outer.sync_every"] == 24
+        assert not set(m.settings) & set(manifest.per_node_settings())
+    assert made["node"].settings["outer.lr"] == 0.7  # the node's run settings are kept
+    # a per-node setting named on the command line is a mistake: exit 2, no manifest
+    res = _cli("run", "init", "--run-id", "bad", "--set", "data.path=/elsewhere",
+               "--identity", str(tmp_path / "owner.key"), "--out", str(tmp_path / "bad.manifest"))
+    assert res.returncode == 2 and not (tmp_path / "bad.manifest").exists()
+    _one_line(res)
+    # a typo in a run setting of the file is still refused, not taken for a per-node setting
+    (tmp_path / "typo.toml").write_text("[model]\nn_embed = 64\n")
+    res = _cli("run", "init", "--run-id", "typo", "--config", str(tmp_path / "typo.toml"),
+               "--identity", str(tmp_path / "owner.key"), "--out", str(tmp_path / "typo.manifest"))
+    assert res.returncode == 2 and not (tmp_path / "typo.manifest").exists()
+
+
 def _one_line(res: subprocess.CompletedProcess) -> str:
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("p2pdiloco: ") and "Traceback" not in res.stderr, res.stderr
