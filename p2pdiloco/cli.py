@@ -338,7 +338,7 @@ def _swarm_status(args: argparse.Namespace) -> int:
 
 def _node_run(args: argparse.Namespace) -> int:
     from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
-    from p2pdiloco.net.addresses import check_any_reachable, check_listen_port  # noqa: PLC0415
+    from p2pdiloco.net.addresses import JOIN_HINT, check_any_reachable, check_listen_port  # noqa: PLC0415
 
     try:
         overrides: dict[str, Any] = parse_overrides(args.set)
@@ -378,7 +378,7 @@ def _node_run(args: argparse.Namespace) -> int:
             check_metrics_port(cfg.metrics_host, cfg.metrics_port)
         if _load_native_libraries():  # before dialing: check_any_reachable parses with hivemind
             return interrupted()
-        check_any_reachable(cfg.swarm.initial_peers)
+        check_any_reachable(cfg.swarm.initial_peers, hint=JOIN_HINT if run is not None else "")
         if run is not None:
             _pin_owner(run)
     except P2PDilocoError as e:

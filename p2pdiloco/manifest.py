@@ -179,8 +179,8 @@ def _unpack(data: bytes) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_str_len=4096,
                                max_array_len=512, max_map_len=0, max_ext_len=0)
-    except Exception as e:  # msgpack raises several types on hostile input
-        raise _bad(f"undecodable ({type(e).__name__})") from None
+    except Exception:  # msgpack raises several types on hostile input
+        raise _bad("its bytes are damaged or incomplete") from None
 
 
 def decode(data: bytes) -> RunManifest:
@@ -221,7 +221,8 @@ def decode(data: bytes) -> RunManifest:
 def load(handle: str, what: str = "--join") -> RunManifest:
     """A manifest from ``handle``: a file (its last non-comment line is the string form) or the
     string itself. Raises ConfigError (one line, starting with ``what``, the flag or command
-    that named it, when the file cannot be read) when neither holds a valid manifest."""
+    that named it, when the file cannot be read or the string is damaged or cut short) when
+    neither holds a valid manifest."""
     text = handle.strip()
     if not text.startswith(PREFIX):
         path = Path(handle).expanduser()
@@ -237,14 +238,18 @@ def load(handle: str, what: str = "--join") -> RunManifest:
             raise _bad(f"{handle} does not hold one {PREFIX}... line")
         text = lines[0]
     body = text[len(PREFIX):]
+    damaged = ConfigError(f"{what}: the run handle is damaged or incomplete: copy the whole {PREFIX}... string "
+                          f"(or the manifest file) from the run's owner again")
     try:
         packed = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         d = zlib.decompressobj()
         data = d.decompress(packed, MAX_BYTES + 1)
     except (binascii.Error, ValueError, zlib.error):
-        raise _bad("the string is damaged (cut short or mistyped?)") from None
+        raise damaged from None
     if len(data) > MAX_BYTES or d.unconsumed_tail:
         raise _bad(f"more than {MAX_BYTES} bytes")
+    if not d.eof:  # cut short: zlib gives what it has so far, without an error
+        raise damaged
     return decode(data)
 
 

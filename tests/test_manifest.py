@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -67,6 +68,10 @@ def test_an_altered_or_foreign_manifest_is_refused_with_one_line():
         "wrong type": string([*fields[:2], [["outer.sync_every", "50"]], *fields[3:]]),
         "format": string([2, *fields[1:]]),
         "damaged": m.to_string()[:-1] + ("A" if m.to_string()[-1] != "A" else "B"),
+        "cut short": m.to_string()[:-10],  # zlib gives a cut stream's start without an error
+        "cut in half": m.to_string()[:len(m.to_string()) // 2],
+        "a character lost": m.to_string()[:40] + m.to_string()[41:],
+        "prefix only": manifest.PREFIX,
         "not a file": "/nonexistent/r1.manifest",
         "oversized": manifest.PREFIX + base64.urlsafe_b64encode(zlib.compress(bytes(10**6))).decode(),
     }
@@ -211,6 +216,27 @@ def test_run_init_takes_the_readmes_run_toml_and_node_toml(tmp_path):
     res = _cli("run", "init", "--run-id", "typo", "--config", str(tmp_path / "typo.toml"),
                "--identity", str(tmp_path / "owner.key"), "--out", str(tmp_path / "typo.manifest"))
     assert res.returncode == 2 and not (tmp_path / "typo.manifest").exists()
+
+
+def test_a_damaged_or_dead_runs_handle_stops_the_joiner_in_one_line(tmp_path):
+    """A handle cut short (copied in part): exit 2 before anything starts; a manifest whose
+    initial peers are all gone (a dead run): exit 1, also before any daemon starts."""
+    good = _init(tmp_path, "owner", "dead", target=0)
+    handle = manifest.load(str(good)).to_string()
+    with socket.socket() as s:  # a port nothing listens on: the run's only peer, gone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gone = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWLjcrBiAfYefCLrWvn1dxAg8fTnBN4ZUhWEUbnRXgD4Av"
+    dead = tmp_path / "gone.manifest"
+    made = _cli("run", "init", "--run-id", "dead", "--initial-peers", gone, "--identity", str(tmp_path / "owner.key"),
+                "--out", str(dead))
+    assert made.returncode == 0, made.stderr
+    for join, code in ((handle[:-12], 2), (str(dead), 1)):
+        res = _cli("node", "run", "--join", join, "--host", "127.0.0.1", "--port", "0",
+                   "--data-dir", str(tmp_path / "joiner"))
+        assert res.returncode == code, res.stderr
+        _one_line(res)  # one line, no traceback
+        assert not (tmp_path / "joiner" / "p2p.key").exists()
 
 
 def _one_line(res: subprocess.CompletedProcess) -> str:
