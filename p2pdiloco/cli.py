@@ -101,7 +101,8 @@ def _node_parser(sub: argparse._SubParsersAction) -> None:
                      help="stop after this many seconds of training (default: the config's duration, 0: until stopped)")
     run.add_argument("--name", default=None, help="a label for logs and status (default: the data dir's name, "
                                                   "else this machine's host name)")
-    run.add_argument("--status-file", type=Path, default=None, help="write a JSON status snapshot here every second")
+    run.add_argument("--status-file", type=Path, default=None, help="write a JSON status snapshot here every status_every seconds "
+                          "(default 5; every second while the live view shows)")
     run.add_argument("--report-file", type=Path, default=None, help="write the final JSON report here")
     run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                      help="override any config value, e.g. --set outer.sync_every=50")
