@@ -106,24 +106,26 @@ class Setup:
             if auto:
                 shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % shards
             fallback = None
+
+            def corpus_of(shard: int, shards: int) -> Corpus:
+                return load_corpus(files, shard, shards, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
+
+            bs = cfg.model.block_size
             try:
-                corpus = load_corpus(files, shard, shards, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
+                corpus = corpus_of(shard, shards)
             except EmptyShard as e:
                 if not auto:  # a shard the person chose: fewer shards, if all of the text would do
-                    whole = load_corpus(files, 0, 1, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
-                    if problem := _short_text(whole, cfg.model.block_size):
-                        raise ValueError(f"data: {problem} even with one shard; {_more_text(cfg.model.block_size)}") \
-                            from None
+                    if problem := _short_text(corpus_of(0, 1), bs):
+                        raise ValueError(f"data: {problem} even with one shard; {_more_text(bs)}") from None
                     raise
                 # a small corpus: rather than fail (or train on a sliver), this node trains on all
                 # of the training text, in its own random order (its sampler's seed is its own)
                 fallback, shard, shards = str(e), 0, 1
-                corpus = load_corpus(files, 0, 1, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
-            if problem := _short_text(corpus, cfg.model.block_size):
-                whole = shards > 1 and not _short_text(
-                    load_corpus(files, 0, 1, cfg.data.heldout_fraction, cfg.data.max_bytes or None), cfg.model.block_size)
-                raise ValueError(f"data: {problem}; " + ("set data.num_shards to 1 (all of the text is enough)" if whole
-                                                         else _more_text(cfg.model.block_size)))
+                corpus = corpus_of(0, 1)
+            if problem := _short_text(corpus, bs):
+                whole = shards > 1 and not _short_text(corpus_of(0, 1), bs)
+                raise ValueError(f"data: {problem}; " + ("set data.num_shards to 1 (all of the text is enough)"
+                                                         if whole else _more_text(bs)))
             data_seed = int.from_bytes(hashlib.sha256(f"{cfg.seed}/{peer_id}".encode()).digest()[:4], "big")
             sampler = BatchSampler(corpus.train, cfg.data.batch_size, cfg.model.block_size, data_seed)
             heldout = heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)

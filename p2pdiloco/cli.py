@@ -101,8 +101,9 @@ def _node_parser(sub: argparse._SubParsersAction) -> None:
                      help="stop after this many seconds of training (default: the config's duration, 0: until stopped)")
     run.add_argument("--name", default=None, help="a label for logs and status (default: the data dir's name, "
                                                   "else this machine's host name)")
-    run.add_argument("--status-file", type=Path, default=None, help="write a JSON status snapshot here every status_every seconds "
-                          "(default 5; every second while the live view shows)")
+    run.add_argument("--status-file", type=Path, default=None,
+                     help="write a JSON status snapshot here every status_every seconds (default 5; every second "
+                          "while the live view shows)")
     run.add_argument("--report-file", type=Path, default=None, help="write the final JSON report here")
     run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                      help="override any config value, e.g. --set outer.sync_every=50")
@@ -134,7 +135,7 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
                       help="multiaddrs nodes join through (from `p2pdiloco bootstrap`)")
     init.add_argument("--config", type=Path, default=None,
                       help="TOML config with the run's settings (a node's own config works too: its per-node "
-                           "settings, such as data.path or swarm.port, are left out)")
+                           "settings, such as data.path or swarm.port, are left out, as with --set)")
     init.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                       help="a run setting, e.g. --set outer.sync_every=50")
     init.add_argument("--target-tokens", type=int, default=0, help="tokens the run means to train on (0: none)")
@@ -178,14 +179,12 @@ def _run_command(args: argparse.Namespace) -> int:
         overrides: dict[str, Any] = {**parse_overrides(args.set), "swarm.run_id": args.run_id}
         if args.initial_peers:
             overrides["swarm.initial_peers"] = args.initial_peers
-        # a node's own config file works too: its per-node settings (data.path, swarm.port...) are
-        # left out, said in one line; on the command line one is a mistake
-        per_node = manifest.per_node_settings()
-        named = [k for k in overrides if k in per_node]
-        if named:
-            raise ConfigError(f"run init: --set {named[0]} is a per-node setting, which a manifest does not carry "
-                              f"(each node sets its own); give run settings only")
-        skipped = [k for k in settings_in(args.config) if k in per_node] if args.config is not None else []
+        # a node's own config (file or --set) works too: its per-node settings (data.path,
+        # swarm.port...) are left out, said in one line
+        per_node = set(manifest.per_node_settings())
+        skipped = [*(settings_in(args.config) if args.config is not None else []), *overrides]
+        skipped = list(dict.fromkeys(k for k in skipped if k in per_node))
+        overrides = {k: v for k, v in overrides.items() if k not in per_node}
         with _sigint_held() as held:  # initial peers' multiaddrs are parsed with hivemind (and torch)
             cfg = load_config(args.config, overrides=overrides, skip=per_node)
         if held:
@@ -202,8 +201,8 @@ def _run_command(args: argparse.Namespace) -> int:
         print(f"p2pdiloco: {e}", file=sys.stderr)
         return 1
     if skipped:
-        print(f"p2pdiloco: {args.config}: left out of the manifest: {', '.join(skipped)} (per-node settings: "
-              f"each node sets its own)", file=sys.stderr)
+        print(f"p2pdiloco: left out of the manifest: {', '.join(skipped)} (per-node settings: each node sets its "
+              f"own)", file=sys.stderr)
     if created:
         print(f"p2pdiloco: made the run owner's key {args.identity}: keep it private", file=sys.stderr)
     if not m.initial_peers:
