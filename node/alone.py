@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from p2pdiloco.net.addresses import JOIN_HINT
+
 log = logging.getLogger(__name__)
 
 
@@ -43,6 +45,7 @@ class AloneWatch:
         self.alone_after, self.run_id, self.tag = alone_after, run_id, tag
         self.last_merged: float | None = None  # Unix time; None until training starts
         self.alone: Alone | None = None
+        self.joined = False  # set when the node joined an existing run with its manifest (--join)
 
     def started(self) -> None:
         """Training began: the clock starts."""
@@ -79,6 +82,9 @@ class AloneWatch:
             alone = Alone("other_settings", f"{len(other_settings)} node(s) of run '{run}' use other settings "
                           f"({', '.join(kinds)}; ours: protocol tag {self.tag}): model, fragments, seed, "
                           "wire precision or outer lr, momentum, sync_every differ; use the run's settings",
+                          self.last_merged)
+        elif self.joined:  # the peers and run ID came from the run's manifest: not the joiner's to check
+            alone = Alone("no_peers", f"no other node of run '{run}' seen for {quiet:.0f} s: {JOIN_HINT}",
                           self.last_merged)
         else:
             alone = Alone("no_peers", f"no other node of run '{run}' seen for {quiet:.0f} s: check "

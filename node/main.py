@@ -390,6 +390,7 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
                              "reach": swarm.reach.status(swarm.stats.bytes_relayed, maddrs)}
     setup.log_notes()
     node = Node(setup, swarm)
+    node.solo.joined = manifest is not None  # "alone" advice for a joiner of an existing run
     view = SwarmView()
     board.current = lambda: snapshot(node, swarm, maddrs, view, board.extra())
     loop = asyncio.get_running_loop()

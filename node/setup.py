@@ -14,8 +14,8 @@ from p2pdiloco.config import NodeConfig, topk2_note
 from p2pdiloco.core.fragments import Fragment, StaggeredSchedule, balanced_fragments
 from p2pdiloco.core.learner import Learner
 from p2pdiloco.core.outer import OUTER_STEP_RULE
-from p2pdiloco.data import (BatchSampler, EmptyShard, collect_text_files, default_corpus_files, heldout_batches,
-                            load_corpus)
+from p2pdiloco.data import (PIECE_BYTES, BatchSampler, Corpus, EmptyShard, collect_text_files, default_corpus_files,
+                            heldout_batches, load_corpus, min_text_bytes)
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.model import build_model
 
@@ -62,6 +62,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _short_text(corpus: Corpus, block_size: int) -> str | None:
+    """What is too short in ``corpus`` for one sequence (``block_size + 1`` bytes), or None."""
+    need = block_size + 1
+    for part, text in (("training", corpus.train), ("held-out", corpus.heldout)):
+        if text.numel() < need:
+            return f"this node's {part} text has {text.numel()} bytes, fewer than one sequence " \
+                   f"(model.block_size + 1 = {need})"
+    return None
+
+
+def _more_text(block_size: int) -> str:
+    return (f"give at least {min_text_bytes(block_size):,} bytes of text (data.path: cut into {PIECE_BYTES // 1024} "
+            f"KiB pieces, one held out)")
+
+
 @dataclass
 class Setup:
     """A node's local pieces. ``name`` is a human label; ``peer_id`` seeds its data shard."""
@@ -91,20 +106,26 @@ class Setup:
             if auto:
                 shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % shards
             fallback = None
+
+            def corpus_of(shard: int, shards: int) -> Corpus:
+                return load_corpus(files, shard, shards, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
+
+            bs = cfg.model.block_size
             try:
-                corpus = load_corpus(files, shard, shards, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
+                corpus = corpus_of(shard, shards)
             except EmptyShard as e:
-                if not auto:  # a shard the person chose: say so
+                if not auto:  # a shard the person chose: fewer shards, if all of the text would do
+                    if problem := _short_text(corpus_of(0, 1), bs):
+                        raise ValueError(f"data: {problem} even with one shard; {_more_text(bs)}") from None
                     raise
                 # a small corpus: rather than fail (or train on a sliver), this node trains on all
                 # of the training text, in its own random order (its sampler's seed is its own)
                 fallback, shard, shards = str(e), 0, 1
-                corpus = load_corpus(files, 0, 1, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
-            need = cfg.model.block_size + 1
-            if corpus.train.numel() < need:
-                raise ValueError(f"data: this node's training text has {corpus.train.numel()} bytes, fewer than one "
-                                 f"sequence (model.block_size + 1 = {need}); give more text (data.path)"
-                                 + (" or fewer shards (data.num_shards)" if shards > 1 else ""))
+                corpus = corpus_of(0, 1)
+            if problem := _short_text(corpus, bs):
+                whole = shards > 1 and not _short_text(corpus_of(0, 1), bs)
+                raise ValueError(f"data: {problem}; " + ("set data.num_shards to 1 (all of the text is enough)"
+                                                         if whole else _more_text(bs)))
             data_seed = int.from_bytes(hashlib.sha256(f"{cfg.seed}/{peer_id}".encode()).digest()[:4], "big")
             sampler = BatchSampler(corpus.train, cfg.data.batch_size, cfg.model.block_size, data_seed)
             heldout = heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)

@@ -24,8 +24,13 @@ LOOPBACK_HINT = ("only loopback addresses are announced: peers on other machines
 PRIVATE_HINT = ("only private-network addresses are announced: peers outside this network cannot dial this node; "
                 "behind NAT forward the port and --set swarm.announce=/ip4/PUBLIC_IP/tcp/PORT")
 
+# robust merge, step 3 (docs/trust.md): honest learners of different speeds bring Δs of different norms
+CLIPPED_NOTE = (" (clipped: peers' tensors trimmed to the group's median norm, routine between learners of "
+                "different speed, not an attack)")
+
 
 # ---- formatting -----------------------------------------------------------------------------
+
 def _link(rate: object) -> str:
     """A measured link rate (bytes/s) in Mbit/s, or "not measured yet"."""
     return f"{float(rate) * 8 / 1e6:.1f} Mbit/s" if isinstance(rate, (int, float)) and rate > 0 else "not measured yet"
@@ -216,7 +221,8 @@ def node_lines(s: dict[str, Any]) -> Table:
         rejected = s.get("rejected") or {}
         g.add_row("rejected", ", ".join(f"{n} {reason}" for reason, n in sorted(rejected.items()) if n) or "none")
         if s.get("allreduce"):
-            g.add_row("all-reduce", ", ".join(f"{n} {k}" for k, n in s["allreduce"].items()))
+            g.add_row("all-reduce", ", ".join(f"{n} {k}" for k, n in s["allreduce"].items())
+                      + (CLIPPED_NOTE if s["allreduce"].get("clipped") else ""))
         g.add_row("traffic", f"sent {fmt_bytes(s.get('bytes_out'))}   received {fmt_bytes(s.get('bytes_in'))}   "
                              f"({s.get('rpc_calls', 0)} calls, {s.get('rpc_failed', 0)} failed)   "
                              f"link {_link(s.get('link_bytes_per_s'))}")

@@ -101,7 +101,9 @@ def _node_parser(sub: argparse._SubParsersAction) -> None:
                      help="stop after this many seconds of training (default: the config's duration, 0: until stopped)")
     run.add_argument("--name", default=None, help="a label for logs and status (default: the data dir's name, "
                                                   "else this machine's host name)")
-    run.add_argument("--status-file", type=Path, default=None, help="write a JSON status snapshot here every second")
+    run.add_argument("--status-file", type=Path, default=None,
+                     help="write a JSON status snapshot here every status_every seconds (default 5; every second "
+                          "while the live view shows)")
     run.add_argument("--report-file", type=Path, default=None, help="write the final JSON report here")
     run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                      help="override any config value, e.g. --set outer.sync_every=50")
@@ -131,7 +133,9 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--run-id", required=True, help="the run's name")
     init.add_argument("--initial-peers", nargs="+", default=None, metavar="MULTIADDR",
                       help="multiaddrs nodes join through (from `p2pdiloco bootstrap`)")
-    init.add_argument("--config", type=Path, default=None, help="TOML config with the run's settings")
+    init.add_argument("--config", type=Path, default=None,
+                      help="TOML config with the run's settings (a node's own config works too: its per-node "
+                           "settings, such as data.path or swarm.port, are left out, as with --set)")
     init.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                       help="a run setting, e.g. --set outer.sync_every=50")
     init.add_argument("--target-tokens", type=int, default=0, help="tokens the run means to train on (0: none)")
@@ -158,7 +162,7 @@ def _pin_owner(m: Any) -> bool:
 
 def _run_command(args: argparse.Namespace) -> int:
     from p2pdiloco import manifest  # noqa: PLC0415
-    from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
+    from p2pdiloco.config import load_config, parse_overrides, settings_in  # noqa: PLC0415
     from p2pdiloco.trust.identity import Identity  # noqa: PLC0415
 
     try:
@@ -175,8 +179,14 @@ def _run_command(args: argparse.Namespace) -> int:
         overrides: dict[str, Any] = {**parse_overrides(args.set), "swarm.run_id": args.run_id}
         if args.initial_peers:
             overrides["swarm.initial_peers"] = args.initial_peers
+        # a node's own config (file or --set) works too: its per-node settings (data.path,
+        # swarm.port...) are left out, said in one line
+        per_node = set(manifest.per_node_settings())
+        skipped = [*(settings_in(args.config) if args.config is not None else []), *overrides]
+        skipped = list(dict.fromkeys(k for k in skipped if k in per_node))
+        overrides = {k: v for k, v in overrides.items() if k not in per_node}
         with _sigint_held() as held:  # initial peers' multiaddrs are parsed with hivemind (and torch)
-            cfg = load_config(args.config, overrides=overrides)
+            cfg = load_config(args.config, overrides=overrides, skip=per_node)
         if held:
             return interrupted()
         if args.target_tokens < 0:
@@ -190,6 +200,9 @@ def _run_command(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"p2pdiloco: {e}", file=sys.stderr)
         return 1
+    if skipped:
+        print(f"p2pdiloco: left out of the manifest: {', '.join(skipped)} (per-node settings: each node sets its "
+              f"own)", file=sys.stderr)
     if created:
         print(f"p2pdiloco: made the run owner's key {args.identity}: keep it private", file=sys.stderr)
     if not m.initial_peers:
@@ -325,7 +338,7 @@ def _swarm_status(args: argparse.Namespace) -> int:
 
 def _node_run(args: argparse.Namespace) -> int:
     from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
-    from p2pdiloco.net.addresses import check_any_reachable, check_listen_port  # noqa: PLC0415
+    from p2pdiloco.net.addresses import JOIN_HINT, check_any_reachable, check_listen_port  # noqa: PLC0415
 
     try:
         overrides: dict[str, Any] = parse_overrides(args.set)
@@ -365,7 +378,7 @@ def _node_run(args: argparse.Namespace) -> int:
             check_metrics_port(cfg.metrics_host, cfg.metrics_port)
         if _load_native_libraries():  # before dialing: check_any_reachable parses with hivemind
             return interrupted()
-        check_any_reachable(cfg.swarm.initial_peers)
+        check_any_reachable(cfg.swarm.initial_peers, hint=JOIN_HINT if run is not None else "")
         if run is not None:
             _pin_owner(run)
     except P2PDilocoError as e:

@@ -15,7 +15,7 @@ import math
 import os
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -430,6 +430,7 @@ def load_config(
     overrides_source: str = "from the command line",
     run: Mapping[str, Any] | None = None,
     run_source: str = "the run's manifest",
+    skip: Collection[str] = (),
 ) -> NodeConfig:
     """Build a NodeConfig from a TOML file, the environment and ``section.field`` overrides.
 
@@ -442,6 +443,9 @@ def load_config(
         run: ``{"section.field" or "field": value}`` of a run's settings
             (:mod:`p2pdiloco.manifest`), applied first, above the defaults; none of the other
             layers may give one of them another value.
+        skip: dotted names (``data.path``, ``data_dir``) the file and the environment may hold
+            that are not read (``run init`` leaves out the per-node settings of a node's file,
+            :func:`p2pdiloco.manifest.per_node_settings`); ``overrides`` are always read.
 
     Raises:
         ConfigError: one line per problem found (unreadable file, unknown setting, wrong type,
@@ -463,10 +467,11 @@ def load_config(
         for key, value in _read_toml(path).items():
             if key in SECTIONS and isinstance(value, dict):
                 for name, v in value.items():
-                    put(key, name, v, f"in {path}")
+                    if f"{key}.{name}" not in skip:
+                        put(key, name, v, f"in {path}")
             elif key in SECTIONS:
                 problems.append(f"{key}: expected a [{key}] table (in {path})")
-            else:
+            elif key not in skip:
                 put("", key, value, f"in {path}")
     for name, value in (os.environ if env is None else env).items():
         if not name.startswith("P2PDILOCO_") or name == "P2PDILOCO_LOG":
@@ -474,8 +479,8 @@ def load_config(
         rest = name[len("P2PDILOCO_"):].lower()
         section, _, fld = rest.partition("_")
         if rest in TOP_LEVEL or section not in SECTIONS or not fld:
-            put("", rest, value, f"from environment variable {name}")
-        else:
+            section, fld = "", rest
+        if (f"{section}.{fld}" if section else fld) not in skip:
             put(section, fld, value, f"from environment variable {name}")
     for dotted, value in (overrides or {}).items():
         section, _, fld = dotted.rpartition(".")
@@ -501,6 +506,21 @@ def load_config(
     if len(problems) == 1:
         raise ConfigError(f"invalid configuration: {problems[0]}")
     raise ConfigError(f"invalid configuration, {len(problems)} problems:\n  " + "\n  ".join(problems))
+
+
+def setting_names() -> list[str]:
+    """Every setting's dotted name: the top-level fields (``seed``, ``data_dir``...), then each
+    section's (``model.n_embd``...), in declaration order."""
+    hints = typing.get_type_hints(NodeConfig)
+    return [*TOP_LEVEL, *(f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(hints[s]))]
+
+
+def settings_in(path: str | Path) -> list[str]:
+    """The dotted names a TOML config file sets, in file order (a section that is not a table
+    counts as its name). Raises ConfigError (one line) when the file cannot be read or parsed."""
+    return [f"{key}.{name}" if key in SECTIONS and isinstance(value, dict) else key
+            for key, value in _read_toml(path).items()
+            for name in (value if key in SECTIONS and isinstance(value, dict) else [None])]
 
 
 def _check_run(cfg: NodeConfig, run: Mapping[str, Any], sources: Mapping[tuple[str, str], str],

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PIECE_BYTES", "default_corpus_files", "collect_text_files", "Corpus", "load_corpus",
+__all__ = ["PIECE_BYTES", "min_text_bytes", "default_corpus_files", "collect_text_files", "Corpus", "load_corpus",
            "BatchSampler", "heldout_batches", "evaluate", "bits_per_byte"]
 
 
@@ -103,8 +103,21 @@ def _read(pieces: Sequence[tuple[Path, int, int]], cap: int | None) -> Tensor:
     return torch.frombuffer(out, dtype=torch.uint8).clone() if out else torch.empty(0, dtype=torch.uint8)
 
 
+def min_text_bytes(block_size: int) -> int:
+    """Bytes of text that always work for one node on one shard: one file of this size is cut
+    into two pieces (:data:`PIECE_BYTES` and the rest), one held out and one to train on, each
+    of at least one sequence (``block_size + 1`` bytes). The batch size does not matter:
+    training and held-out windows may overlap."""
+    return PIECE_BYTES + block_size + 1
+
+
 class EmptyShard(ValueError):
-    """The corpus has fewer training pieces than shards: the requested shard holds nothing."""
+    """The corpus has fewer training pieces than shards: the requested shard holds nothing.
+    ``pieces``: the training pieces there are (0: the text is too small for any shard)."""
+
+    def __init__(self, message: str, pieces: int) -> None:
+        super().__init__(message)
+        self.pieces = pieces
 
 
 def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
@@ -142,9 +155,10 @@ def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
     held, rest = units[:n_held], sorted(units[n_held:], key=lambda u: _unit_hash(b"shard", u[0]))
     mine = rest[shard_index::num_shards]
     if not mine:
-        raise EmptyShard(f"data shard {shard_index} of {num_shards} is empty: the corpus has only {len(rest)} "
-                         f"training piece(s) of up to {PIECE_BYTES} bytes; set data.num_shards to at most "
-                         f"{max(1, len(rest))} or give more text (data.path)")
+        fewer = (f"set data.num_shards to at most {len(rest)}"
+                 + (" (and data.shard_index below it)" if shard_index >= len(rest) else "") + " or ") if rest else ""
+        raise EmptyShard(f"data shard {shard_index} of {num_shards} is empty: the corpus has {len(rest)} training "
+                         f"piece(s) of up to {PIECE_BYTES} bytes; {fewer}give more text (data.path)", len(rest))
     return Corpus(_read([u[1:] for u in mine], max_bytes), _read([u[1:] for u in held], max_bytes))
 
 

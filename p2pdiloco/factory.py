@@ -11,6 +11,11 @@ or a tuple whose first element is the logits. :class:`FactoryModel` wraps it so 
 learner and the evaluation get fp32 logits whatever it returns; its parameters are named
 ``net.<the module's own names>``.
 
+The module is imported as ``python -m`` would find it: from the installed packages,
+``PYTHONPATH``, and the current working directory (``my_models.py`` next to where the node is
+started: ``model.factory = "my_models:build"``), which :func:`resolve_factory` adds to the end
+of ``sys.path`` so that an installed module of the same name wins.
+
 Examples in this repository: ``p2pdiloco.models.torch_lm:decoder_lm`` (plain torch, no extra
 library) and ``p2pdiloco.models.hf:gpt2`` (needs ``transformers``).
 
@@ -23,6 +28,8 @@ every parameter's name and shape, so nodes whose factories differ never merge.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,7 +46,9 @@ __all__ = ["FactoryModel", "build_factory_model", "redraw_parameters", "resolve_
 
 def resolve_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
     """The callable named by ``spec`` = ``"package.module:function"`` (``function`` may be
-    dotted: ``module:Class.method``). Imports the module (its top-level code runs).
+    dotted: ``module:Class.method``). Imports the module (its top-level code runs), from the
+    installed packages, ``PYTHONPATH`` or the current working directory (added to the end of
+    ``sys.path``).
 
     Raises:
         ValueError: one line, without a traceback: ``spec`` is malformed, the module cannot be
@@ -49,6 +58,7 @@ def resolve_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name.strip() or not attr.strip() or any(c.isspace() for c in spec):
         raise ValueError(f"{spec!r} is not of the form package.module:function")
+    _cwd_on_path()
     try:
         obj = importlib.import_module(module_name)
     except (Exception, SystemExit) as e:  # noqa: BLE001  (a missing library, a SyntaxError...: one line each)
@@ -60,6 +70,18 @@ def resolve_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
     if not callable(obj):
         raise ValueError(f"{spec} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def _cwd_on_path() -> None:
+    """Make the current working directory importable, as ``python -m`` does (it puts it first;
+    here it goes last, so a file in the folder never hides an installed module). Console scripts
+    such as ``p2pdiloco`` start with their own folder on ``sys.path`` instead."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the folder was removed under us: nothing to add
+        return
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
 
 
 def _one_line(e: BaseException) -> str:

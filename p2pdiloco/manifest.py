@@ -35,8 +35,8 @@ from p2pdiloco.errors import ConfigError
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.identity import Identity, peer_id_of, public_key_of
 
-__all__ = ["RunManifest", "PREFIX", "MAX_BYTES", "run_settings", "decode", "load", "pinned", "published",
-           "check_factory", "TRUSTED_FACTORIES"]
+__all__ = ["RunManifest", "PREFIX", "MAX_BYTES", "run_settings", "per_node_settings", "decode", "load", "pinned",
+           "published", "check_factory", "TRUSTED_FACTORIES"]
 
 PREFIX = "p2pdiloco-run:"
 FORMAT = 1
@@ -67,6 +67,19 @@ def run_settings(cfg: Any) -> dict[str, Any]:
     """{dotted name: value} of every run setting of ``cfg`` (a ``NodeConfig``), in a fixed
     order (seed, model.*, inner.*, outer.*, then single fields); tuples become lists."""
     return {name: _get(cfg, name) for name in _fields(cfg)}
+
+
+CARRIED_SWARM = ("swarm.run_id", "swarm.initial_peers")  # carried too, outside the settings
+
+
+def per_node_settings() -> list[str]:
+    """Dotted names of every setting a manifest does not carry (``data.path``, ``swarm.port``,
+    ``data_dir``, ``duration``...): each node sets its own. ``run init`` leaves them out of a
+    node's config file (docs/operating.md, "Start a node")."""
+    from p2pdiloco.config import setting_names  # noqa: PLC0415
+
+    carried = {*run_settings(_defaults()), *CARRIED_SWARM}
+    return [name for name in setting_names() if name not in carried]
 
 
 @dataclass(frozen=True)
@@ -166,8 +179,8 @@ def _unpack(data: bytes) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=64, max_str_len=4096,
                                max_array_len=512, max_map_len=0, max_ext_len=0)
-    except Exception as e:  # msgpack raises several types on hostile input
-        raise _bad(f"undecodable ({type(e).__name__})") from None
+    except Exception:  # msgpack raises several types on hostile input
+        raise _bad("its bytes are damaged or incomplete") from None
 
 
 def decode(data: bytes) -> RunManifest:
@@ -208,7 +221,8 @@ def decode(data: bytes) -> RunManifest:
 def load(handle: str, what: str = "--join") -> RunManifest:
     """A manifest from ``handle``: a file (its last non-comment line is the string form) or the
     string itself. Raises ConfigError (one line, starting with ``what``, the flag or command
-    that named it, when the file cannot be read) when neither holds a valid manifest."""
+    that named it, when the file cannot be read or the string is damaged or cut short) when
+    neither holds a valid manifest."""
     text = handle.strip()
     if not text.startswith(PREFIX):
         path = Path(handle).expanduser()
@@ -224,14 +238,18 @@ def load(handle: str, what: str = "--join") -> RunManifest:
             raise _bad(f"{handle} does not hold one {PREFIX}... line")
         text = lines[0]
     body = text[len(PREFIX):]
+    damaged = ConfigError(f"{what}: the run handle is damaged or incomplete: copy the whole {PREFIX}... string "
+                          f"(or the manifest file) from the run's owner again")
     try:
         packed = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         d = zlib.decompressobj()
         data = d.decompress(packed, MAX_BYTES + 1)
     except (binascii.Error, ValueError, zlib.error):
-        raise _bad("the string is damaged (cut short or mistyped?)") from None
+        raise damaged from None
     if len(data) > MAX_BYTES or d.unconsumed_tail:
         raise _bad(f"more than {MAX_BYTES} bytes")
+    if not d.eof:  # cut short: zlib gives what it has so far, without an error
+        raise damaged
     return decode(data)
 
 

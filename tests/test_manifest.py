@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -67,6 +68,10 @@ def test_an_altered_or_foreign_manifest_is_refused_with_one_line():
         "wrong type": string([*fields[:2], [["outer.sync_every", "50"]], *fields[3:]]),
         "format": string([2, *fields[1:]]),
         "damaged": m.to_string()[:-1] + ("A" if m.to_string()[-1] != "A" else "B"),
+        "cut short": m.to_string()[:-10],  # zlib gives a cut stream's start without an error
+        "cut in half": m.to_string()[:len(m.to_string()) // 2],
+        "a character lost": m.to_string()[:40] + m.to_string()[41:],
+        "prefix only": manifest.PREFIX,
         "not a file": "/nonexistent/r1.manifest",
         "oversized": manifest.PREFIX + base64.urlsafe_b64encode(zlib.compress(bytes(10**6))).decode(),
     }
@@ -174,6 +179,65 @@ def _init(tmp_path: Path, owner: str, run_id: str, *sets: str, target: int = 10*
                 "--target-tokens", str(target), *(a for s in sets for a in ("--set", s)))
     assert made.returncode == 0, made.stderr
     return out
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_toml(first_line: str) -> str:
+    """The README's ```toml block whose first line starts with ``first_line``."""
+    blocks = README.read_text().split("```toml\n")[1:]
+    found = [b.split("```")[0] for b in blocks if b.startswith(first_line)]
+    assert len(found) == 1, first_line
+    return found[0]
+
+
+def test_run_init_takes_the_readmes_run_toml_and_node_toml(tmp_path):
+    (tmp_path / "run.toml").write_text(_readme_toml("# run.toml"))
+    (tmp_path / "node.toml").write_text(_readme_toml("seed = 0 "))  # data.path names a folder that is not there
+    made = {}
+    for name in ("run", "node"):
+        out = tmp_path / f"{name}.manifest"
+        res = _cli("run", "init", "--run-id", name, "--config", str(tmp_path / f"{name}.toml"),
+                   "--identity", str(tmp_path / "owner.key"), "--out", str(out))
+        assert res.returncode == 0, res.stderr
+        made[name] = manifest.load(str(out))
+    for m in made.values():
+        assert m.settings["model.n_embd"] == 128 and m.settings["outer.sync_every"] == 24
+        assert not set(m.settings) & set(manifest.per_node_settings())
+    assert made["node"].settings["outer.lr"] == 0.7  # the node's run settings are kept
+    # per-node settings with --set are left out too (a preset of node settings, a folder that is not here)
+    res = _cli("run", "init", "--run-id", "flags", "--set", "data.path=/elsewhere", "--set", "status_every=1",
+               "--set", "outer.sync_every=30", "--identity", str(tmp_path / "owner.key"),
+               "--out", str(tmp_path / "flags.manifest"))
+    assert res.returncode == 0, res.stderr
+    assert manifest.load(str(tmp_path / "flags.manifest")).settings["outer.sync_every"] == 30
+    # a typo in a run setting of the file is still refused, not taken for a per-node setting
+    (tmp_path / "typo.toml").write_text("[model]\nn_embed = 64\n")
+    res = _cli("run", "init", "--run-id", "typo", "--config", str(tmp_path / "typo.toml"),
+               "--identity", str(tmp_path / "owner.key"), "--out", str(tmp_path / "typo.manifest"))
+    assert res.returncode == 2 and not (tmp_path / "typo.manifest").exists()
+
+
+def test_a_damaged_or_dead_runs_handle_stops_the_joiner_in_one_line(tmp_path):
+    """A handle cut short (copied in part): exit 2 before anything starts; a manifest whose
+    initial peers are all gone (a dead run): exit 1, also before any daemon starts."""
+    good = _init(tmp_path, "owner", "dead", target=0)
+    handle = manifest.load(str(good)).to_string()
+    with socket.socket() as s:  # a port nothing listens on: the run's only peer, gone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gone = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWLjcrBiAfYefCLrWvn1dxAg8fTnBN4ZUhWEUbnRXgD4Av"
+    dead = tmp_path / "gone.manifest"
+    made = _cli("run", "init", "--run-id", "dead", "--initial-peers", gone, "--identity", str(tmp_path / "owner.key"),
+                "--out", str(dead))
+    assert made.returncode == 0, made.stderr
+    for join, code in ((handle[:-12], 2), (str(dead), 1)):
+        res = _cli("node", "run", "--join", join, "--host", "127.0.0.1", "--port", "0",
+                   "--data-dir", str(tmp_path / "joiner"))
+        assert res.returncode == code, res.stderr
+        _one_line(res)  # one line, no traceback
+        assert not (tmp_path / "joiner" / "p2p.key").exists()
 
 
 def _one_line(res: subprocess.CompletedProcess) -> str:

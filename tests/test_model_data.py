@@ -194,3 +194,30 @@ def test_gpt_direct_construction():
 def test_num_tensors_counts_the_models_parameters(n_layer) -> None:
     cfg = ModelConfig(n_layer=n_layer, n_embd=32, n_head=2, block_size=16)
     assert cfg.num_tensors == len(list(build_model(cfg, 0).parameters()))
+
+
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_min_text_bytes_is_the_smallest_text_one_node_trains_on(tmp_path, block_size):
+    """The size a too-small corpus's refusal gives: one file of min_text_bytes works for one node
+    (one shard, or the default 8 with the shard from its peer ID), one byte less is refused with a
+    ConfigError (exit 2), whichever of its two pieces the hash holds out."""
+    from node.setup import Setup  # noqa: PLC0415
+
+    from p2pdiloco.config import load_config  # noqa: PLC0415
+    from p2pdiloco.data import min_text_bytes  # noqa: PLC0415
+    from p2pdiloco.errors import ConfigError  # noqa: PLC0415
+
+    small = {"model.n_layer": "1", "model.n_embd": "16", "model.n_head": "1", "model.block_size": str(block_size)}
+    for name in ("a.txt", "b.txt", "notes.md"):
+        for size, works in ((min_text_bytes(block_size), True), (min_text_bytes(block_size) - 1, False)):
+            path = tmp_path / str(size) / name
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(("the quick brown fox jumps over the lazy dog\n" * (size // 44 + 1))[:size])
+            for shards in ({"data.num_shards": "1"}, {}):
+                cfg = load_config(env={}, overrides={**small, **shards, "data.path": str(path)})
+                if works:
+                    setup = Setup.build(cfg, "n", "12D3KooWpeer")
+                    assert setup.sampler.data.numel() >= block_size + 1
+                else:
+                    with pytest.raises(ConfigError):
+                        Setup.build(cfg, "n", "12D3KooWpeer")

@@ -240,3 +240,47 @@ def test_two_nodes_train_a_factory_model_together(harness) -> None:
     assert len({r["global_digest"] for r in reports}) == 1, [r["fragments"] for r in reports]
     assert all(r["end_loss"] < r["start_loss"] for r in reports)
     assert f"from {LM}" in (nodes[0][1] / "node.log").read_text()
+
+
+MY_MODELS = '''
+import torch.nn as nn
+
+
+def build(cfg):
+    return nn.Sequential(nn.Embedding(cfg.vocab_size, 16), nn.Linear(16, cfg.vocab_size))
+'''
+
+
+def _p2pdiloco_command() -> list[str]:
+    """The ``p2pdiloco`` console script of this environment: like any console script it starts
+    with its own folder first on sys.path, not the current one. Where it is not installed, the
+    same entry point under ``python -P`` (no current folder either)."""
+    script = Path(sys.executable).with_name("p2pdiloco")
+    return [str(script)] if script.exists() else [sys.executable, "-P", "-c",
+                                                   "import sys; from p2pdiloco.cli import main; sys.exit(main())"]
+
+
+@pytest.mark.timeout(180)
+def test_a_factory_module_in_the_current_folder_is_found(tmp_path: Path) -> None:
+    """``model.factory = "my_models:build"`` with my_models.py in the folder the command runs in,
+    without PYTHONPATH naming that folder: a manifest is made, and a lone node builds and trains
+    the model for a few steps."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_models.py").write_text(MY_MODELS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's p2pdiloco, and not the folder
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*_p2pdiloco_command(), *args], capture_output=True, text=True, timeout=150,
+                              cwd=work, env=env, stdin=subprocess.DEVNULL)
+
+    made = cli("run", "init", "--run-id", "mine", "--set", "model.factory=my_models:build",
+               "--identity", str(tmp_path / "owner.key"), "--out", str(tmp_path / "mine.manifest"))
+    assert made.returncode == 0, made.stderr
+    node = tmp_path / "node"
+    ran = cli("node", "run", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(node),
+              "--report-file", str(node / "report.json"), "--max-steps", "3", "--no-progress",
+              *(a for k, v in {**TINY, "model.factory": "my_models:build", "settle": "0"}.items()
+                for a in ("--set", f"{k}={v}")))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert read_report(node)["step"] >= 3

@@ -48,3 +48,23 @@ def test_read_status_takes_a_node_file_and_nothing_else(tmp_path):
         assert read_status(path) is None, text
     path.write_text(json.dumps({"name": "n0", "state": "training", "step": 4}))
     assert read_status(path) == {"name": "n0", "state": "training", "step": 4}
+
+
+def test_the_metrics_table_lists_every_metric_the_node_serves():
+    """docs/operating.md's Prometheus table against what node.control's collector serves for a
+    snapshot where every figure is known: the same metric names, none missing, none extra."""
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from node.control import SCALAR_METRICS, SnapshotCollector  # noqa: PLC0415
+
+    snap = {key: 1 for *_, key in SCALAR_METRICS}
+    snap.update(name="n", peer_id="p", run_id="r", state="training", reachability="public", rejected={"nan": 1},
+                fragment_status=[{"fragment": 0, "version": 3, "swarm_version": 4}],
+                swarm={"peers": 2, "learners": 2, "behind": [0]})
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: snap))
+    served = {sample.name for family in registry.collect() for sample in family.samples}
+    section = DOCS.read_text().split("## Prometheus metrics", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    documented = {re.sub(r"\{.*", "", name) for row in rows for name in re.findall(r"`([^`]+)`", row)}
+    assert served == documented, {"not in the table": served - documented, "not served": documented - served}

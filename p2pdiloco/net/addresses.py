@@ -26,6 +26,9 @@ _HOSTS = ("ip4", "ip6", "dns", "dns4", "dns6")
 _EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."
 NEW_SWARM_HINT = ("to start a new swarm instead, run `p2pdiloco bootstrap` and pass the multiaddr it "
                   "prints to --initial-peers")
+# for a node joining an existing run (--join): its peers come from the run's manifest
+JOIN_HINT = ("the run's nodes are not reachable: check with the run's owner that the run is still going, or that "
+             "this machine's network lets it reach them")
 
 
 def _components(text: str) -> list[str]:
@@ -161,14 +164,15 @@ def _probe(endpoint: tuple[str, int], timeout: float) -> str | None:
         return e.strerror or str(e) or type(e).__name__
 
 
-def check_any_reachable(maddrs: Sequence[str], timeout: float = 5.0) -> None:
+def check_any_reachable(maddrs: Sequence[str], timeout: float = 5.0, hint: str = "") -> None:
     """Fail fast when not one of the initial peers accepts a TCP connection.
 
     Only decides when every address is a TCP one (QUIC and others cannot be probed this way;
     then the daemon's own bootstrap decides). Probes run concurrently, ``timeout`` seconds each.
 
     Raises:
-        NetworkError: naming each address with its reason, and how to start a new swarm.
+        NetworkError: naming each address with its reason, and ``hint`` (default: check the
+            addresses, or how to start a new swarm; :data:`JOIN_HINT` for a node joining a run).
     """
     endpoints = [_tcp_endpoint(m) for m in maddrs]
     if not maddrs or any(e is None for e in endpoints):
@@ -178,5 +182,5 @@ def check_any_reachable(maddrs: Sequence[str], timeout: float = 5.0) -> None:
     if any(r is None for r in reasons):
         return
     details = "; ".join(f"{m}: {r}" for m, r in zip(maddrs, reasons))
-    raise NetworkError(f"none of the initial peers is reachable ({details}); check the addresses, or "
-                       f"{NEW_SWARM_HINT}")
+    raise NetworkError(f"none of the initial peers is reachable ({details}); "
+                       f"{hint or 'check the addresses, or ' + NEW_SWARM_HINT}")
