@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import statistics
 import sys
@@ -72,13 +71,11 @@ def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[s
         if missing:
             raise RuntimeError(f"honest nodes {missing} wrote no report; see {work}")
         rejected: Counter[str] = Counter()
-        for i in honest:
-            log = (work / f"node{i}" / "node.log").read_text()
-            for m in re.finditer(r"rejected the contribution of \w+: (\w+)", log):
-                rejected[m.group(1)] += 1
-            for m in re.finditer(r"norm-clipped (\d+) tensor.*left out (\d+) misaligned", log):
-                rejected["clipped tensors"] += int(m.group(1))
-                rejected["misaligned tensors"] += int(m.group(2))
+        for i in honest:  # the reports' counters (status JSON), not the logs' wording
+            rejected.update(reports[i].get("rejected", {}))
+            ar = reports[i].get("allreduce", {})
+            rejected["clipped tensors"] += ar.get("clipped", 0)
+            rejected["misaligned tensors"] += ar.get("misaligned", 0)
         return {"end_loss": statistics.mean(reports[i]["end_loss"] for i in honest),
                 "start_loss": statistics.mean(reports[i]["start_loss"] for i in honest),
                 "digests": sorted({reports[i]["global_digest"] for i in honest}),

@@ -66,6 +66,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -98,6 +99,8 @@ from p2pdiloco.trust import signing
 from p2pdiloco.trust.identity import public_key_of
 
 log = logging.getLogger(__name__)
+
+TRIM_LOG_S = 60.0  # seconds between two log lines about one peer's trimmed tensors
 
 # Reasons a reducer rejects a slice. All but "missing" and "outlier" also ban the sender.
 BANNING_REASONS = ("wrong_key", "bad_signature", "bad_counters", "malformed", "non_finite")
@@ -164,6 +167,7 @@ class AllReducer:
         # (the node's Reputation.merge_weight: locally earned, docs/trust.md); None: all 1
         self.trust: Callable[[str], float] | None = None
         self.trust_used: dict[str, tuple[float, ...]] = {}  # round ID -> _Round.trust (the last 256 rounds)
+        self._trim_logged: dict[str, float] = {}  # peer -> monotonic s its trimmed tensors were last logged
 
     async def start(self) -> None:
         await self.swarm.add_handler("ar.reduce", self._on_reduce, max_payload=max(self._fragment_bytes))
@@ -547,11 +551,23 @@ class AllReducer:
         self.stats.clipped += len(out.clipped)
         self.stats.misaligned += len(out.misaligned)
         if out.clipped or out.misaligned:
-            who = lambda pairs: sorted({rnd.members[contributors[m]][-8:] for m, _ in pairs})  # noqa: E731
-            log.info("round %s f%d: norm-clipped %d tensor(s) of %s, left out %d misaligned tensor(s) of %s",
-                     rnd.round_id, rnd.fragment, len(out.clipped), who(out.clipped), len(out.misaligned),
-                     who(out.misaligned))
+            self._log_trimmed(rnd, [rnd.members[contributors[m]] for m, _ in (*out.clipped, *out.misaligned)])
         return out
+
+    def _log_trimmed(self, rnd: _Round, peers: Sequence[str]) -> None:
+        """Say, at most once a minute per peer, that its tensors were trimmed by the robust merge:
+        routine for learners of different speeds (counted in ``stats.clipped``/``misaligned``)."""
+        now = swarm_clock.monotonic()
+        fresh = sorted({p for p in peers if now - self._trim_logged.get(p, -math.inf) >= TRIM_LOG_S})
+        if not fresh:
+            return
+        for p in fresh:
+            self._trim_logged[p] = now
+        while len(self._trim_logged) > 4096:  # bounded
+            del self._trim_logged[next(iter(self._trim_logged))]
+        log.info("round %s f%d: clipped to the group's median norm or left out some tensors of %s (routine for "
+                 "learners of different speeds or directions, not an attack; counted in status 'allreduce')",
+                 rnd.round_id, rnd.fragment, ", ".join(p[-8:] for p in fresh))
 
     def _statement(self, rnd: _Round, phase: int, contributors: Sequence[int], merged) -> tuple[Header, bytes]:
         body = wire.encode_merged(merged, self.precision)
