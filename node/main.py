@@ -11,7 +11,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -30,6 +29,7 @@ from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.heads import is_behind, newest_heads
 from p2pdiloco.net.transport import Swarm
+from p2pdiloco.files import write_json_atomic
 from p2pdiloco.status import Status
 
 from node.control import ControlServer, start_metrics
@@ -44,25 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROCESS_START = psutil.Process().create_time()
-
-
-def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder, rename):
-    a reader sees the old file or the new one, never a torn one. ``durable``: fsync before the
-    rename, so that a power loss cannot leave an empty file either (the final report); the
-    status snapshot, rewritten every second, skips it (a disk flush a second per node)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def global_digest(node: Node) -> str:

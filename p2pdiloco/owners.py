@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.files import write_json_atomic
 from p2pdiloco.trust.identity import is_peer_id
 
 __all__ = ["path", "load", "owner_of", "check", "pin"]
@@ -85,16 +85,7 @@ def pin(run_id: str, owner: str) -> bool:
     p = path()
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"runs": runs}, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json_atomic(p, {"runs": runs}, sort_keys=True)
     except OSError as e:
         raise ConfigError(f"cannot write the pinned run owners file {p}: {e.strerror or e}") from None
     return True
