@@ -1,0 +1,30 @@
+"""Atomic file writes: a reader sees the old file or the new one, never a torn one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["write_bytes_atomic"]
+
+
+def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder (created if
+    missing) and a rename. ``durable``: fsync the file before the rename, so that a power loss
+    cannot leave an empty file either; a file rewritten every second (a status snapshot) may
+    skip it. Raises OSError (the folder cannot be made or written); the temporary file is
+    removed then."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
