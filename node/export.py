@@ -152,3 +152,20 @@ def sample_lines(text: str, width: int = 80, indent: str = "  | ") -> list[str]:
     clean = "".join(c if c == "\n" or c.isprintable() else " " * 4 if c == "\t" else "·" for c in text)
     room = max(1, width - len(indent))
     return [indent + line[i:i + room] for line in clean.split("\n") for i in range(0, max(1, len(line)), room)]
+
+
+def before_after(data_dir: Path, cfg: NodeConfig, prompt: str, tokens: int = 120, seed: int = 0,
+                 temperature: float = 0.8, width: int = 80) -> list[str]:
+    """Lines that show what training changed: ``tokens`` bytes after ``prompt`` from the run's
+    initial model (:func:`p2pdiloco.model.build_model` of ``cfg``: every node's start) and from
+    the global model in ``data_dir``'s checkpoint, same prompt, seed and temperature, each at
+    most ``width`` columns (:func:`sample_lines`). Raises what :func:`global_state_model` raises."""
+    trained, states = global_state_model(data_dir, cfg)
+    lines = [f"what the model writes after {prompt!r} ({tokens} bytes, seed {seed}, temperature {temperature:g}):"]
+    for label, model in (("the initial model", build_model(cfg.model, cfg.seed)),
+                         (f"the trained global model (fragments at versions "
+                          f"{','.join(str(s.version) for s in states)})", trained)):
+        out = generate(model, prompt.encode(), tokens, block_size=cfg.model.block_size, temperature=temperature,
+                       seed=seed)
+        lines += [f" {label}:", *sample_lines((prompt.encode() + out).decode("utf-8", errors="replace"), width)]
+    return lines

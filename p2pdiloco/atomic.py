@@ -9,17 +9,20 @@ from pathlib import Path
 __all__ = ["write_bytes_atomic"]
 
 
-def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
+def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder (created if
     missing) and a rename. ``durable``: fsync the file before the rename, so that a power loss
     cannot leave an empty file either; a file rewritten every second (a status snapshot) may
-    skip it. Raises OSError (the folder cannot be made or written); the temporary file is
+    skip it. ``mode``: the file's permission bits (default: the temporary file's 0600, this
+    user only). Raises OSError (the folder cannot be made or written); the temporary file is
     removed then."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             f.write(data)
             if durable:
                 f.flush()

@@ -132,9 +132,9 @@ def write_export(out: Path, model: nn.Module, cfg: NodeConfig, data_path: str,
     config = {"format": FORMAT, "seed": cfg.seed, "model": dataclasses.asdict(cfg.model),
               "data": {"path": data_path, **{k: getattr(cfg.data, k) for k in EVAL_FIELDS}}}
     meta = {"format": FORMAT, **info, "model_sha256": hashlib.sha256(blob).hexdigest()}
-    write_bytes_atomic(out / MODEL_FILE, blob)
-    write_bytes_atomic(out / CONFIG_FILE, json.dumps(config, indent=1).encode())
-    write_bytes_atomic(out / EXPORT_FILE, json.dumps(meta, indent=1).encode())
+    for name, data in ((MODEL_FILE, blob), (CONFIG_FILE, json.dumps(config, indent=1).encode()),
+                       (EXPORT_FILE, json.dumps(meta, indent=1).encode())):  # a model to share: readable by all
+        write_bytes_atomic(out / name, data, mode=0o644)
     return meta
 
 

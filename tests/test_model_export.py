@@ -133,3 +133,18 @@ def test_refusals(trained, tmp_path: Path, capsys) -> None:
     assert main(["model", "eval", "--model", str(tmp_path / "y")]) == 2
     assert main(["model", "eval", "--model", str(tmp_path)]) == 2
     assert all(line.startswith("p2pdiloco: ") for line in capsys.readouterr().err.splitlines())
+
+
+def test_demo_samples_fit_80_columns(trained) -> None:
+    """The demo's closing lines (node.export.before_after): the initial model's text and the
+    trained global model's, same prompt and seed, at most 80 columns."""
+    from node.export import before_after  # noqa: PLC0415
+
+    setup, data_dir, _ = trained
+    lines = before_after(data_dir, setup.cfg, "def ", tokens=120)
+    assert all(len(line) <= 80 and line.isprintable() for line in lines)
+    initial, trained_at = lines.index(" the initial model:"), next(
+        i for i, line in enumerate(lines) if line.startswith(" the trained global model"))
+    assert "versions 3,5" in lines[trained_at]
+    assert lines[initial + 1:trained_at] != lines[trained_at + 1:]
+    assert lines[initial + 1].startswith("  | def ") and lines[trained_at + 1].startswith("  | def ")
