@@ -81,8 +81,8 @@ def read_global_states(data_dir: Path) -> list[FragmentState] | None:
     path = checkpoint_path(data_dir)
     if not path.exists():
         return None
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # weights_only: tensors and plain containers, no pickled code (the data dir may be anyone's)
+        blob = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(blob, dict) or blob.get("format") != FORMAT:
             raise ValueError(f"format {blob.get('format') if isinstance(blob, dict) else None!r}, expected {FORMAT}")
         return global_states_of(blob["learner"])
