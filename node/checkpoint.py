@@ -87,7 +87,9 @@ def read_global_states(data_dir: Path) -> list[FragmentState] | None:
             raise ValueError(f"format {blob.get('format') if isinstance(blob, dict) else None!r}, expected {FORMAT}")
         return global_states_of(blob["learner"])
     except Exception as e:  # noqa: BLE001  (unpickling, a missing key, a bad tensor: one line)
-        raise ValueError(f"checkpoint {path} is unusable: {e}") from None
+        first = str(e).strip().splitlines()[:1]
+        raise ValueError(f"checkpoint {path} is unusable: {type(e).__name__}{': ' + first[0] if first else ''}") \
+            from None
 
 
 def save_node_config(data_dir: Path, cfg: NodeConfig) -> Path:

@@ -126,6 +126,8 @@ def test_refusals(trained, tmp_path: Path, capsys) -> None:
     # settings of another model: its tensors do not fit
     assert main(["model", "export", "--data-dir", str(bare), "--out", str(tmp_path / "z"), *sets,
                  "--set", "model.n_embd=32"]) == 2
+    (bare / "checkpoint.pt").write_bytes(b"not a checkpoint")  # unreadable: exit 1, one line
+    assert main(["model", "export", "--data-dir", str(bare), "--out", str(tmp_path / "z"), *sets]) == 1
     capsys.readouterr()
 
     # an export whose model file is not the one export.json describes
