@@ -14,6 +14,8 @@ may be inside a state the swarm merged is dropped, never merged twice (I2).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -24,13 +26,18 @@ from typing import Any
 
 import torch
 
-from p2pdiloco.core.learner import Learner
+from p2pdiloco.atomic import write_bytes_atomic
+from p2pdiloco.config import NodeConfig
+from p2pdiloco.core.learner import Learner, global_states_of
+from p2pdiloco.core.outer import FragmentState
 
 from node.journal import FILE as JOURNAL_FILE, read_journals
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+NODE_CONFIG = "node-config.json"  # the node's effective settings, written at each start
+NODE_CONFIG_FORMAT = 1
 
 
 def checkpoint_path(data_dir: Path) -> Path:
@@ -59,6 +66,40 @@ def save_checkpoint(data_dir: Path, learner: Learner, extra: dict[str, Any]) -> 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def read_global_states(data_dir: Path) -> list[FragmentState] | None:
+    """The global states Θ (one per fragment, fragment order) held by ``data_dir``'s
+    checkpoint, read without changing the data dir (a node may be running on it); None when
+    there is no checkpoint.
+
+    Raises:
+        ValueError: the checkpoint cannot be read, is of another format, or a state's digest
+            does not match its tensors.
+    """
+    path = checkpoint_path(data_dir)
+    if not path.exists():
+        return None
+    try:  # weights_only: tensors and plain containers, no pickled code (the data dir may be anyone's)
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+            raise ValueError(f"format {blob.get('format') if isinstance(blob, dict) else None!r}, expected {FORMAT}")
+        return global_states_of(blob["learner"])
+    except Exception as e:  # noqa: BLE001  (unpickling, a missing key, a bad tensor: one line)
+        first = str(e).strip().splitlines()[:1]
+        raise ValueError(f"checkpoint {path} is unusable: {type(e).__name__}{': ' + first[0] if first else ''}") \
+            from None
+
+
+def save_node_config(data_dir: Path, cfg: NodeConfig) -> Path:
+    """Atomically write ``cfg``, the node's effective settings, as JSON to
+    ``data_dir/node-config.json``: ``{"format": 1, "settings": {section: {field: value}, field:
+    value}}`` (``dataclasses.asdict``; tuples become lists). ``p2pdiloco model export`` rebuilds
+    the module of the checkpoint from it. Returns the path; raises OSError."""
+    path = data_dir / NODE_CONFIG
+    write_bytes_atomic(path, json.dumps({"format": NODE_CONFIG_FORMAT, "settings": dataclasses.asdict(cfg)},
+                                        indent=1).encode())
     return path
 
 

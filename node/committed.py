@@ -21,11 +21,22 @@ state (core.outer, docs/architecture.md "Partial rounds").
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from p2pdiloco.core.outer import FragmentState
+
+
+def global_digest(states: Iterable[FragmentState]) -> str:
+    """One hash over every fragment's (index, version, digest), in fragment order: 16 hex
+    characters, equal iff all fragments are equal. What ``node status``, the report and
+    ``p2pdiloco model export`` show as ``global_digest``."""
+    h = hashlib.sha256()
+    for s in states:
+        h.update(f"{s.index}:{s.version}:{s.digest};".encode())
+    return h.hexdigest()[:16]
 
 
 class CommittedStates:

@@ -58,6 +58,24 @@ def _last_line(path: Path) -> str:
     return lines[-1][-300:] if lines else ""
 
 
+def _print_samples(data_dirs: list[Path], cfg: typing.Any, prompt: str) -> None:
+    """Print text written by the run's initial model and by the trained global model of the
+    first node that left a checkpoint (``node.export.before_after``), so a person sees what
+    it learned; one line instead when no node left a usable one."""
+    from node.export import before_after  # noqa: PLC0415  (imports torch)
+
+    from p2pdiloco.errors import P2PDilocoError  # noqa: PLC0415
+
+    problem = "no node left a checkpoint"
+    for d in data_dirs:
+        try:
+            print("\n".join(before_after(d, cfg, prompt)), flush=True)
+            return
+        except (P2PDilocoError, OSError) as e:
+            problem = str(e)
+    print(f"p2pdiloco demo: no sample: {problem}", file=sys.stderr, flush=True)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from node.demo_view import final_table, live_view  # noqa: PLC0415
 
@@ -105,6 +123,7 @@ def run_demo(args: argparse.Namespace) -> int:
         reports = [read_status(d / "report.json") for _, d in nodes]
         codes = [p.returncode for p, _ in nodes]
         ok = final_table(reports, codes, [_last_line(d / "node.log") for _, d in nodes])
+        _print_samples([d for _, d in nodes], cfg, "The " if args.data else "def ")
         print(f"logs and reports: {work}")
         return 0 if ok else 1
     except KeyboardInterrupt:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import os
@@ -19,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from p2pdiloco.atomic import write_json_atomic
 from p2pdiloco.config import NodeConfig, SwarmConfig
 from p2pdiloco.core.outer import run_tokens
 from p2pdiloco.data import bits_per_byte, evaluate
@@ -29,9 +28,10 @@ from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.heads import is_behind, newest_heads
 from p2pdiloco.net.transport import Swarm
-from p2pdiloco.files import write_json_atomic
 from p2pdiloco.status import Status
 
+from node.checkpoint import save_node_config
+from node.committed import global_digest
 from node.control import ControlServer, start_metrics
 from node.runtime import Node
 from node.status_view import progress, swarm_rate
@@ -46,12 +46,6 @@ log = logging.getLogger(__name__)
 PROCESS_START = psutil.Process().create_time()
 
 
-def global_digest(node: Node) -> str:
-    """One hash over every fragment's (version, digest): equal iff all fragments are equal."""
-    h = hashlib.sha256()
-    for s in node.committed:
-        h.update(f"{s.index}:{s.version}:{s.digest};".encode())
-    return h.hexdigest()[:16]
 
 
 def _num(x: Any, ndigits: int = 4) -> float | None:
@@ -173,7 +167,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "allreduce": {k: v for k, v in vars(node.allreducer.stats).items() if type(v) is int},
         "fragments": [[s.version, s.short()] for s in node.committed],
         "fragment_status": fragments, "swarm": swarm_figures,
-        "global_digest": global_digest(node), "time": round(time.time(), 3),
+        "global_digest": global_digest(node.committed), "time": round(time.time(), 3),
         "hardware": hardware(node.cfg, node.setup),
         "outer": {k: getattr(node.cfg.outer, k) for k in ("fragments", "sync_every", "lr", "momentum", "wire_precision",
                                                           "error_feedback_decay", "min_quorum")},
@@ -308,11 +302,13 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
             data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"data_dir: cannot create {data_dir}: {e.strerror or e}") from None
-    control = await ControlServer.start(data_dir)
+    control = await ControlServer.start(data_dir)  # refuses a second node on this data dir
     board = Board(cfg, name, control, manifest)
     control.provider = lambda: board.current()
     stop_metrics = None
     try:
+        if data_dir:  # what `p2pdiloco model export` rebuilds the checkpoint's module from
+            save_node_config(data_dir, cfg)
         if cfg.metrics_port:
             stop_metrics = start_metrics(cfg.metrics_host, cfg.metrics_port, lambda: board.latest)
         sw = cfg.swarm

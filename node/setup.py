@@ -17,6 +17,7 @@ from p2pdiloco.core.outer import OUTER_STEP_RULE
 from p2pdiloco.data import (PIECE_BYTES, BatchSampler, Corpus, EmptyShard, collect_text_files, default_corpus_files,
                             heldout_batches, load_corpus, min_text_bytes)
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.exported import load_global
 from p2pdiloco.model import build_model
 
 from node.training import Dispatch, TrainingLoop
@@ -159,9 +160,4 @@ class Setup:
     def global_model(self, states) -> nn.Module:
         """A copy of the model holding the global parameters Θ of ``states``."""
         model = build_model(self.cfg.model, self.cfg.seed).to(next(self.model.parameters()).device)
-        named = dict(model.named_parameters())
-        with torch.no_grad():
-            for frag, state in zip(self.fragments, states):
-                for slot, theta in zip(frag.slots, state.theta):
-                    named[slot.name].copy_(theta)
-        return model
+        return load_global(model, self.fragments, states)

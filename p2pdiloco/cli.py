@@ -1,4 +1,5 @@
-"""The ``p2pdiloco`` command: node (run, status), swarm status, run manifests, bootstrap, demo and simulate.
+"""The ``p2pdiloco`` command: node (run, status), swarm status, run manifests, the trained model
+(export, eval, sample), bootstrap, demo and simulate.
 
 Every expected failure (bad config or address, unreachable peers, port in use) ends with one
 line on stderr and a non-zero exit code: 2 for configuration errors, 1 for the rest.
@@ -145,6 +146,34 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     show = rsub.add_parser("show", help="check a manifest's signature and print what it holds")
     show.add_argument("manifest", metavar="MANIFEST", help="a manifest file or its p2pdiloco-run:... string")
     show.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+
+
+def _model_parser(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="the trained model: export it from a node's data dir, evaluate it, sample it")
+    msub = model.add_subparsers(dest="model_cmd", required=True, metavar="{export,eval,sample}")
+    export = msub.add_parser("export", help="write the swarm's global model held in a node's checkpoint",
+                             description="Write OUT/model.safetensors (the global parameters of every fragment at "
+                                         "the versions the node's checkpoint holds, fp32), OUT/config.json (the "
+                                         "model settings and run seed) and OUT/export.json (versions, digests). "
+                                         "Exit 2 with one line when the data dir holds no checkpoint.")
+    export.add_argument("--data-dir", required=True, help="the node's --data-dir (running or stopped)")
+    export.add_argument("--out", required=True, help="folder to write the export to (made if missing)")
+    export.add_argument("--config", type=Path, default=None,
+                        help="the node's TOML config (default: node-config.json the node wrote in its data dir)")
+    export.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="a node setting, as for node run (instead of node-config.json)")
+    ev = msub.add_parser("eval", help="held-out loss of an exported model (nats/byte and bits/byte)")
+    ev.add_argument("--model", required=True, metavar="EXPORT_DIR", help="a folder written by model export")
+    ev.add_argument("--data", default=None, metavar="PATH",
+                    help="text file or folder whose held-out split to use (default: what the node trained on)")
+    ev.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    sample = msub.add_parser("sample", help="text written by an exported model after a prompt")
+    sample.add_argument("--model", required=True, metavar="EXPORT_DIR", help="a folder written by model export")
+    sample.add_argument("--prompt", default="", help="text to continue (default: none)")
+    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate (default 200)")
+    sample.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature (default 0.8; 0: always the most likely byte)")
+    sample.add_argument("--seed", type=int, default=0, help="random seed: the same text for the same seed (default 0)")
 
 
 def _pin_owner(m: Any) -> bool:
@@ -429,6 +458,8 @@ def _main_interruptible(argv: list[str] | None) -> int:
 
 def _native_modules(args: argparse.Namespace) -> tuple[str, ...]:
     """The native libraries a command needs before it runs (``_load_native_libraries``)."""
+    if args.cmd == "model":
+        return ("torch",)
     if args.cmd in ("node", "demo", "run"):  # `node run` loads them once its settings are checked, and
         return ()  # `run init` while it parses multiaddrs; `node status`, `run show` and the demo need neither
     return ("torch", "hivemind")
@@ -494,6 +525,7 @@ def _parser() -> argparse.ArgumentParser:
     _node_parser(sub)
     _swarm_parser(sub)
     _run_parser(sub)
+    _model_parser(sub)
     boot = sub.add_parser("bootstrap", help="run a bootstrap peer (DHT only) and print its multiaddrs")
     from bootstrap.main import add_arguments  # noqa: PLC0415
 
@@ -526,6 +558,16 @@ def _main(args: argparse.Namespace) -> int:
         return _swarm_status(args)
     if args.cmd == "run":
         return _run_command(args)
+    if args.cmd == "model":
+        from node.export import run_model_command  # noqa: PLC0415
+
+        try:
+            return run_model_command(args)
+        except P2PDilocoError as e:
+            return report_error(e)
+        except OSError as e:  # a folder the user named cannot be written
+            print(f"p2pdiloco: {e}", file=sys.stderr)
+            return 1
     if args.cmd == "bootstrap":
         from bootstrap.main import serve  # noqa: PLC0415
 

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.files import write_json_atomic
+from p2pdiloco.atomic import write_json_atomic
 from p2pdiloco.trust.identity import is_peer_id
 
 __all__ = ["path", "load", "owner_of", "check", "pin"]

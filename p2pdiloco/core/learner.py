@@ -24,7 +24,7 @@ from .fragments import Fragment
 from .inner import InnerConfig, lr_at
 from .outer import FragmentState, Ledger
 
-__all__ = ["InnerConfig", "Learner", "lr_at"]
+__all__ = ["InnerConfig", "Learner", "global_states_of", "lr_at"]
 
 log = logging.getLogger(__name__)
 
@@ -215,11 +215,7 @@ class Learner:
         P = len(self.fragments)
         if len(d["global_states"]) != P or len(d["tokens"]) != P or len(d["steps"]) != P:
             raise ValueError(f"checkpoint has a different number of fragments (expected {P})")
-        states = [FragmentState.create(g["index"], g["version"], g["theta"], g["momentum"],
-                                       Ledger(*g.get("ledger", (-1, 0, 0.0)))) for g in d["global_states"]]
-        for p, (s, g) in enumerate(zip(states, d["global_states"])):
-            if s.index != p or s.digest != g["digest"]:
-                raise ValueError(f"checkpoint global state of fragment {p} is corrupt (digest mismatch)")
+        states = global_states_of(d)
         if d["inner"] != asdict(self.inner):
             log.warning("checkpoint inner config %s differs from current %s; using current", d["inner"], asdict(self.inner))
         self.model.load_state_dict(d["model"])
@@ -230,3 +226,16 @@ class Learner:
         # checkpoints written before "since" existed: counters as if they started at the anchor
         self._since = [min(int(v), s.version) for v, s in zip(d.get("since", [s.version for s in states]), states)]
         self.global_states = states
+
+
+def global_states_of(d: dict) -> list[FragmentState]:
+    """The global states Θ_p held in ``d``, a :meth:`Learner.state_dict`: one
+    :class:`FragmentState` per fragment, in fragment order, each digest recomputed from its
+    tensors. Raises ValueError (or KeyError, TypeError on a malformed dict) when a state is
+    out of place or its digest does not match its tensors (a corrupt checkpoint)."""
+    states = [FragmentState.create(g["index"], g["version"], g["theta"], g["momentum"],
+                                   Ledger(*g.get("ledger", (-1, 0, 0.0)))) for g in d["global_states"]]
+    for p, (s, g) in enumerate(zip(states, d["global_states"])):
+        if s.index != p or s.digest != g["digest"]:
+            raise ValueError(f"checkpoint global state of fragment {p} is corrupt (digest mismatch)")
+    return states
