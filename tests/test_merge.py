@@ -147,13 +147,14 @@ def test_own_reference_radial_directional():
     assert out.misaligned == ((2, 0),)
 
 
-def test_own_reference_drop_policy_drops_members_clearly_against_it():
-    # the same Δ repeated 450 times (numel 900): margin max(0.1, 3/30) = 0.1, cosines unchanged.
-    # Cosine -1 < -0.1: member 3 dropped; cosine 0 is not clearly against: weight 0 in the slot
+def test_own_reference_drop_policy_mutes_members_against_it_and_drops_none_for_direction():
+    # the same Δ repeated 450 times (numel 900), cosines unchanged: member 3 (cosine -1) and
+    # member 2 (cosine 0) get weight 0 in the slot (score clamp(cos / 0.8, 0, 1) = 0), as with
+    # clip; one learner's Δ does not drop a member (honest ones were dropped for it)
     big = [[d[0].repeat(450)] for d in OWN]
     out = robust_merge(big, [1.0] * 4, [True], policy="drop", own=0, full_trust_cosine=0.8)
-    assert out.dropped == {3: "misaligned"} and out.kept == (0, 1, 2) and out.misaligned == ((2, 0),)
-    assert torch.allclose(out.merged[0][:2], t(1.657143, 0.685714), atol=1e-6)
+    assert out.dropped == {} and out.kept == (0, 1, 2, 3) and out.misaligned == ((2, 0), (3, 0))
+    assert torch.allclose(out.merged[0][:2], t(1.657143, 0.685714), atol=1e-6)  # as if 3 were dropped
     # without an own reference the median direction flags nobody here (no strict minority against)
     assert robust_merge(big, [1.0] * 4, [True], policy="drop").dropped == {}
 

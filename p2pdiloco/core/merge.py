@@ -208,9 +208,10 @@ def robust_merge(
          member's weight in slot i is multiplied by the score
          ``s = clamp(cos(Δ_m,i, R_i) / full_trust_cosine, 0, 1)``: whole for a Δ at least that
          aligned, proportional below, 0 at or below orthogonal (then the pair is
-         ``misaligned``: left out of slot i). With ``drop``, a member whose cosine in some slot
-         is below −max(0.1, 3/√numel_i) (clearly against the reference) is dropped (reason
-         ``misaligned``); others are scored as with ``clip``.
+         ``misaligned``: left out of slot i), with ``drop`` as with ``clip``: one learner's Δ
+         is evidence enough to mute a tensor, not to drop a member (honest learners of a small
+         model early in a run point against each other now and then: dropped, they lost their
+         rounds, tests/test_trust_integration.py).
        * otherwise, when at least 3 members with positive weight and a nonzero Δ are left:
          R_i = coordinate-wise median of their unit vectors; a member whose cosine with R_i is
          below −max(0.1, 3/√numel_i) points against the group. If such members are a strict
@@ -306,10 +307,9 @@ def robust_merge(
         clipped = [(m, i) for m, i in clipped if m not in outliers]
         members = [m for m in live if m not in outliers]
         own_slots = [i for i in range(n_slots) if ref is not None and _norm(deltas[ref][i]) > 0]
-        slot_ws, against, scores, muted = _aligned(members, deltas, n_slots, own_slots, ref, ws,
-                                                   full_trust_cosine)
+        slot_ws, scores, muted = _aligned(members, deltas, n_slots, own_slots, ref, ws, full_trust_cosine)
         by_median = _misaligned(members, deltas, [i for i in range(n_slots) if i not in own_slots])
-        against |= {m for m, _ in by_median}
+        against = {m for m, _ in by_median}  # against the own reference: muted (score 0), never dropped
         if policy == "drop":
             for m in sorted(against):
                 dropped[m] = "misaligned"
@@ -371,10 +371,8 @@ def _margin(numel: int) -> float:
 def _aligned(members: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: int, own_slots: Sequence[int],
              ref: int | None, ws: Sequence[float], full: float):
     """Step 5 of :func:`robust_merge` against the own Δ ``ref`` in ``own_slots``: (per-slot
-    weights, members clearly against the reference in some slot, (member, slot, score) of
-    partial scores, (member, slot) of zero scores)."""
+    weights, (member, slot, score) of partial scores, (member, slot) of zero scores)."""
     slot_ws: list[list[float]] = []
-    against: set[int] = set()
     scores: list[tuple[int, int, float]] = []
     muted: list[tuple[int, int]] = []
     for i in range(n_slots):
@@ -388,8 +386,6 @@ def _aligned(members: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: i
                 d = deltas[m][i].reshape(-1)
                 norm = _norm(d)
                 cos = _dot(d, r) / (norm * r_norm) if norm > 0 else 0.0
-                if cos < -_margin(r.numel()):
-                    against.add(m)
                 score = min(1.0, max(0.0, cos / full))
                 if score < 1.0:
                     row[m] *= score
@@ -398,7 +394,7 @@ def _aligned(members: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: i
                     elif norm > 0:
                         muted.append((m, i))
         slot_ws.append(row)
-    return slot_ws, against, scores, muted
+    return slot_ws, scores, muted
 
 
 def _misaligned(members: Sequence[int], deltas: dict[int, list[Tensor]], slots: Sequence[int]) -> list[tuple[int, int]]:
