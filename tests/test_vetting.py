@@ -140,3 +140,27 @@ async def test_a_node_with_trusted_peers_never_follows_untrusted_claims_however_
         assert node.sync.downloads == 0 and math.isfinite(_loss(node, node.committed.states()))
     finally:
         await net.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_not_trusted_gets_two_states_per_fragment_in_ten_seconds_a_trusted_one_any() -> None:
+    from p2pdiloco.errors import ProtocolError
+    from p2pdiloco.net.statesync import SERVE_PER_FRAGMENT
+
+    cfg = load_config(env={}, overrides=TINY)
+    net = MemoryNet()
+    try:
+        node = await _node(net, cfg, "n0")
+        budget = SERVE_PER_FRAGMENT * len(node.setup.fragments)
+        for _ in range(budget):
+            node.sync._serve_budget("stranger")
+        with pytest.raises(ProtocolError, match="busy"):
+            node.sync._serve_budget("stranger")
+        assert node.sync.serve_refused == 1
+        for _ in range(int(TRUSTED)):
+            node.reputation.merged("partner")
+        for _ in range(3 * budget):
+            node.sync._serve_budget("partner")
+        assert node.sync.serve_refused == 1
+    finally:
+        await net.close()
