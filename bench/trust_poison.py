@@ -1,18 +1,21 @@
-"""Robust merging under attack: 4 nodes, one poisoning every round, against 4 honest nodes.
+"""Robust merging under attack: 4 nodes, one (or two colluding) poisoning every round, against 4 honest nodes.
 
     python bench/trust_poison.py                         # clean, then scale, flip, nan, mix (about 30 min on 2 cores)
     python bench/trust_poison.py --attacks mix --steps 300
+    python bench/trust_poison.py --attacks flip --attackers 2 --steps 300   # two colluders of four
 
 Each run is a bootstrap peer and 4 node processes on 127.0.0.1 with the demo's settings
 (p2pdiloco/presets.py DEMO; one data shard per node), every node stopping after ``--steps``
 inner steps. Node i keeps the same identity (so the same peer ID and batch order) in every
 run, so runs differ only in the attack and in timing (who merges with whom); ``--clean-runs``
 repeats the clean run to show that spread. The attacker is stopped when the honest nodes are
-done (its own model may have diverged). In an attacked run node 3 sends, properly signed, poisoned
+done (its own model may have diverged). In an attacked run node 3 (nodes 2 and 3 with
+``--attackers 2``) sends, properly signed, poisoned
 pseudo-gradients (``python -m p2pdiloco.chaos.inject --poison KIND``): ``scale`` x1000 every round,
 ``flip`` x-1 every round, ``nan`` a NaN in every tensor every round, ``mix`` the three in turn. The result is the final held-out loss of the
 global model (nats/byte, the same held-out bytes on every node), averaged over the three honest
-nodes, against the clean run's, and the reducers' rejections read from the node logs.
+nodes, against the clean run's, and the reducers' rejections, clipped and left-out tensors from
+the honest nodes' reports.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
 from p2pdiloco.trust.identity import Identity  # noqa: E402
 
 NODES = 4
-ATTACKER = NODES - 1
 
 
-def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[str, str] | None = None) -> dict:
-    """One swarm run; returns the honest nodes' end losses and the rejections seen."""
+def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[str, str] | None = None,
+        attackers: int = 1) -> dict:
+    """One swarm run, the last ``attackers`` nodes poisoning (colluding: the same attack); returns
+    the honest nodes' end losses and the rejections seen."""
     work.mkdir(parents=True, exist_ok=True)
     children = Processes(parent_death=signal.SIGTERM)
     py = sys.executable
@@ -54,7 +58,7 @@ def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[s
             settings = {**DEMO_SETTINGS, "data.num_shards": str(NODES), "data.shard_index": str(i), "seed": str(seed),
                         "settle": "20", "trust.identity": str(ids / f"node{i}.key"), **(extra or {})}
             # the attacker: the ordinary node with its outgoing pseudo-gradients poisoned (p2pdiloco.chaos.inject)
-            entry = ["-m", "p2pdiloco.chaos.inject", "--poison", poison, "--", "node"] if poison and i == ATTACKER \
+            entry = ["-m", "p2pdiloco.chaos.inject", "--poison", poison, "--", "node"] if poison and i >= NODES - attackers \
                 else ["-m", "node"]
             argv = [py, *entry, "run", "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
                     "--name", f"node{i}", "--data-dir", str(d), "--max-steps", str(steps),
@@ -62,7 +66,7 @@ def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[s
             for k, v in settings.items():
                 argv += ["--set", f"{k}={v}"]
             procs.append((children.start(argv, d / "node.log"), d))
-        honest = [i for i in range(NODES) if not (poison and i == ATTACKER)]
+        honest = [i for i in range(NODES) if not (poison and i >= NODES - attackers)]
         for i in honest:
             procs[i][0].wait()
         reports = {i: json.loads((d / "report.json").read_text()) for i, (_, d) in enumerate(procs)
@@ -91,6 +95,8 @@ def main() -> int:
     parser.add_argument("--attacks", nargs="+", default=["scale", "flip", "nan", "mix"],
                         choices=["scale", "flip", "nan", "mix"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attackers", type=int, default=1, choices=[1, 2],
+                        help="nodes that poison, colluding with the same attack (default 1 of 4)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs' logs here")
     parser.add_argument("--clean-runs", type=int, default=1, help="clean runs, to see the run-to-run spread (default 1)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -106,14 +112,15 @@ def main() -> int:
     runs = [("clean" if i == 0 else f"clean{i + 1}", "") for i in range(args.clean_runs)] + [(a, a) for a in args.attacks]
     for name, attack in runs:
         t0 = time.monotonic()
-        results[name] = res = run(work / name, ids, args.steps, attack, args.seed, extra)
+        results[name] = res = run(work / name, ids, args.steps, attack, args.seed, extra,
+                                  args.attackers if attack else 1)
         res["seconds"] = round(time.monotonic() - t0)
         print(f"{name:>6}: held-out loss {res['start_loss']:.4f} -> {res['end_loss']:.4f} nats/byte, "
               f"{res['rounds']:.0f} rounds per honest node, rejected {res['rejected']}, {res['seconds']} s",
               flush=True)
     clean = results["clean"]["end_loss"]
     print(f"\n{NODES} nodes, demo settings{''.join(f', {k}={v}' for k, v in extra.items())}, {args.steps} inner steps "
-          f"per node; node {ATTACKER} poisons every round")
+          f"per node; the last {args.attackers} node(s) poison every round")
     print("| run | final held-out loss (honest nodes) | vs clean | rejected, clipped, left out by the honest reducers |")
     print("|---|---|---|---|")
     for name, res in results.items():
