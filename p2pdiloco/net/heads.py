@@ -15,10 +15,10 @@ that the claim is honest, so a claim has to be earned (docs/trust.md):
   counts. The converse case, this node ahead alone (lone rounds while the others were busy,
   so they look past it), falls back to the newest state two other peers hold, at most
   ``ROLLBACK_MAX`` versions lower (:func:`runaway_heads`), as a split brain's losing side does.
-* **Joining needs two holders.** A node that has not yet seen a step of a fragment (it is
-  joining) follows only a state held by at least two peers, when at least two other peers
-  publish claims, so one stranger cannot hand a newcomer its model (nor a node in its first
-  rounds of a fragment: ``Node._targets``).
+* **Whose records count** is not decided here: identities are free, so counting holders
+  decides nothing. The node passes only the records of itself and the peers it trusts
+  (``node.vetting.trusted_records``; docs/trust.md, "Earned claims"). ``min_holders`` of
+  :func:`newest_heads` is kept for callers that want it; the node no longer uses it.
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ Trust (docs/trust.md). Records are signed DHT records under their owner's peer I
 proves who claims a state, not that the claim is honest, so a claim has to be earned:
 
 * **Earned heads** (:mod:`p2pdiloco.net.heads`): corroborated versions (a claim counts only
-  up to ``LEAD`` versions above what two other peers hold), the fallback of a node ahead alone,
-  and two holders for a node joining a fragment.
+  up to ``LEAD`` versions above what two other peers hold) and the fallback of a node ahead
+  alone, applied by the node to the records of the peers it trusts only (:attr:`reputation`,
+  ``node.vetting``: trust earned by merged rounds or a vetted state, never by counting holders).
 * **Bounded moves** (:mod:`p2pdiloco.net.bounded_moves`): a downloaded state that moves Θ (or
   whose momentum would move it) further than recent steps, or this node's own, allow for the
   versions apart is refused (``StateSyncError``; counted in ``refused_states``), and every
