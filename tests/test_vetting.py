@@ -9,7 +9,9 @@ serve them, at versions far ahead. Fresh identities: nobody merged with them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections.abc import AsyncIterator
 
 import pytest
 from conftest import TINY
@@ -63,6 +65,16 @@ async def _node(net: MemoryNet, cfg, name: str) -> Node:
     return node
 
 
+@contextlib.asynccontextmanager
+async def _nodes(n: int) -> AsyncIterator[list[Node]]:
+    """``n`` real nodes (TINY model, services started, no training) on one in-memory network."""
+    cfg, net = load_config(env={}, overrides=TINY), MemoryNet()
+    try:
+        yield [await _node(net, cfg, f"n{i}") for i in range(n)]
+    finally:
+        await net.close()
+
+
 def _trained(node: Node, steps: int = 30) -> list[FragmentState]:
     """The node's global states after ``steps`` inner steps of its own (Θ := θ, version 5)."""
     learner, sampler = node.setup.learner, node.setup.sampler
@@ -85,10 +97,7 @@ def _loss(node: Node, states) -> float:
 
 @pytest.mark.asyncio
 async def test_a_joiner_vets_donors_by_its_held_out_loss_and_refuses_zeroed_and_shrunk_states() -> None:
-    cfg = load_config(env={}, overrides=TINY)
-    net = MemoryNet()
-    try:
-        joiner, honest, zeroer, shrinker = [await _node(net, cfg, f"n{i}") for i in range(4)]
+    async with _nodes(4) as (joiner, honest, zeroer, shrinker):
         good = _trained(honest)
         _serve(honest, good)
         # the coalition: 1e9 versions ahead with a zeroed model, and one version ahead with the
@@ -111,16 +120,11 @@ async def test_a_joiner_vets_donors_by_its_held_out_loss_and_refuses_zeroed_and_
         assert {zeroer.swarm.peer_id, shrinker.swarm.peer_id} <= joiner.sync.strikes.ignoring().keys()
         assert joiner.reputation.standing(shrinker.swarm.peer_id).refuted >= 1
         assert joiner.vetting.refused == 1 and joiner.sync.refused_states == len(good)
-    finally:
-        await net.close()
 
 
 @pytest.mark.asyncio
 async def test_a_node_with_trusted_peers_never_follows_untrusted_claims_however_many() -> None:
-    cfg = load_config(env={}, overrides=TINY)
-    net = MemoryNet()
-    try:
-        node, peer, *sybils = [await _node(net, cfg, f"n{i}") for i in range(5)]
+    async with _nodes(5) as (node, peer, *sybils):
         for _ in range(int(TRUSTED)):
             node.reputation.merged(peer.swarm.peer_id)  # rounds merged with it
         base = node.committed.states()
@@ -138,8 +142,6 @@ async def test_a_node_with_trusted_peers_never_follows_untrusted_claims_however_
         assert [(s.version, s.digest) for s in node.committed] == [(s.version, s.digest) for s in base]
         assert {s.swarm.peer_id for s in sybils} <= node.sync.strikes.ignoring().keys()
         assert node.sync.downloads == 0 and math.isfinite(_loss(node, node.committed.states()))
-    finally:
-        await net.close()
 
 
 @pytest.mark.asyncio
@@ -147,10 +149,7 @@ async def test_a_peer_not_trusted_gets_two_states_per_fragment_in_ten_seconds_a_
     from p2pdiloco.errors import ProtocolError
     from p2pdiloco.net.statesync import SERVE_PER_FRAGMENT
 
-    cfg = load_config(env={}, overrides=TINY)
-    net = MemoryNet()
-    try:
-        node = await _node(net, cfg, "n0")
+    async with _nodes(1) as (node,):
         budget = SERVE_PER_FRAGMENT * len(node.setup.fragments)
         for _ in range(budget):
             node.sync._serve_budget("stranger")
@@ -162,5 +161,3 @@ async def test_a_peer_not_trusted_gets_two_states_per_fragment_in_ten_seconds_a_
         for _ in range(3 * budget):
             node.sync._serve_budget("partner")
         assert node.sync.serve_refused == 1
-    finally:
-        await net.close()
