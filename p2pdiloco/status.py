@@ -97,8 +97,6 @@ class Status(Starting):
     passed_over: Annotated[PeerSeconds, "group leaders passed over now"]
     ignored_groups: Annotated[PeerSeconds, "peers whose group declarations are ignored now"]
     refused_states: Annotated[int, "downloaded states refused as implausible (docs/trust.md)"]
-    states_not_served: Annotated[int, "state requests of peers it does not trust answered busy: over 2 per "
-                                      "fragment in 10 s (docs/trust.md)"]
     trusted: Annotated[dict[str, float], "peers whose records may move this node's state, earned by rounds merged "
                                          "with them or a vetted state: {peer ID: points} (docs/trust.md)"]
     blocked: Annotated[PeerSeconds, "peers whose streams are closed unread now"]

@@ -142,22 +142,3 @@ async def test_a_node_with_trusted_peers_never_follows_untrusted_claims_however_
         assert [(s.version, s.digest) for s in node.committed] == [(s.version, s.digest) for s in base]
         assert {s.swarm.peer_id for s in sybils} <= node.sync.strikes.ignoring().keys()
         assert node.sync.downloads == 0 and math.isfinite(_loss(node, node.committed.states()))
-
-
-@pytest.mark.asyncio
-async def test_a_peer_not_trusted_gets_two_states_per_fragment_in_ten_seconds_a_trusted_one_any() -> None:
-    from p2pdiloco.errors import ProtocolError
-    from p2pdiloco.net.statesync import SERVE_PER_FRAGMENT
-
-    async with _nodes(1) as (node,):
-        budget = SERVE_PER_FRAGMENT * len(node.setup.fragments)
-        for _ in range(budget):
-            node.sync._serve_budget("stranger")
-        with pytest.raises(ProtocolError, match="busy"):
-            node.sync._serve_budget("stranger")
-        assert node.sync.serve_refused == 1
-        for _ in range(int(TRUSTED)):
-            node.reputation.merged("partner")
-        for _ in range(3 * budget):
-            node.sync._serve_budget("partner")
-        assert node.sync.serve_refused == 1

@@ -99,8 +99,6 @@ GREET_WAIT_S = 3.0  # seconds a joining node waits for the learners it found to 
 PUSH_DEFER_S = 5.0  # seconds a push waits at most for a peer that knows its change
 READ_EVERY_S = 5.0  # seconds a DHT read of the records is reused while no peer pushes to us ...
 READ_QUIET_S = 300.0  # ... and while peers do (within STALE_S): a newcomer pushes to us first (greet)
-SERVE_WINDOW_S = 10.0  # a peer this node does not trust gets at most SERVE_PER_FRAGMENT states per fragment ...
-SERVE_PER_FRAGMENT = 2  # ... in this many seconds (a joiner needs one each; a stranger must not make us stream states)
 
 
 class StateSync:
@@ -143,8 +141,6 @@ class StateSync:
         self._pending: dict[tuple[int, int, str], asyncio.Future] = {}
         self._donors: dict[str, None] = {}  # holders that delivered a state to us (insertion-ordered set)
         self._took: deque[float] = deque(maxlen=FOLLOW_HISTORY)  # seconds of recent successful downloads
-        self._served: dict[str, deque[float]] = {}  # untrusted peer -> monotonic s of its recent state answers
-        self.serve_refused = 0  # state requests of untrusted peers over SERVE_PER_FRAGMENT (answered busy)
         self._changed: dict[str, tuple[float, float]] = {}  # peer -> (its record's t, monotonic s we first saw it)
         self.pusher = Pusher(swarm, "st.heads", PUSH_DEFER_S, 1, rec.BEAT_S)  # pushes our record to the learners we know
         self._known_by: set[str] | None = None  # peers that know what our next publish changes (known_by)
@@ -627,33 +623,12 @@ class StateSync:
             raise StateSyncError(f"state from {donor[-8:]} does not match its digest")
         return FragmentState.create(fragment, answer.version, theta, momentum, answer.ledger)
 
-    def _serve_budget(self, peer: str) -> None:
-        """Raise ProtocolError ("busy") when ``peer``, which this node does not trust
-        (:attr:`reputation`), has had ``SERVE_PER_FRAGMENT`` states per fragment within
-        ``SERVE_WINDOW_S``: every identity is free, and each state answer costs this node its
-        whole state's bytes (8 per parameter). A joiner downloads each fragment once or twice;
-        peers this node merged with are served without a budget."""
-        if self.reputation is None or self.reputation.trusted(peer):
-            return
-        now = swarm_clock.monotonic()
-        times = self._served.setdefault(peer, deque())
-        while times and now - times[0] > SERVE_WINDOW_S:
-            times.popleft()
-        if len(times) >= SERVE_PER_FRAGMENT * len(self.fragments):
-            self.serve_refused += 1
-            raise ProtocolError("busy: state requests over this node's budget for peers it does not trust")
-        times.append(now)
-        if len(self._served) > 4096:  # bounded: the peers with no recent answer go first
-            for p in [q for q, t in self._served.items() if not t or now - t[-1] > SERVE_WINDOW_S][:2048]:
-                del self._served[p]
-
     async def _on_get(self, peer: str, header: Header, __: bytes) -> tuple[Header, bytes]:
         try:
             request = rec.parse_state_request(header, len(self.fragments))
         except ProtocolError:
             self.swarm.drop(peer, "state_request")
             raise
-        self._serve_budget(peer)
         state = self.committed()[request.fragment]
         body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
         return {"v": state.version, "d": rec.wire_digest(state.digest), "l": state.ledger.to_list()}, body
