@@ -3,6 +3,7 @@
     python bench/trust_poison.py                         # clean, then scale, flip, nan, mix (about 30 min on 2 cores)
     python bench/trust_poison.py --attacks mix --steps 300
     python bench/trust_poison.py --attacks flip --attackers 2 --steps 300   # two colluders of four
+    python bench/trust_poison.py --attacks flip --attackers 2 --steps 1500 --honest-first 300  # trusted first
 
 Each run is a bootstrap peer and 4 node processes on 127.0.0.1 with the demo's settings
 (p2pdiloco/presets.py DEMO; one data shard per node), every node stopping after ``--steps``
@@ -43,7 +44,7 @@ NODES = 4
 
 
 def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[str, str] | None = None,
-        attackers: int = 1) -> dict:
+        attackers: int = 1, honest_first: float = 0.0) -> dict:
     """One swarm run, the last ``attackers`` nodes poisoning (colluding: the same attack); returns
     the honest nodes' end losses and the rejections seen."""
     work.mkdir(parents=True, exist_ok=True)
@@ -58,7 +59,8 @@ def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[s
             settings = {**DEMO_SETTINGS, "data.num_shards": str(NODES), "data.shard_index": str(i), "seed": str(seed),
                         "settle": "20", "trust.identity": str(ids / f"node{i}.key"), **(extra or {})}
             # the attacker: the ordinary node with its outgoing pseudo-gradients poisoned (p2pdiloco.chaos.inject)
-            entry = ["-m", "p2pdiloco.chaos.inject", "--poison", poison, "--", "node"] if poison and i >= NODES - attackers \
+            entry = ["-m", "p2pdiloco.chaos.inject", "--poison", poison, "--poison-after", str(honest_first), "--",
+                     "node"] if poison and i >= NODES - attackers \
                 else ["-m", "node"]
             argv = [py, *entry, "run", "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
                     "--name", f"node{i}", "--data-dir", str(d), "--max-steps", str(steps),
@@ -97,6 +99,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attackers", type=int, default=1, choices=[1, 2],
                         help="nodes that poison, colluding with the same attack (default 1 of 4)")
+    parser.add_argument("--honest-first", type=float, default=0.0, metavar="S",
+                        help="the attackers work honestly for S seconds first, earning trust (default 0: fresh)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs' logs here")
     parser.add_argument("--clean-runs", type=int, default=1, help="clean runs, to see the run-to-run spread (default 1)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -113,14 +117,15 @@ def main() -> int:
     for name, attack in runs:
         t0 = time.monotonic()
         results[name] = res = run(work / name, ids, args.steps, attack, args.seed, extra,
-                                  args.attackers if attack else 1)
+                                  args.attackers if attack else 1, args.honest_first)
         res["seconds"] = round(time.monotonic() - t0)
         print(f"{name:>6}: held-out loss {res['start_loss']:.4f} -> {res['end_loss']:.4f} nats/byte, "
               f"{res['rounds']:.0f} rounds per honest node, rejected {res['rejected']}, {res['seconds']} s",
               flush=True)
     clean = results["clean"]["end_loss"]
     print(f"\n{NODES} nodes, demo settings{''.join(f', {k}={v}' for k, v in extra.items())}, {args.steps} inner steps "
-          f"per node; the last {args.attackers} node(s) poison every round")
+          f"per node; the last {args.attackers} node(s) poison every round"
+          f"{f' after {args.honest_first:.0f} s of honest work' if args.honest_first else ''}")
     print("| run | final held-out loss (honest nodes) | vs clean | rejected, clipped, left out by the honest reducers |")
     print("|---|---|---|---|")
     for name, res in results.items():

@@ -159,6 +159,7 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "rejected": rejected, "rejected_total": sum(rejected.values()),
         "bans": dict(swarm.bans), "ignored": node.sync.strikes.ignoring(), "other_settings": node.sync.other_settings(),
         "passed_over": node.matchmaker.passing_over(), "ignored_groups": node.matchmaker.ignoring_groups(),
+        "avoided": node.matchmaker.avoiding(),
         "refused_states": node.sync.refused_states,
         "trusted": {p: node.reputation.score(p) for p in sorted(node.reputation.trusted_peers())},
         "blocked": swarm.blocking(), "refused": dict(swarm.refused),

@@ -25,6 +25,7 @@ from p2pdiloco.core.learner import lr_at
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, run_tokens, with_error_feedback
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
+from p2pdiloco.net.rounds import ResultRefused
 from p2pdiloco.net.bounded_moves import own_step
 from p2pdiloco.net.deltas import logged
 from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
@@ -279,6 +280,9 @@ class Node:
                 await self._take_excluded(p, anchor, e.result, group)
         except RoundFailed as e:
             self.stats.rounds_failed += 1
+            for peer, why in (e.reducers if isinstance(e, ResultRefused) else {}).items():  # parts we refused
+                self.reputation.refuted(peer, f"its merged part of round {group.round_id}: {why}")
+                self.matchmaker.avoid(peer, why)
             self.matchmaker.group_failed(group)
             self.committed.lose(p, group.round_id)  # others may have committed it: see _follow
             self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, str(e)))

@@ -96,6 +96,7 @@ class Status(Starting):
     other_settings: Annotated[dict[str, str], "nodes of the run with other settings: {peer ID: their settings}"]
     passed_over: Annotated[PeerSeconds, "group leaders passed over now"]
     ignored_groups: Annotated[PeerSeconds, "peers whose group declarations are ignored now"]
+    avoided: Annotated[PeerSeconds, "peers this node forms no group with now (it refused a merged part of theirs)"]
     refused_states: Annotated[int, "downloaded states refused as implausible (docs/trust.md)"]
     trusted: Annotated[dict[str, float], "peers whose records may move this node's state, earned by rounds merged "
                                          "with them or a vetted state: {peer ID: points} (docs/trust.md)"]

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from test_trust_net import FRAGMENT, KEY, expected_merge
+from test_trust_net import FRAGMENT, KEY, delta, expected_merge
 
 from p2pdiloco.chaos import inject
 from p2pdiloco.errors import RoundFailed
@@ -74,9 +74,9 @@ async def test_installed_poison_and_fail_last_stage_act_on_a_real_all_reduce(mon
                                           outlier_factor=4.0) for s in sw}
         for r in reducers.values():
             await r.start()
-        g = torch.Generator().manual_seed(0)
-        contribs = {p: Contribution(tuple(1e-2 * torch.randn(s.shape, generator=g) for s in FRAGMENT.slots), 640, 10)
-                    for p in members}
+        # honest-like Δ (cosine about 0.5 between members): both members poison (one process), and
+        # each member's own flipped Δ still agrees with the flipped merge (core.audit passes it)
+        contribs = {p: Contribution(delta(i), 640, 10) for i, p in enumerate(members)}
         results = await asyncio.gather(*(reducers[p].run(group, contribs[p]) for p in members),
                                        return_exceptions=True)
     finally:

@@ -15,7 +15,8 @@ use a ``FaultyAverager``; the same split here):
   the reply's header and half of its payload went out (:func:`kill_midway`).
 * ``--poison scale|flip|nan|mix``: every pseudo-gradient it sends to other members is x1000,
   x-1, has a NaN, or the three in turn (one per round), signed like an honest one
-  (bench/trust_poison.py; the robust merge, docs/trust.md).
+  (bench/trust_poison.py; the robust merge, docs/trust.md); with ``--poison-after S``, only
+  from S seconds after start (an identity that works honestly first, and earns trust).
 
 A fault that fires at an all-reduce is first written to ``--record`` as one JSON line:
 {"t": Unix seconds, "fault": "KIND@N", "fragment": int, "version": the version the round makes}.
@@ -61,6 +62,8 @@ class Injection:
     nth: int = 0  # the fault hits the nth event of its kind (1-based)
     poison: str = ""  # one of POISONS, or "" for none
     record: Path | None = None
+    poison_after: float = 0.0  # seconds after install before the first poisoned round (honest until then)
+    started: float = dataclasses.field(default_factory=time.monotonic)
     group_rounds: int = 0  # all-reduces with other members so far
     poisoned: int = 0  # contributions poisoned so far
 
@@ -110,7 +113,7 @@ def install(inj: Injection) -> None:
                     "version": group.key.version + 1}
             with open(inj.record, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
-        if inj.poison:
+        if inj.poison and time.monotonic() - inj.started >= inj.poison_after:
             contrib = poisoned(contrib, inj.poison, inj.poisoned)
             inj.poisoned += 1
         if fires and inj.fault == "kill-in-allreduce":
@@ -178,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(prog="python -m p2pdiloco.chaos.inject",
-                                     usage="%(prog)s [--fault KIND@N] [--poison KIND] [--record FILE] -- COMMAND ...",
+                                     usage="%(prog)s [--fault KIND@N] [--poison KIND [--poison-after S]] [--record FILE] "
+                                           "-- COMMAND ...",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--fault", default="", metavar="KIND@N", help=f"one of {', '.join(FAULTS)}")
     parser.add_argument("--poison", default="", choices=POISONS)
+    parser.add_argument("--poison-after", type=float, default=0.0, metavar="S",
+                        help="seconds of honest rounds before the first poisoned one (default 0)")
     parser.add_argument("--record", type=Path, default=None, help="JSON lines of the faults that fired")
     args = parser.parse_args(ours)
     if not rest:
@@ -190,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         kind, nth = parse_fault(args.fault) if args.fault else ("", 0)
     except ValueError as e:
         parser.error(str(e))
-    install(Injection(kind, nth, args.poison, args.record))
+    if args.poison_after < 0:
+        parser.error("--poison-after must be >= 0 seconds")
+    install(Injection(kind, nth, args.poison, args.record, args.poison_after))
     from p2pdiloco.cli import main as cli_main  # noqa: PLC0415
 
     return cli_main(rest)

@@ -56,14 +56,19 @@ exception carries the round's result, which the excluded member commits like the
 its progress rebased on it (no download, so it is not a version behind at the next round);
 after a phase 2 it follows the others through the records. Anything else
 (no answer, an unverifiable answer, an empty S) is :class:`RoundFailed` and nothing is
-committed. What remains trusted: a reducer computes its tensors alone, so a malicious
-reducer can return a wrong merge of its part; its signature makes that attributable.
+committed.
+
+Reducer parts (docs/trust.md). A reducer computes its tensors alone, so a malicious one (or
+one merging against its own poisoned Δ) can return a wrong merge of its part; its signature
+makes that attributable, and every member checks every other reducer's part against its own
+Δ before it uses any (``core.audit.check_parts``: aligned with it, not oversized). One part
+refused refuses the round (:class:`ResultRefused`, naming the reducers): nothing is committed,
+and the node distrusts and avoids them. A part within the check's cone is still trusted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
@@ -73,6 +78,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from p2pdiloco.core.audit import check_parts
 from p2pdiloco.core.fragments import Fragment, assign_parts
 from p2pdiloco.core.outer import FRACTION_GRID, span_fraction
 from p2pdiloco.core.merge import (
@@ -90,6 +96,7 @@ from p2pdiloco.net.rounds import (
     AllReduceStats,
     Contribution,
     ContributionExcluded,
+    ResultRefused,
     RoundResult,
     group_fingerprint,
     round_wait,
@@ -315,13 +322,17 @@ class AllReducer:
                   f"(contributor sets {sorted(sets)})"
             result = None
             if len(sets) == 1:  # the bodies are the round's result, which the included members commit
-                with contextlib.suppress(RoundFailed):
-                    result = self._result(group, parts, answers, common)
+                try:
+                    result = self._audited(group, parts, self._result(group, parts, answers, common), contrib)
+                except ResultRefused:
+                    raise
+                except RoundFailed:
+                    result = None
             raise ContributionExcluded(why, result)
         if len(sets) > 1:
             answers = await self._phase2(group, reducers, answers, common)
         try:
-            result = self._result(group, parts, answers, common)
+            result = self._audited(group, parts, self._result(group, parts, answers, common), contrib)
         except RoundFailed:
             self.stats.failed += 1
             raise
@@ -357,6 +368,27 @@ class AllReducer:
         return RoundResult([t for t in merged if t is not None], tokens, position, first / FRACTION_GRID,
                            tuple(members[i] for i in common),
                            wire=tuple((parts[r], answers[r][3]) for r in sorted(answers)))
+
+    def _audited(self, group: Group, parts: tuple[tuple[int, ...], ...], result: RoundResult,
+                 contrib: Contribution) -> RoundResult:
+        """``result`` if every other reducer's merged part passes this member's check against
+        its own Δ (``core.audit.check_parts``: aligned with it, not oversized); else
+        ResultRefused naming those reducers (counted in ``stats.rejected`` by reason)."""
+        members, me = group.members, self.swarm.peer_id
+        reducers = [r for r in range(len(members)) if parts[r]]
+        mine = members.index(me)
+        refused = check_parts([[contrib.delta[i] for i in parts[r]] for r in reducers],
+                              [[result.delta[i] for i in parts[r]] for r in reducers],
+                              reducers.index(mine) if mine in reducers else None)
+        if not refused:
+            return result
+        blamed = {members[reducers[k]]: c.reason for k, c in refused.items()}
+        for k, c in refused.items():
+            self.stats.rejected[c.reason] += 1
+            log.warning("round %s f%d: refusing the merged part of %s: %s (cosine with our own %.2f, norm x%.2f)",
+                        group.round_id, group.key.fragment, members[reducers[k]][-8:], c.reason, c.cosine, c.ratio)
+        raise ResultRefused(f"round {group.round_id}: merged part(s) of {sorted(p[-8:] for p in blamed)} refused "
+                            f"({', '.join(sorted(set(blamed.values())))})", blamed)
 
     async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
         """Ask every reducer to merge over ``common``, proving the sets with their statements."""

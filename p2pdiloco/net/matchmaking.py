@@ -68,8 +68,9 @@ only that peer can write or overwrite them
   (SIGSTOP) or overloaded honest leader fails the same way and must be able to come back;
 * ``mm.join`` holds at most ``MAX_GROUP`` joiners per gathering.
 
-Peers on the swarm's ban list (``Swarm.bans``) are neither followed as leaders nor admitted
-by ``mm.join``.
+Peers on the swarm's ban list (``Swarm.bans``), and peers avoided for a while after this node
+refused a merged part they signed (:meth:`Matchmaker.avoid`), are neither followed as leaders
+nor admitted by ``mm.join``, and a group that lists one is declined.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ JOIN_HOLD_S = 120.0  # seconds a leader holds a joiner's long poll at most
 LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
 PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
 PASS_OVER_MAX_S = 900.0
+AVOID_S = 120.0  # seconds a peer this node refused a merged part of is not grouped with (doubling)
+AVOID_MAX_S = 3600.0
 FAILED_GROUP_WAIT_S = 10.0  # seconds a failed group's members still make us late (they may have committed)
 LEFT_KEEP_S = 120.0  # seconds a leader keeps announcing a key where it closed a group
 Outcome = Literal["group", "late", "no_quorum"]
@@ -148,6 +151,8 @@ class Matchmaker:
         self._left: dict[int, tuple[GroupKey, float]] = {}  # fragment -> (key, swarm time) of our last group closed
         self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
         self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
+        self.avoided: dict[str, float] = {}  # peer -> not grouped with until (monotonic s): see avoid
+        self.avoidances: Counter[str] = Counter()  # peer -> times avoided
         # peers whose states this node cannot fetch now (the node sets it: StateSync.ignoring while
         # it is behind NAT without a relay slot): a group of theirs at our version does not make us "late"
         self.undeliverable: Callable[[], Container[str]] = frozenset
@@ -175,9 +180,33 @@ class Matchmaker:
                                  [[k.fragment, k.version, k.digest, t] for k, t in self._left.values()], later,
                                  quiet=quiet)
 
+    def avoid(self, peer: str, why: str) -> None:
+        """Form no group with ``peer`` for ``AVOID_S`` seconds, doubling with every further
+        call (at most ``AVOID_MAX_S``): this node refused a merged part it signed
+        (``core.audit``). Its declarations are not read (neither followed as a leader nor
+        making us late), its joins are refused, and a group that lists it is declined. Not a
+        ban: the check is evidence against this node's own Δ, not proof to others."""
+        n = self.avoidances[peer] = self.avoidances[peer] + 1
+        seconds = min(AVOID_MAX_S, AVOID_S * 2 ** (n - 1))
+        self.avoided[peer] = swarm_clock.monotonic() + seconds
+        log.info("not grouping with %s for %.0f s: %s", peer[-8:], seconds, why)
+        if len(self.avoidances) > 4096:  # bounded: keep the worst offenders
+            self.avoidances = Counter(dict(self.avoidances.most_common(1024)))
+            self.avoided = {p: t for p, t in self.avoided.items() if p in self.avoidances}
+
+    def avoiding(self) -> dict[str, float]:
+        """Peers this node forms no group with now (:meth:`avoid`), {peer ID: seconds left}."""
+        now = swarm_clock.monotonic()
+        self.avoided = {p: t for p, t in self.avoided.items() if t > now}
+        return {p: round(t - now, 1) for p, t in self.avoided.items()}
+
+    def _shunned(self, peer: str) -> bool:
+        """Banned, or avoided now."""
+        return peer in self.swarm.bans or self.avoided.get(peer, -math.inf) > swarm_clock.monotonic()
+
     async def _declarations(self, dht_key: str) -> dict[str, rec.Declaration]:
-        """The parsed, non-banned declarations under ``dht_key``, by author."""
-        values = {p: v for p, v in (await self.swarm.get(dht_key)).items() if p not in self.swarm.bans}
+        """The parsed declarations under ``dht_key`` of peers not banned nor avoided, by author."""
+        values = {p: v for p, v in (await self.swarm.get(dht_key)).items() if not self._shunned(p)}
         good, bad = rec.parse_many(values, rec.parse_declaration)
         for peer in bad:
             self.swarm.drop(peer, "declaration")
@@ -500,6 +529,8 @@ class Matchmaker:
                 return "gone"
             group = Group(answer.round, key, members, answer.formed_in, leader, answer.shares, answer.rates)
             self.listed_in(group)  # now: the others' slices may come while we check it (our reducer part serves them)
+            if any(m not in self.swarm.bans and self._shunned(m) for m in members):
+                return "gone"  # one whose merged part we refused: the leader may not know (not its failure)
             if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that reached us
                 self._leader_failed(leader, "led a group with a member we excluded")  # first): not a ban, but
                 return "gone"  # a leader that keeps doing it is passed over; we do not merge with that member
@@ -524,6 +555,8 @@ class Matchmaker:
         key = GroupKey(request.fragment, request.version, request.digest)
         if peer in self.swarm.bans:
             raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
+        if self._shunned(peer):
+            raise ProtocolError("not grouping with this peer now: its merged part was refused")
         if not signing.verify_by_peer(peer, "mm.join", self._join_fields(key, self.swarm.peer_id), request.signature):
             self.swarm.drop(peer, "join_signature")  # an honest node signs its own joins
             self.swarm.ban(peer, "sent a join with a bad signature")

@@ -18,8 +18,8 @@ from p2pdiloco.errors import RoundFailed
 if TYPE_CHECKING:
     from p2pdiloco.net.matchmaking import Group
 
-__all__ = ["AllReduceStats", "Contribution", "ContributionExcluded", "RoundResult", "group_fingerprint",
-           "round_wait"]
+__all__ = ["AllReduceStats", "Contribution", "ContributionExcluded", "ResultRefused", "RoundResult",
+           "group_fingerprint", "round_wait"]
 
 TRANSFER_SLACK = 3.0  # a round may take this many times the transfer time its link rates predict ...
 MAX_WAIT_FACTOR = 4.0  # ... but at most this many times the liveness timeout
@@ -72,6 +72,20 @@ class ContributionExcluded(RoundFailed):
     def __init__(self, message: str, result: RoundResult | None = None) -> None:
         super().__init__(message)
         self.result = result
+
+
+class ResultRefused(RoundFailed):
+    """This member refused the round's result: the merged part of one or more reducers failed
+    its check against its own pseudo-gradient (``core.audit.check_parts``). Nothing is
+    committed; the node distrusts and avoids those reducers.
+
+    Attributes:
+        reducers: {reducer peer ID: reason} (``misaligned_result`` or ``oversized_result``).
+    """
+
+    def __init__(self, message: str, reducers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.reducers = reducers
 
 
 @dataclass(frozen=True)
