@@ -22,7 +22,7 @@ from typing import Any
 
 from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.learner import lr_at
-from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction, run_tokens, with_error_feedback
+from p2pdiloco.core.outer import FragmentState, apply_round, lone_step_size, run_tokens, with_error_feedback
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
 from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.rounds import ResultRefused
@@ -66,6 +66,7 @@ class Node:
         self.stats = NodeStats()
         self.journal = Journal(Path(self.cfg.data_dir) / JOURNAL_FILE if self.cfg.data_dir else None)
         out = self.cfg.outer
+        self.outer_rule = (out.sync_every, out.lr, out.momentum)  # core.outer.apply_round's run settings
         self.grace = GraceWindow(tau=out.overlap, gamma=out.grace_gamma, minimum=out.grace_min, maximum=out.grace_max)
         # learners meet only under the tag of everything that shapes their bytes (protocol_tag):
         # a mismatched peer is never matched, instead of crashing deep in a transfer
@@ -307,9 +308,7 @@ class Node:
         """Apply a merged round to fragment ``p`` (outer step on ``anchor``) and commit it, under the
         fragment's lock, unless another state was installed meanwhile (``CommittedStates.commit``: by
         digest, not identity; tests/test_commit.py); a superseded result is recorded, counted and logged."""
-        out = self.cfg.outer
-        fraction, ledger = round_fraction(anchor.ledger, merged.tokens, merged.position, out.sync_every, merged.first)
-        new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, fraction, ledger)
+        new, fraction = apply_round(anchor, merged.delta, merged.tokens, merged.position, merged.first, *self.outer_rule)
         self.matchmaker.group_succeeded(group)
         async with self.committed.lock(p):
             # residual: error feedback for the next round (None: nothing left out)
@@ -347,9 +346,7 @@ class Node:
         progress rebased on it (``TrainingLoop.deliver`` with rebase): a member left out (an
         outlier, or late) is then at the swarm's version for the next round instead of a
         download behind, where the others would look past it (invariant I3)."""
-        out = self.cfg.outer
-        fraction, ledger = round_fraction(anchor.ledger, merged.tokens, merged.position, out.sync_every, merged.first)
-        new = nesterov_outer_step(anchor, merged.delta, out.lr, out.momentum, fraction, ledger)
+        new, _ = apply_round(anchor, merged.delta, merged.tokens, merged.position, merged.first, *self.outer_rule)
         async with self.committed.lock(p):
             if not self.committed.holds(p, anchor):
                 return  # another state was installed meanwhile: the records decide
@@ -490,7 +487,7 @@ class Node:
         out, learner = self.cfg.outer, self.setup.learner
         for p in range(len(self.committed)) if self.training is not None else ():
             if p not in self._stepped and not self.sync.has_seen_steps(p) and learner.counters(p)[1] > 0:
-                self.sync.own_step(p, out.lr * (1 + out.momentum) * await asyncio.to_thread(learner.progress_norm, p))
+                self.sync.own_step(p, lone_step_size(out.lr, out.momentum, await asyncio.to_thread(learner.progress_norm, p)))
 
     async def _follow(self, p: int, head, records: dict[str, HeadsRecord], chosen_on: FragmentState, *,
                       initial: bool = False) -> tuple[FragmentState, bool] | None:

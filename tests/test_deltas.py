@@ -66,7 +66,7 @@ def test_a_chain_of_rounds_computes_the_same_states_digest_by_digest():
     steps, bodies = _answer_round_trip(entries)
     got = states[0]
     for step, b, want in zip(steps, bodies, states[1:]):
-        got = deltas.apply_round(got, step, b, FRAGMENT, H, LR, MOMENTUM)
+        got = deltas.replay_round(got, step, b, FRAGMENT, H, LR, MOMENTUM)
         assert (got.version, got.digest) == (want.version, want.digest)
         assert all(torch.equal(x, y) for x, y in zip(got.theta + got.momentum, want.theta + want.momentum))
     state_bytes = wire.wire_nbytes(SHAPES + SHAPES, "fp32")
@@ -81,13 +81,13 @@ def test_a_tampered_round_does_not_compute():
     body = bytearray(bodies[0][1])
     body[-1] ^= 0x11
     with pytest.raises(ProtocolError, match="digest"):
-        deltas.apply_round(states[0], steps[0], (bodies[0][0], bytes(body)), FRAGMENT, H, LR, MOMENTUM)
+        deltas.replay_round(states[0], steps[0], (bodies[0][0], bytes(body)), FRAGMENT, H, LR, MOMENTUM)
     with pytest.raises(ProtocolError):
-        deltas.apply_round(states[0], steps[0], (bodies[0][0], bytes(body[:-1])), FRAGMENT, H, LR, MOMENTUM)
+        deltas.replay_round(states[0], steps[0], (bodies[0][0], bytes(body[:-1])), FRAGMENT, H, LR, MOMENTUM)
     fp32 = deltas.logged(states[0], states[1], RoundResult([torch.full(s, float("nan")) for s in SHAPES], 1, 1, 1.0,
                                                            ("a",)), 1, "int4")
     with pytest.raises(ProtocolError, match="not finite"):
-        deltas.apply_round(states[0], fp32.step, fp32.bodies, FRAGMENT, H, LR, MOMENTUM)
+        deltas.replay_round(states[0], fp32.step, fp32.bodies, FRAGMENT, H, LR, MOMENTUM)
 
 
 def test_the_round_log_keeps_its_budget_and_says_why_it_has_no_chain():

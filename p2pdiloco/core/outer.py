@@ -27,7 +27,7 @@ from torch import Tensor
 from .merge import contribution_weight
 
 __all__ = ["FragmentState", "Ledger", "run_tokens", "fragment_digest", "nesterov_outer_step", "span_fraction", "round_fraction",
-           "with_error_feedback", "FRACTION_GRID", "MAX_SPAN", "RATE_DECAY"]
+           "apply_round", "lone_step_size", "with_error_feedback", "FRACTION_GRID", "MAX_SPAN", "RATE_DECAY"]
 
 FRACTION_GRID = 1024  # a round's fraction is a multiple of 1/FRACTION_GRID (exact in fp32)
 MAX_SPAN = 64  # a contribution is counted as spread over at most this many rounds
@@ -312,6 +312,54 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
         theta.append(th.sub(u.mul_(lr * fraction)))  # Θ ← Θ − (lr·f)·u
         buf.append(nb)
     return FragmentState._seal(state.index, state.version + 1, theta, buf, state.ledger if ledger is None else ledger)
+
+
+def apply_round(state: FragmentState, merged: Sequence[Tensor], tokens: int, position: int, first: float,
+                sync_every: int, lr: float, momentum: float) -> tuple[FragmentState, float]:
+    """The state a merged round makes from ``state`` (its anchor), and the fraction of a period
+    it applied: the one rule every member that commits the round, every member it left out
+    (``node.runtime.Node._take_excluded``) and every node that replays it later
+    (``net.deltas.replay_round``) computes, so all hold the same version + 1, bit for bit (same
+    digest; invariant I1, docs/architecture.md).
+
+    First the round's fraction f of a period and the ledger it carries, from the anchor's
+    ledger and the round's counters (:func:`round_fraction`; invariant I9, docs/architecture.md
+    "Partial rounds"), then the fractional Nesterov outer step with the merged Δ
+    (:func:`nesterov_outer_step`). Source: DiLoCo (arXiv 2311.08105) outer Nesterov, kept per
+    fragment by Decoupled DiLoCo (arXiv 2604.21428, sec. 3); the split of one step over a
+    period's rounds is this project's.
+
+    Args:
+        state: the anchor, the fragment's committed state the round's group formed at.
+        merged: the merged pseudo-gradient Δ, one tensor per slot in slot shapes (converted to
+            fp32 on the CPU), the same bytes on every member.
+        tokens: tokens the round merges (sum over its contributors), >= 0.
+        position: the contributors' lower median schedule position (an inner step), >= 0.
+        first: the fraction to use while the ledger knows no rate (:func:`span_fraction`), in
+            [0, 1], a multiple of 1/FRACTION_GRID.
+        sync_every: H, inner steps per outer period, >= 1.
+        lr, momentum: the run's outer learning rate (>= 0, finite) and Nesterov μ in [0, 1).
+
+    Returns:
+        (the next state: version + 1, fp32 Θ and b in slot shapes, the new ledger; the fraction
+        f of a period its step applied, a multiple of 1/FRACTION_GRID in [0, 1]).
+
+    Raises:
+        ValueError: bad counters (:func:`round_fraction`), or a count/shape mismatch, lr or μ
+            out of range (:func:`nesterov_outer_step`).
+    """
+    fraction, ledger = round_fraction(state.ledger, tokens, position, sync_every, first)
+    return nesterov_outer_step(state, merged, lr, momentum, fraction, ledger), fraction
+
+
+def lone_step_size(lr: float, momentum: float, delta_norm: float) -> float:
+    """How far (L2 distance of Θ) one full outer step (f = 1) from a zero momentum buffer moves
+    the parameters with a merged Δ of L2 norm ``delta_norm``: lr·(1 + μ)·‖Δ‖ (b ← Δ; Θ ← Θ −
+    lr·(Δ + μ·Δ), :func:`nesterov_outer_step`). The size of the step a node's own progress
+    would make alone, which bounds the states it follows (``net.bounded_moves``;
+    docs/trust.md, "Earned claims"). Source: DiLoCo (arXiv 2311.08105) outer Nesterov, as in
+    Decoupled DiLoCo (arXiv 2604.21428). Floats in, a float out (units of Θ); no checks."""
+    return lr * (1 + momentum) * delta_norm
 
 
 def with_error_feedback(delta: Sequence[Tensor], residual: Sequence[Tensor] | None,

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from p2pdiloco.config import OuterConfig
-from p2pdiloco.core.outer import FragmentState
+from p2pdiloco.core.outer import FragmentState, lone_step_size
 
 __all__ = ["FOLLOW_FACTOR", "FOLLOW_HISTORY", "FOLLOW_RELATIVE", "MAX_GAP", "OWN_RELATIVE", "SPAN_PERIODS", "distance",
            "implausible", "own_step", "periods_per_version"]
@@ -70,10 +70,10 @@ def periods_per_version(grace_max: float, sync_every: int, t_step: float | None)
 def own_step(outer: OuterConfig, delta: Sequence[torch.Tensor], steps: int, t_step: float | None) -> float:
     """The outer step (L2 distance of Θ) this node's contribution ``delta`` (fp32 tensors, the
     fragment's slots) of ``steps`` inner steps would make alone, from a zero momentum buffer:
-    lr·(1 + μ)·‖Δ‖ (``core.outer.nesterov_outer_step``) per H steps of progress, times the periods
+    lr·(1 + μ)·‖Δ‖ (``core.outer.lone_step_size``) per H steps of progress, times the periods
     one version may hold (:func:`periods_per_version`). ``StateSync.own_step`` keeps it."""
     norm = math.sqrt(sum(float(torch.linalg.vector_norm(d)) ** 2 for d in delta))
-    return (outer.lr * (1 + outer.momentum) * norm * outer.sync_every / max(steps, outer.sync_every)
+    return (lone_step_size(outer.lr, outer.momentum, norm) * outer.sync_every / max(steps, outer.sync_every)
             * periods_per_version(outer.grace_max, outer.sync_every, t_step))
 
 

@@ -8,7 +8,7 @@ So a node that holds the state (version v, digest d) of a fragment and finds the
 round its merged slices as the reducers sent them (``RoundResult.wire``; a lone round's Δ in
 fp32, since it never went through the codec), its counters and the digest of the state it made.
 It decodes each round's slices, applies the same outer step every member applied
-(``core.outer.round_fraction`` and ``nesterov_outer_step``, bit-identical on every CPU kernel
+(``core.outer.apply_round``, bit-identical on every CPU kernel
 set: tests/test_cpu_kernels.py) and checks each digest on the way: a chain that does not end at
 (V, D) is not installed, and the node downloads the state instead. A holder keeps its last
 rounds per fragment (its own commits, and the rounds it got as deltas) within half the
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from p2pdiloco.core.fragments import Fragment
-from p2pdiloco.core.outer import FRACTION_GRID, FragmentState, nesterov_outer_step, round_fraction
+from p2pdiloco.core.outer import FRACTION_GRID, FragmentState, apply_round
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net import records as rec
 from p2pdiloco.net import wire
@@ -38,7 +38,7 @@ from p2pdiloco.net.rounds import RoundResult
 from p2pdiloco.net.transport import Header, Swarm
 from p2pdiloco.core.merge import is_finite_contribution
 
-__all__ = ["DELTA_SHARE", "MAX_STEPS", "Deltas", "LoggedRound", "RoundLog", "apply_round", "logged"]
+__all__ = ["DELTA_SHARE", "MAX_STEPS", "Deltas", "LoggedRound", "RoundLog", "logged", "replay_round"]
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,10 @@ def logged(anchor: FragmentState, new: FragmentState, merged: RoundResult, membe
     return LoggedRound((anchor.version, anchor.digest), step, bodies)
 
 
-def apply_round(state: FragmentState, step: DeltaStep, bodies: Sequence[bytes], fragment: Fragment,
+def replay_round(state: FragmentState, step: DeltaStep, bodies: Sequence[bytes], fragment: Fragment,
                 sync_every: int, lr: float, momentum: float) -> FragmentState:
     """The state a round makes from ``state``: its slices decoded into slot order (fp32, slot
-    shapes), then the outer step every member applied (``core.outer``). Raises ProtocolError
+    shapes), then the outer step every member applied (``core.outer.apply_round``). Raises ProtocolError
     when a body does not decode for its slots or is not finite, or the result's digest is not
     ``step.digest``."""
     shapes = [s.shape for s in fragment.slots]
@@ -93,8 +93,7 @@ def apply_round(state: FragmentState, step: DeltaStep, bodies: Sequence[bytes], 
             delta[i] = t
     if any(t is None for t in delta) or not is_finite_contribution(delta):
         raise ProtocolError("a round's merged slices are not finite")
-    fraction, ledger = round_fraction(state.ledger, step.tokens, step.position, sync_every, step.first / FRACTION_GRID)
-    new = nesterov_outer_step(state, delta, lr, momentum, fraction, ledger)
+    new, _ = apply_round(state, delta, step.tokens, step.position, step.first / FRACTION_GRID, sync_every, lr, momentum)
     if new.digest != step.digest:
         raise ProtocolError(f"round v{new.version} makes digest {new.short()}, not the {step.digest[:12]} stated")
     return new
@@ -218,7 +217,7 @@ class Deltas:
             state, entries = mine, []
             for step, bodies in zip(steps, split(steps, body)):
                 entries.append(LoggedRound((state.version, state.digest), step, bodies))
-                state = apply_round(state, step, bodies, frag, self.sync_every, self.lr, self.momentum)
+                state = replay_round(state, step, bodies, frag, self.sync_every, self.lr, self.momentum)
             if (state.version, state.digest) != (head.version, head.digest):
                 raise ProtocolError(f"the rounds end at {state.short()}, not at the {head.digest[:12]} asked for")
             return state, entries
