@@ -309,6 +309,9 @@ class Node:
         fragment's lock, unless another state was installed meanwhile (``CommittedStates.commit``: by
         digest, not identity; tests/test_commit.py); a superseded result is recorded, counted and logged."""
         new, fraction = apply_round(anchor, merged.delta, merged.tokens, merged.position, merged.first, *self.outer_rule)
+        if merged.suspects:  # parts against our own Δ (core.audit): taken only if the held-out loss does not rise
+            await self.vetting.weigh_round([anchor if s.index == p else s for s in self.committed], new,
+                                           merged.suspects, group.round_id)
         self.matchmaker.group_succeeded(group)
         async with self.committed.lock(p):
             # residual: error feedback for the next round (None: nothing left out)

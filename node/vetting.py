@@ -19,6 +19,12 @@ not false). The idea is
 Templar's Gauntlet's (arXiv 2505.21684: score a peer by the loss before and after its update),
 without validators: each node scores with its own evaluation.
 
+The same score weighs a merged round that a member's check of its reducers' parts found
+suspect (:meth:`Vetting.weigh_round`; ``core.audit``: a part pointing against the member's own
+Δ, which is a peer's honest disagreement or a reversed merge): the round is committed only if
+the model with its result has a held-out loss at most ``ROUND_TOLERANCE`` above the model
+without it; else it is refused, and its suspect reducers distrusted and avoided.
+
 Limits: a state that is worse than the honest swarm's but better than the joiner's own (a
 trained model slightly shrunk) passes when no honest holder is among the candidates asked; the
 joiner then trains on a lineage that no established node follows (they do not trust it), and
@@ -38,15 +44,17 @@ from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.errors import StateSyncError
 from p2pdiloco.net.heads import Head, is_behind
 from p2pdiloco.net.records import HeadsRecord
+from p2pdiloco.net.rounds import ResultRefused
 from p2pdiloco.net.statesync import StateSync
 from p2pdiloco.trust.reputation import Reputation
 
-__all__ = ["VET_CANDIDATES", "VET_TOLERANCE", "Vetting", "trusted_records"]
+__all__ = ["ROUND_TOLERANCE", "VET_CANDIDATES", "VET_TOLERANCE", "Vetting", "trusted_records"]
 
 log = logging.getLogger(__name__)
 
 VET_CANDIDATES = 3  # peers whose states one vetting downloads and evaluates at most
 VET_TOLERANCE = 0.02  # a vetted state's held-out loss may exceed ours by this fraction (evaluation noise)
+ROUND_TOLERANCE = 0.005  # a suspect round's result may raise the held-out loss by this fraction
 
 
 def trusted_records(records: Mapping[str, HeadsRecord], me: str,
@@ -118,6 +126,22 @@ class Vetting:
         self.sync.keep_vetted(got)
         log.info("trusting %s: its state gives held-out loss %.4f (this node's %.4f)", peer[-8:], loss, own)
         return peer
+
+    async def weigh_round(self, states: Sequence[FragmentState], new: FragmentState, suspects: Sequence[str],
+                          round_id: str) -> None:
+        """Commit or refuse a round with suspect parts (module docstring): ``states``, one per
+        fragment, hold the round's anchor; ``new`` is the round's result for its fragment.
+        Raises ResultRefused naming ``suspects`` when the held-out loss (nats per byte) with
+        ``new`` exceeds the loss without it by more than ``ROUND_TOLERANCE``, or is not finite."""
+        before = await asyncio.to_thread(self.evaluate, states)
+        after = await asyncio.to_thread(self.evaluate, [new if st.index == new.index else st for st in states])
+        if math.isfinite(after) and after <= before * (1 + ROUND_TOLERANCE):
+            log.info("round %s: parts of %s point against our own Δ, but the result lowers the held-out loss "
+                     "(%.4f -> %.4f): committed", round_id, sorted(p[-8:] for p in suspects), before, after)
+            return
+        raise ResultRefused(f"round {round_id}: with the merged parts of {sorted(p[-8:] for p in suspects)}, which "
+                            f"point against our own Δ, the held-out loss rises from {before:.4f} to {after:.4f}",
+                            dict.fromkeys(suspects, "misaligned_result"))
 
     async def _fetch(self, peer: str, record: HeadsRecord, states: Sequence[FragmentState]) -> list[FragmentState]:
         """The states ``peer`` claims that ``states`` should move to, downloaded from it alone

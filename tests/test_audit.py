@@ -22,27 +22,29 @@ def test_an_honest_round_passes():
 def test_a_part_pointing_against_our_own_is_refused_with_its_cosine():
     # own (3, 4) (norm 5), merged (-3, -4) * 0.2 (norm 1): cosine -1, ratio 0.2
     own = [[t(1.0)], [t(3, 4)]]
-    merged = [[t(1.0)], [t(-0.6, -0.8)]]
+    merged = [[t(1.0)], [t(-0.6, -0.8)]]  # cosine -1 < MIN_ALIGNMENT = 0
     refused = check_parts(own, merged, reference=0)
     assert set(refused) == {1}
     assert refused[1].reason == "misaligned_result"
     assert refused[1].cosine == pytest.approx(-1.0) and refused[1].ratio == pytest.approx(0.2)
 
 
-def test_an_orthogonal_part_passes_and_a_slightly_negative_one_does_not():
+def test_an_orthogonal_part_passes_and_a_slightly_opposed_one_is_suspect():
     own = [[t(1, 0)], [t(1, 0)], [t(1, 0)]]
+    # cosines: 0 (passes); -0.01 / sqrt(1.0001) (suspect: MIN_ALIGNMENT is 0)
     merged = [[t(1, 0)], [t(0, 1)], [t(-0.01, 1)]]
     refused = check_parts(own, merged, reference=0)
-    assert set(refused) == {2} and refused[2].cosine == pytest.approx(-0.01 / (1.0001 ** 0.5))
+    assert set(refused) == {2} and refused[2].reason == "misaligned_result"
+    assert refused[2].cosine == pytest.approx(-0.01 / 1.0001 ** 0.5)
 
 
 def test_the_size_bound_scales_with_our_own_merge_of_our_part():
-    # reference part 0: own norm 1, merged norm 2 -> rho 2, bound NORM_FACTOR * 2 = 6 x own
+    # reference part 0: own norm 1, merged norm 2 -> rho 2, bound NORM_FACTOR * 2 = 8 x own
     own = [[t(1, 0)], [t(0, 1)], [t(0, 1)]]
-    merged = [[t(2, 0)], [t(0, 5.9)], [t(0, 6.1)]]
+    merged = [[t(2, 0)], [t(0, 7.9)], [t(0, 8.1)]]
     refused = check_parts(own, merged, reference=0)
-    assert set(refused) == {2} and refused[2].reason == "oversized_result"
-    assert refused[2].ratio == pytest.approx(6.1)
+    assert NORM_FACTOR == 4.0 and set(refused) == {2} and refused[2].reason == "oversized_result"
+    assert refused[2].ratio == pytest.approx(8.1)
     # rho below 1 never tightens the bound under NORM_FACTOR x own
     merged = [[t(0.1, 0)], [t(0, NORM_FACTOR - 0.01)], [t(0, 1)]]
     assert check_parts(own, merged, reference=0) == {}

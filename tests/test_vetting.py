@@ -18,11 +18,12 @@ from conftest import TINY
 
 from node.runtime import Node
 from node.setup import Setup
-from node.vetting import trusted_records
+from node.vetting import ROUND_TOLERANCE, trusted_records
 from p2pdiloco.config import load_config
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.data import evaluate
 from p2pdiloco.net.memory import MemoryNet
+from p2pdiloco.net.rounds import ResultRefused
 from p2pdiloco.trust.reputation import REFUTED_HOLD, TRUSTED, Reputation
 
 
@@ -93,6 +94,25 @@ def _serve(node: Node, states: list[FragmentState]) -> None:
 
 def _loss(node: Node, states) -> float:
     return evaluate(node.setup.global_model(states), node.setup.heldout)
+
+
+@pytest.mark.asyncio
+async def test_a_suspect_round_is_committed_only_if_it_does_not_raise_the_held_out_loss() -> None:
+    """A round whose merged parts point against this node's own Δ (core.audit: ``suspects``) is
+    weighed by the held-out loss (``Vetting.weigh_round``, as ``Node._commit`` does): a result
+    that trains fragment 0 (30 inner steps' worth) is committed; the same step reversed is
+    refused, naming the suspects."""
+    async with _nodes(1) as (node,):
+        start, trained = list(node.committed), _trained(node)
+        moved = FragmentState.create(0, 1, trained[0].theta, start[0].momentum, start[0].ledger)
+        back = FragmentState.create(0, 1, [2 * s - t for s, t in zip(start[0].theta, trained[0].theta)],
+                                    start[0].momentum, start[0].ledger)
+        assert _loss(node, [moved, *start[1:]]) < _loss(node, start)  # the premise: the step helps
+        await node.vetting.weigh_round(start, moved, ("suspect",), "r1")  # committed: no exception
+        with pytest.raises(ResultRefused) as refused:
+            await node.vetting.weigh_round(start, back, ("suspect",), "r2")
+        assert refused.value.reducers == {"suspect": "misaligned_result"}
+        assert _loss(node, [back, *start[1:]]) > _loss(node, start) * (1 + ROUND_TOLERANCE)
 
 
 @pytest.mark.asyncio

@@ -61,9 +61,10 @@ committed.
 Reducer parts (docs/trust.md). A reducer computes its tensors alone, so a malicious one (or
 one merging against its own poisoned Δ) can return a wrong merge of its part; its signature
 makes that attributable, and every member checks every other reducer's part against its own
-Δ before it uses any (``core.audit.check_parts``: aligned with it, not oversized). One part
-refused refuses the round (:class:`ResultRefused`, naming the reducers): nothing is committed,
-and the node distrusts and avoids them. A part within the check's cone is still trusted.
+Δ before it uses any (``core.audit.check_parts``). An oversized part refuses the round
+(:class:`ResultRefused`, naming the reducers): nothing is committed, and the node distrusts and
+avoids them. A part pointing against our Δ names its reducer in ``RoundResult.suspects``: the
+node commits the round only if it does not raise its held-out loss (else the same refusal).
 """
 
 from __future__ import annotations
@@ -328,6 +329,8 @@ class AllReducer:
                     raise
                 except RoundFailed:
                     result = None
+                if result is not None and result.suspects:  # no own Δ merged to weigh it against: follow instead
+                    result = None
             raise ContributionExcluded(why, result)
         if len(sets) > 1:
             answers = await self._phase2(group, reducers, answers, common)
@@ -371,9 +374,10 @@ class AllReducer:
 
     def _audited(self, group: Group, parts: tuple[tuple[int, ...], ...], result: RoundResult,
                  contrib: Contribution) -> RoundResult:
-        """``result`` if every other reducer's merged part passes this member's check against
-        its own Δ (``core.audit.check_parts``: aligned with it, not oversized); else
-        ResultRefused naming those reducers (counted in ``stats.rejected`` by reason)."""
+        """``result`` after this member's check of every other reducer's merged part against its
+        own Δ (``core.audit.check_parts``, counted in ``stats.rejected`` by reason): an oversized
+        part raises ResultRefused naming its reducers; the reducers of parts pointing against our
+        Δ are named in ``result.suspects`` (the node weighs the round by its held-out loss)."""
         members, me = group.members, self.swarm.peer_id
         reducers = [r for r in range(len(members)) if parts[r]]
         mine = members.index(me)
@@ -382,13 +386,15 @@ class AllReducer:
                               reducers.index(mine) if mine in reducers else None)
         if not refused:
             return result
-        blamed = {members[reducers[k]]: c.reason for k, c in refused.items()}
         for k, c in refused.items():
             self.stats.rejected[c.reason] += 1
-            log.warning("round %s f%d: refusing the merged part of %s: %s (cosine with our own %.2f, norm x%.2f)",
+            log.warning("round %s f%d: the merged part of %s: %s (cosine with our own %.2f, norm x%.2f)",
                         group.round_id, group.key.fragment, members[reducers[k]][-8:], c.reason, c.cosine, c.ratio)
-        raise ResultRefused(f"round {group.round_id}: merged part(s) of {sorted(p[-8:] for p in blamed)} refused "
-                            f"({', '.join(sorted(set(blamed.values())))})", blamed)
+        blamed = {members[reducers[k]]: c.reason for k, c in refused.items() if c.reason == "oversized_result"}
+        if blamed:
+            raise ResultRefused(f"round {group.round_id}: merged part(s) of {sorted(p[-8:] for p in blamed)} refused "
+                                f"(oversized_result)", blamed)
+        return dataclasses.replace(result, suspects=tuple(members[reducers[k]] for k in refused))
 
     async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
         """Ask every reducer to merge over ``common``, proving the sets with their statements."""
