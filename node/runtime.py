@@ -332,7 +332,7 @@ class Node:
                                  fraction=fraction, share=group.share_of(self.swarm.peer_id)))
         log.info("round f%d v%d: %d members, %.2f s, digest %s", p, new.version, len(group.members),
                  time.monotonic() - t0, new.short())
-        self._credit(merged)
+        self._credit(merged, group.round_id)
         self.sync.known_by(group.members)  # they committed it too: pushed to them with our next change
         self._publish_now.set()
         self._keep_schedule()
@@ -355,7 +355,7 @@ class Node:
                 return  # another state was installed meanwhile: the records decide
             self.committed.install(p, new, group.round_id)  # our residual stays: what it corrects was not merged
         self._log_round(p, anchor, new, merged, len(group.members))
-        self._credit(merged)
+        self._credit(merged, group.round_id)
         self.journal.record("follow", fragment=p, from_version=anchor.version, version=new.version,
                             digest=new.short(), ours=False, excluded=True)
         log.info("fragment %d: took v%d (%s), merged without us", p, new.version, new.short())
@@ -363,10 +363,12 @@ class Node:
         self._publish_now.set()
         self._keep_schedule()
 
-    def _credit(self, merged: RoundResult) -> None:
-        """Every other contributor of a round this node committed earns a point (trust.reputation)."""
+    def _credit(self, merged: RoundResult, round_id: str) -> None:
+        """Every other contributor of a round this node committed earns a point (trust.reputation),
+        but one whose Δ our own reduction left out as pointing against ours (muted, not merged)."""
+        muted = self.allreducer.muted.get(round_id, frozenset())
         for peer in merged.contributors:
-            if peer != self.swarm.peer_id:
+            if peer != self.swarm.peer_id and peer not in muted:
                 self.reputation.merged(peer)
 
     def _log_round(self, p: int, anchor: FragmentState, new: FragmentState, merged: RoundResult, members: int) -> None:

@@ -175,6 +175,9 @@ class AllReducer:
         # (the node's Reputation.merge_weight: locally earned, docs/trust.md); None: all 1
         self.trust: Callable[[str], float] | None = None
         self.trust_used: dict[str, tuple[float, ...]] = {}  # round ID -> _Round.trust (the last 256 rounds)
+        # round ID -> members with a tensor left out of this node's own merge as pointing against
+        # its Δ (the last 256 rounds): they earn no reputation from the round (node.runtime._credit)
+        self.muted: dict[str, frozenset[str]] = {}
         self._trim_logged: dict[str, float] = {}  # peer -> monotonic s its trimmed tensors were last logged
 
     async def start(self) -> None:
@@ -588,6 +591,9 @@ class AllReducer:
                            own=own, trust=trust)
         self.stats.clipped += len(out.clipped)
         self.stats.misaligned += len(out.misaligned)
+        self.muted[rnd.round_id] = frozenset(rnd.members[contributors[m]] for m, _ in out.misaligned)
+        while len(self.muted) > 256:
+            del self.muted[next(iter(self.muted))]
         if out.clipped or out.misaligned:
             self._log_trimmed(rnd, [rnd.members[contributors[m]] for m, _ in (*out.clipped, *out.misaligned)])
         return out
