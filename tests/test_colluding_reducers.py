@@ -119,3 +119,26 @@ async def test_after_a_refusal_the_honest_members_group_without_the_colluders():
         assert all(isinstance(r, RoundResult) for r in second)
         assert all(r.contributors == tuple(honest) for r in second)
         assert all(a.equal(b) for a, b in zip(second[0].delta, second[1].delta))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.looptime(end=600)
+@pytest.mark.asyncio
+async def test_a_member_whose_delta_is_muted_is_named_so_that_it_earns_no_reputation():
+    """A member sending −Δ (a flipper) is muted in every honest reducer's merge (``core.merge``:
+    it points against the reducer's own Δ); the reducer records it per round
+    (``AllReducer.muted``), which ``Node._credit`` reads: listed among the contributors of a
+    committed round, it still earns no point there."""
+    async with memory_swarms(3, MemoryNet(default=Link(latency=0.005))) as (net, sw):
+        ids = sorted(s.peer_id for s in sw)
+        reducers = {s.peer_id: AllReducer(s, [FRAGMENT], "fp32", 2.0, sync_every=10, run_id="run",
+                                          outlier_factor=4.0) for s in sw}
+        for r in reducers.values():
+            await r.start()
+        flipper = ids[2]
+        contribs = {p: Contribution(tuple(-t for t in delta(i)) if p == flipper else delta(i), 1000, 10)
+                    for i, p in enumerate(ids)}
+        group = Group("r1", KEY, tuple(ids), 0.0)
+        results = await asyncio.gather(*(reducers[p].run(group, contribs[p]) for p in ids), return_exceptions=True)
+        assert all(isinstance(r, RoundResult) and flipper in r.contributors for r in results[:2]), results
+        assert all(reducers[p].muted["r1"] == {flipper} for p in ids[:2])
