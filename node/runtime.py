@@ -309,8 +309,11 @@ class Node:
         fragment's lock, unless another state was installed meanwhile (``CommittedStates.commit``: by
         digest, not identity; tests/test_commit.py); a superseded result is recorded, counted and logged."""
         new, fraction = apply_round(anchor, merged.delta, merged.tokens, merged.position, merged.first, *self.outer_rule)
-        if merged.suspects:  # parts against our own Δ (core.audit): taken only if the held-out loss does not rise
-            await self.vetting.weigh_round([anchor if s.index == p else s for s in self.committed], new,
+        if merged.suspects:  # parts against our own Δ (core.audit): taken only if they do not raise our loss
+            slots = {i for part in merged.suspects.values() for i in part}
+            without, _ = apply_round(anchor, [t.new_zeros(t.shape) if i in slots else t for i, t in enumerate(merged.delta)],
+                                     merged.tokens, merged.position, merged.first, *self.outer_rule)
+            await self.vetting.weigh_round([anchor if s.index == p else s for s in self.committed], new, without,
                                            merged.suspects, group.round_id)
         self.matchmaker.group_succeeded(group)
         async with self.committed.lock(p):

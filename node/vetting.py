@@ -20,10 +20,11 @@ Templar's Gauntlet's (arXiv 2505.21684: score a peer by the loss before and afte
 without validators: each node scores with its own evaluation.
 
 The same score weighs a merged round that a member's check of its reducers' parts found
-suspect (:meth:`Vetting.weigh_round`; ``core.audit``: a part pointing against the member's own
-Δ, which is a peer's honest disagreement or a reversed merge): the round is committed only if
-the model with its result has a held-out loss at most ``ROUND_TOLERANCE`` above the model
-without it; else it is refused, and its suspect reducers distrusted and avoided.
+suspect (:meth:`Vetting.weigh_round`; ``core.audit``: a part pointing clearly against the
+member's own Δ, which is a peer's honest disagreement or a reversed merge): the round is
+committed only if the model with the suspect parts has a held-out loss no higher than the same
+outer step with those parts left out; else it is refused, and its suspect reducers distrusted
+and avoided.
 
 Limits: a state that is worse than the honest swarm's but better than the joiner's own (a
 trained model slightly shrunk) passes when no honest holder is among the candidates asked; the
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 
 VET_CANDIDATES = 3  # peers whose states one vetting downloads and evaluates at most
 VET_TOLERANCE = 0.02  # a vetted state's held-out loss may exceed ours by this fraction (evaluation noise)
-ROUND_TOLERANCE = 0.005  # a suspect round's result may raise the held-out loss by this fraction
+ROUND_TOLERANCE = 0.0  # suspect parts may not raise the held-out loss above leaving them out (fraction)
 
 
 def trusted_records(records: Mapping[str, HeadsRecord], me: str,
@@ -127,20 +128,26 @@ class Vetting:
         log.info("trusting %s: its state gives held-out loss %.4f (this node's %.4f)", peer[-8:], loss, own)
         return peer
 
-    async def weigh_round(self, states: Sequence[FragmentState], new: FragmentState, suspects: Sequence[str],
-                          round_id: str) -> None:
-        """Commit or refuse a round with suspect parts (module docstring): ``states``, one per
-        fragment, hold the round's anchor; ``new`` is the round's result for its fragment.
+    async def weigh_round(self, states: Sequence[FragmentState], new: FragmentState, without: FragmentState,
+                          suspects: Sequence[str], round_id: str) -> None:
+        """Commit or refuse a round with suspect parts (module docstring). ``states``, one per
+        fragment, hold the round's anchor; ``new`` is the round's result for its fragment, and
+        ``without`` the same outer step with the suspects' parts of the merged Δ set to zero.
         Raises ResultRefused naming ``suspects`` when the held-out loss (nats per byte) with
-        ``new`` exceeds the loss without it by more than ``ROUND_TOLERANCE``, or is not finite."""
-        before = await asyncio.to_thread(self.evaluate, states)
-        after = await asyncio.to_thread(self.evaluate, [new if st.index == new.index else st for st in states])
-        if math.isfinite(after) and after <= before * (1 + ROUND_TOLERANCE):
-            log.info("round %s: parts of %s point against our own Δ, but the result lowers the held-out loss "
-                     "(%.4f -> %.4f): committed", round_id, sorted(p[-8:] for p in suspects), before, after)
+        ``new`` is above the loss with ``without`` by more than ``ROUND_TOLERANCE`` (the
+        suspects' parts make the model worse than leaving them out), or is not finite."""
+        def put(state: FragmentState) -> list[FragmentState]:
+            return [state if st.index == state.index else st for st in states]
+
+        with_parts = await asyncio.to_thread(self.evaluate, put(new))
+        without_parts = await asyncio.to_thread(self.evaluate, put(without))
+        names = sorted(p[-8:] for p in suspects)
+        if math.isfinite(with_parts) and with_parts <= without_parts * (1 + ROUND_TOLERANCE):
+            log.info("round %s: the parts of %s point against our own Δ but do not raise the held-out loss "
+                     "(%.4f with them, %.4f without): committed", round_id, names, with_parts, without_parts)
             return
-        raise ResultRefused(f"round {round_id}: with the merged parts of {sorted(p[-8:] for p in suspects)}, which "
-                            f"point against our own Δ, the held-out loss rises from {before:.4f} to {after:.4f}",
+        raise ResultRefused(f"round {round_id}: the merged parts of {names}, which point against our own Δ, raise "
+                            f"the held-out loss to {with_parts:.4f} from {without_parts:.4f} without them",
                             dict.fromkeys(suspects, "misaligned_result"))
 
     async def _fetch(self, peer: str, record: HeadsRecord, states: Sequence[FragmentState]) -> list[FragmentState]:

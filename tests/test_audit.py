@@ -22,20 +22,20 @@ def test_an_honest_round_passes():
 def test_a_part_pointing_against_our_own_is_refused_with_its_cosine():
     # own (3, 4) (norm 5), merged (-3, -4) * 0.2 (norm 1): cosine -1, ratio 0.2
     own = [[t(1.0)], [t(3, 4)]]
-    merged = [[t(1.0)], [t(-0.6, -0.8)]]  # cosine -1 < MIN_ALIGNMENT = 0
+    merged = [[t(1.0)], [t(-0.6, -0.8)]]  # cosine -1 < MIN_ALIGNMENT = -0.5
     refused = check_parts(own, merged, reference=0)
     assert set(refused) == {1}
     assert refused[1].reason == "misaligned_result"
     assert refused[1].cosine == pytest.approx(-1.0) and refused[1].ratio == pytest.approx(0.2)
 
 
-def test_an_orthogonal_part_passes_and_a_slightly_opposed_one_is_suspect():
-    own = [[t(1, 0)], [t(1, 0)], [t(1, 0)]]
-    # cosines: 0 (passes); -0.01 / sqrt(1.0001) (suspect: MIN_ALIGNMENT is 0)
-    merged = [[t(1, 0)], [t(0, 1)], [t(-0.01, 1)]]
+def test_an_orthogonal_or_somewhat_opposed_part_passes_and_a_clearly_opposed_one_is_suspect():
+    own = [[t(1, 0)], [t(1, 0)], [t(1, 0)], [t(1, 0)]]
+    # cosines: 0 and -0.5 / sqrt(1.25) = -0.447 (pass); -0.6 / sqrt(1.36) = -0.514 (suspect: MIN_ALIGNMENT -0.5)
+    merged = [[t(1, 0)], [t(0, 1)], [t(-0.5, 1)], [t(-0.6, 1)]]
     refused = check_parts(own, merged, reference=0)
-    assert set(refused) == {2} and refused[2].reason == "misaligned_result"
-    assert refused[2].cosine == pytest.approx(-0.01 / 1.0001 ** 0.5)
+    assert set(refused) == {3} and refused[3].reason == "misaligned_result"
+    assert refused[3].cosine == pytest.approx(-0.6 / 1.36 ** 0.5)
 
 
 def test_the_size_bound_scales_with_our_own_merge_of_our_part():

@@ -99,20 +99,21 @@ def _loss(node: Node, states) -> float:
 @pytest.mark.asyncio
 async def test_a_suspect_round_is_committed_only_if_it_does_not_raise_the_held_out_loss() -> None:
     """A round whose merged parts point against this node's own Δ (core.audit: ``suspects``) is
-    weighed by the held-out loss (``Vetting.weigh_round``, as ``Node._commit`` does): a result
-    that trains fragment 0 (30 inner steps' worth) is committed; the same step reversed is
-    refused, naming the suspects."""
+    weighed by the held-out loss with and without those parts (``Vetting.weigh_round``, as
+    ``Node._commit`` does): parts that train fragment 0 (30 inner steps' worth) are committed;
+    the same parts reversed are refused, naming the suspects."""
     async with _nodes(1) as (node,):
         start, trained = list(node.committed), _trained(node)
         moved = FragmentState.create(0, 1, trained[0].theta, start[0].momentum, start[0].ledger)
         back = FragmentState.create(0, 1, [2 * s - t for s, t in zip(start[0].theta, trained[0].theta)],
                                     start[0].momentum, start[0].ledger)
+        without = FragmentState.create(0, 1, start[0].theta, start[0].momentum, start[0].ledger)
         assert _loss(node, [moved, *start[1:]]) < _loss(node, start)  # the premise: the step helps
-        await node.vetting.weigh_round(start, moved, ("suspect",), "r1")  # committed: no exception
+        await node.vetting.weigh_round(start, moved, without, {"suspect": (0,)}, "r1")  # committed: no exception
         with pytest.raises(ResultRefused) as refused:
-            await node.vetting.weigh_round(start, back, ("suspect",), "r2")
+            await node.vetting.weigh_round(start, back, without, {"suspect": (0,)}, "r2")
         assert refused.value.reducers == {"suspect": "misaligned_result"}
-        assert _loss(node, [back, *start[1:]]) > _loss(node, start) * (1 + ROUND_TOLERANCE)
+        assert _loss(node, [back, *start[1:]]) > _loss(node, [without, *start[1:]]) * (1 + ROUND_TOLERANCE)
 
 
 @pytest.mark.asyncio

@@ -7,14 +7,15 @@ likes could replace its part of every member's update. Counting reducers cannot 
 colluders of four are half of them. So each member judges every other reducer's merged part
 against the one thing it knows to be honest, its own pseudo-gradient for that part:
 
-* **alignment**: ``cos(merged_r, own_r)`` below ``MIN_ALIGNMENT`` (0) makes the part
+* **alignment**: ``cos(merged_r, own_r)`` below ``MIN_ALIGNMENT`` (-0.5) makes the part
   *suspect*, ``misaligned_result``. An update with a negative inner product with ``own_r``
   raises this member's training loss to first order (the reason Zeno and FLTrust score updates
   by their alignment with a trusted one: arXiv 1805.10032, arXiv 2012.13995). But an honest
   reducer mutes a member whose Δ points away from its own (``core.merge``), and its merge is
-  then its own direction: honest parts measured down to -0.38, a merge reversed by colluders
-  -0.85 to -0.93 (docs/trust.md, "Reducer parts"). A cosine cannot tell a peer's honest
-  disagreement from a reversal, so the caller weighs a suspect round by its held-out loss
+  then its own direction: honest parts measured down to -0.38 (488 parts of tiny test models
+  below 0), a merge reversed by colluders -0.85 to -0.93 (docs/trust.md, "Reducer parts"). A
+  cosine alone cannot tell a peer's strong honest disagreement from a reversal, so the caller
+  weighs a suspect round by its held-out loss with and without the suspect parts
   (``node.vetting.Vetting.weigh_round``).
 * **size**: ``|merged_r| <= NORM_FACTOR * max(1, rho) * |own_r|``, where ``rho`` is
   ``|merged_m| / |own_m|`` on the part ``m`` this member merged itself (its own honest merge:
@@ -27,8 +28,9 @@ A part whose own Δ is zero is not judged (nothing to compare with). An oversize
 the whole round (invariant I2: a member commits all of a round's result or none of it), and the
 node distrusts and avoids its reducer; so does a suspect round the weighing refuses.
 
-Limits: a reducer may still return any part within the size bound that does not raise this
-member's held-out loss by more than the weighing's tolerance: bounded damage per round, not none.
+Limits: a reducer may still return any part within the size bound at a cosine of at least -0.5
+with this member's Δ (not weighed), or one that does not raise its held-out loss: bounded damage
+per round, not none.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 
 __all__ = ["MIN_ALIGNMENT", "NORM_FACTOR", "NO_REFERENCE_FACTOR", "PartCheck", "check_parts"]
 
-MIN_ALIGNMENT = 0.0  # least cosine of a reducer's merged part with this member's own Δ of that part
+MIN_ALIGNMENT = -0.5  # least cosine of a reducer's merged part with this member's own Δ of that part
 NORM_FACTOR = 4.0  # a merged part's norm at most this many times the member's own, scaled by rho
 NO_REFERENCE_FACTOR = 10.0  # ... when the member merged no part itself (no rho this round)
 

@@ -397,7 +397,7 @@ class AllReducer:
         if blamed:
             raise ResultRefused(f"round {group.round_id}: merged part(s) of {sorted(p[-8:] for p in blamed)} refused "
                                 f"(oversized_result)", blamed)
-        return dataclasses.replace(result, suspects=tuple(members[reducers[k]] for k in refused))
+        return dataclasses.replace(result, suspects={members[reducers[k]]: parts[reducers[k]] for k in refused})
 
     async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
         """Ask every reducer to merge over ``common``, proving the sets with their statements."""

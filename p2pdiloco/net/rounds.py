@@ -128,9 +128,10 @@ class RoundResult:
         wire: the merged slices as the reducers sent them, (slot indices, bytes in the run's
             wire precision) per reducer: what a node behind is sent to compute the same
             state (``net.deltas``); () for a lone round (its Δ never went through the codec).
-        suspects: reducers whose merged part points against this member's own Δ
-            (``core.audit``: a peer's honest disagreement, or a reversed merge); the node takes
-            the round only if it does not raise its held-out loss (docs/trust.md, "Reducer parts").
+        suspects: {reducer peer ID: the slot indices of its part} for parts pointing against
+            this member's own Δ (``core.audit``: a peer's honest disagreement, or a reversed
+            merge); the node takes the round only if those parts do not raise its held-out loss
+            (docs/trust.md, "Reducer parts").
     """
 
     delta: list[torch.Tensor]
@@ -140,7 +141,7 @@ class RoundResult:
     contributors: tuple[str, ...]
     residual: list[torch.Tensor] | None = None
     wire: tuple[tuple[tuple[int, ...], bytes], ...] = ()
-    suspects: tuple[str, ...] = ()
+    suspects: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
