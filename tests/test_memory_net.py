@@ -18,9 +18,10 @@ from conftest import until
 from test_trust_net import FRAGMENT, KEY, delta, expected_merge
 
 from p2pdiloco.errors import PeerTimeout, ProtocolError, RoundFailed
-from p2pdiloco.net.allreduce import GROUP_WAIT_S, AllReducer, Contribution, ContributionExcluded, RoundResult
+from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.matchmaking import FAILED_GROUP_WAIT_S, Group, GroupKey, Matchmaker, leader_rank
 from p2pdiloco.net.memory import Link, MemoryNet
+from p2pdiloco.net.rounds import GROUP_WAIT_S
 
 # virtual time (looptime: the loop's clock jumps to the next timer whenever every task waits, as
 # trio's MockClock with autojump); pytest-timeout still bounds each test in real seconds
