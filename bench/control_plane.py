@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as c  # noqa: E402
 
-GOAL_PER_S = 1000  # issue 13: background control traffic at most 1 kB/s per node ...
+GOAL_PER_S = 1000  # goal (docs/benchmarks/README.md): background control traffic at most 1 kB/s per node ...
 GOAL_PER_ROUND = 5000  # ... and at most 5 kB per node per round
 SETTLE_S = 40.0  # seconds after every node trains before a window starts: past the store of its new state
 # (joining -> training), which waits for statesync.RESTORE_S (30 s) after its first store, plus a publish period

@@ -10,7 +10,7 @@ the nodes on 127.0.0.1, ``settle`` 30 s after training. Per node: the capability
 committed rounds, catch-ups, and re-syncs (``resyncs`` in the report: downloads of a fragment
 at the version the node already held, because its digest lost a split brain, invariant I7);
 and whether the final global digests are equal; then the same swarm with every node on one kernel
-set, as the baseline. Goal (issue 11): equal digests, and no node
+set, as the baseline. Goal (docs/benchmarks/README.md): equal digests, and no node
 re-downloads a fragment it holds at the swarm's version more than once a minute.
 
 Writes docs/benchmarks/cpu_kernels.md and .json.

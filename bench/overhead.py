@@ -35,7 +35,7 @@ import psutil  # noqa: E402
 import common as c  # noqa: E402
 
 GOAL = 0.03
-CPU_GOAL = 0.01  # issue 13: swarm CPU at most 0.01 cores per node
+CPU_GOAL = 0.01  # goal: swarm CPU at most 0.01 cores per node (docs/benchmarks/README.md)
 BACKGROUND_H = 10_000_000  # inner steps per outer round in the phase without rounds: none come
 
 

@@ -10,9 +10,9 @@ joins midway and must download every fragment's full state (Θ and the outer mom
 trains. Reported: the fragments' sizes, per node the rounds merged with peers, catch-ups, RPC
 bytes sent and received, the held-out loss at its first evaluation and of the final global
 model, and the final global digest; the newcomer's download (its journal's ``follow`` events
-before its first round, and ``joined``). Goals (issue 15, item 5): multi-megabyte fragments
-merged, the newcomer downloads the full state, held-out loss falls on every node, equal final
-global digests.
+before its first round, and ``joined``). Goals (docs/operating.md, "Your own model"):
+multi-megabyte fragments merged, the newcomer downloads the full state, held-out loss falls
+on every node, equal final global digests.
 
 Writes docs/benchmarks/own_model.md and .json.
 """

@@ -188,7 +188,8 @@ class Node:
         """Serve and catch up until every node we see is done and holds our state for ``SETTLE_CONFIRM_S``
         (or ``timeout``) seconds, so a node that still needs to download finds a donor. Records come
         by push (``done`` and versions go at once); the DHT is read every ``READ_EVERY_S`` for a lost
-        push (issue 13: a read and a store every second cost as much as the minute before)."""
+        push (a read and a store every second cost as much as the minute before:
+        docs/benchmarks/control_plane.md)."""
         end, agreed_at, read_at = time.monotonic() + timeout, math.inf, -math.inf
         while time.monotonic() < end:
             await self._publish(store=read_at == -math.inf)  # our record says done: stored once

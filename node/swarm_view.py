@@ -2,8 +2,8 @@
 heads record), shared by its readers: a round's rebase, the catch-up loop, settling, the alone
 watch, the audience of its gathering pushes and the schedule. Each DHT read of the records is a
 Kademlia traversal whose answers carry every node's record, so a reader that can use a read a
-second old takes the last one (``max_age``) instead of reading again (issue 13 of this project:
-the control plane)."""
+second old takes the last one (``max_age``) instead of reading again (the control
+plane's bytes: docs/benchmarks/control_plane.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Clock skew between volunteers (issue 15, item 9): the offset estimate (p2pdiloco.net.clock),
+"""Clock skew between volunteers (docs/operating.md, "Clocks"): the offset estimate (p2pdiloco.net.clock),
 hand-computed; and peers whose Python process runs with a shifted clock (libfaketime,
 LD_PRELOAD; their p2pd keeps the true time, as on a real machine whose daemon would not) that
 join, share DHT records and merge, or are refused naming their clock."""

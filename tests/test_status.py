@@ -1,4 +1,4 @@
-"""Operating a node (issue 5): `node status` over the control socket, `swarm status` from the
+"""Operating a node (docs/operating.md): `node status` over the control socket, `swarm status` from the
 DHT, the Prometheus endpoint, against a real bootstrap peer and a real node process.
 
 One node serves the whole module (started once, about 15 s); the last test SIGKILLs it.

@@ -1,4 +1,4 @@
-"""Stopping a node by signal (issue 15, item 8): a supervisor's SIGTERM to the node's whole
+"""Stopping a node by signal (docs/operating.md, "Start a node"): a supervisor's SIGTERM to the node's whole
 process group mid-round, and Ctrl+C while the node starts."""
 
 from __future__ import annotations

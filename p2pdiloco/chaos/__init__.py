@@ -1,4 +1,4 @@
-"""Chaos harness (issue 3): real node processes under a fault schedule, goodput measured.
+"""Chaos harness (docs/chaos.md): real node processes under a fault schedule, goodput measured.
 
 ``p2pdiloco chaos`` (:mod:`p2pdiloco.chaos.cli`) runs a bootstrap peer and N nodes, kills
 and restarts, freezes and thaws, and slows nodes down on a scripted or seeded random

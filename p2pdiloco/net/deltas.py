@@ -1,5 +1,5 @@
 """Catch-ups as deltas: a node a few versions behind on a fragment gets the rounds it missed,
-not the state (issue 13 of this project, item 2).
+not the state (docs/benchmarks/catchups.md).
 
 A state download carries Θ and the outer momentum in fp32, 8 bytes per parameter; a round's
 merged pseudo-gradient, as the wire carried it, 0.5 bytes per parameter in int4 (plus scales).

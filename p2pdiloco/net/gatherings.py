@@ -23,7 +23,7 @@ sample of the audience for each push). A receiver keeps each author's newest pus
 
 It used to be a DHT record under ``{run}/gathering`` that every learner polled twice a
 second, and every DHT read is a Kademlia traversal whose answers each carry every learner's
-announcement (issue 13 of this project: the control plane). A learner not yet in a peer's
+announcement (docs/benchmarks/control_plane.md). A learner not yet in a peer's
 records (it joined in the last few seconds) misses that peer's pushes and sends on its own
 schedule meanwhile.
 

@@ -9,7 +9,7 @@ minimum quorum K is reached and the grace window has passed (or everyone declare
 joined), then answers every joiner with the same member list, round ID and all-reduce
 shares (Decoupled DiLoCo, arXiv 2604.21428, sec. 3: minimum quorum and grace window).
 
-Declarations travel two ways (issue 13 of this project: every DHT read is a Kademlia
+Declarations travel two ways (docs/benchmarks/control_plane.md: every DHT read is a Kademlia
 traversal whose answers carry every declaration, about 9 kB among 5 peers):
 
 * **pushed**, when the node knows other learners (its records name some: the audience of

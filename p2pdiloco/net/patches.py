@@ -1,5 +1,5 @@
 """Pushed values as patches: a push carries only what changed since the value its receiver
-acknowledged last (issue 13 of this project: the control plane).
+acknowledged last (the control plane's bytes: docs/benchmarks/control_plane.md).
 
 A node pushes the same small value (its heads record, ``st.heads``; its gathering
 announcement, ``mm.gather``) to each peer again and again, and most fields do not change

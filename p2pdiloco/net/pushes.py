@@ -1,5 +1,5 @@
 """Pushing a node's newest small record to the learners it knows, instead of having them poll
-the DHT for it (issue 13 of this project: the control plane). A DHT read is a Kademlia
+the DHT for it (the control plane's bytes: docs/benchmarks/control_plane.md). A DHT read is a Kademlia
 traversal whose answers each carry every node's record (about 9 kB among 5 peers, measured in
 docs/benchmarks/control_plane.md); a push is one RPC of about 100-400 bytes to each learner.
 
@@ -15,8 +15,8 @@ longer than a round trip. A value can spare the peers that already know what cha
 (:meth:`Pusher.set`'s ``later``: the members of a round just committed, or of the group a
 leader just closed; ``quiet``: everyone, for a withdrawal that changes nothing a receiver
 does): they get it with the next change they do not know, at the first change ``max_defer``
-seconds after their last push, or once spared ``max_deferred`` changes in a row (issue 13:
-every push is a libp2p stream of about 0.9 kB on the wire, docs/benchmarks/control_plane.md).
+seconds after their last push, or once spared ``max_deferred`` changes in a row (every
+push is a libp2p stream of about 0.9 kB on the wire, docs/benchmarks/control_plane.md).
 A change that only refreshes figures (``set``'s ``beat``: a heads record whose versions,
 digests and settings are those of the last substantive change) is a heartbeat: a peer that
 holds the last substantive change gets it only ``beat_every`` seconds after its last push, so
@@ -58,8 +58,8 @@ def beat_period(audience: int) -> int:
     """Seconds between two heartbeats to one peer of a node that pushes to ``audience`` peers:
     ``records.BEAT_S`` (20), or more so that it sends ``BEATS_PER_S`` heartbeats a second at
     most in all (38 s at 15 peers, 160 s at ``MAX_AUDIENCE`` or more): a node's heartbeat bytes
-    stay bounded as the swarm grows (issue 13), and its heads record states the period
-    (``HeadsRecord.beat``, at most ``records.MAX_BEAT_S``)."""
+    stay bounded as the swarm grows (docs/benchmarks/background_scale.md), and its heads
+    record states the period (``HeadsRecord.beat``, at most ``records.MAX_BEAT_S``)."""
     return max(BEAT_S, math.ceil(min(audience, MAX_AUDIENCE) / BEATS_PER_S))
 
 

@@ -87,7 +87,8 @@ def digest(x: Any, what: str = "digest") -> str:
 
 def wire_digest(d: str) -> bytes:
     """The wire form of the node's digest ``d`` (64 hex digits): its 32 bytes, half the size
-    (issue 13: a digest is in most pushes and matchmaking calls). :func:`digest` reads it back.
+    (a digest is in most pushes and matchmaking calls: docs/benchmarks/control_plane.md).
+    :func:`digest` reads it back.
 
     Raises:
         ValueError: ``d`` is not hex (the node's own digests always are).
@@ -125,7 +126,7 @@ def members(x: Any) -> tuple[str, ...]:
 
 def wire_members(peers: Sequence[str]) -> list[bytes]:
     """The wire form of a member list of Ed25519 peer IDs: their public keys, 32 bytes each (the
-    peer ID inlines the key; its base58 text takes 52 characters, issue 13), which
+    peer ID inlines the key; its base58 text takes 52 characters), which
     :func:`members` reads back.
 
     Raises:

@@ -1,7 +1,8 @@
 """The server half of the RPC layer: every inbound request, on a stream of its own or in a
-session (:mod:`p2pdiloco.net.sessions`), is read, checked and answered here (issue 1: every
-input from a peer is hostile until parsed). Messages are framed as :mod:`p2pdiloco.net.framing`
-says; the caller's half is :meth:`p2pdiloco.net.transport.Swarm.call`.
+session (:mod:`p2pdiloco.net.sessions`), is read, checked and answered here (every
+input from a peer is hostile until parsed: docs/trust.md). Messages are framed as
+:mod:`p2pdiloco.net.framing` says; the caller's half is
+:meth:`p2pdiloco.net.transport.Swarm.call`.
 
 A server never buffers what it has not decided to accept: it reads a stream's header within
 ``HEADER_TIMEOUT`` seconds, checks the caller's membership and ``_n`` against the handler's

@@ -1,4 +1,4 @@
-"""Sessions: the small calls to one peer carried on one long-lived libp2p stream (issue 13).
+"""Sessions: the small calls to one peer carried on one long-lived libp2p stream.
 
 A call on a stream of its own pays, beyond its two messages, for opening the stream (yamux
 SYN, multistream-select negotiation of the protocol name) and for closing it in both

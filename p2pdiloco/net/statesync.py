@@ -13,7 +13,7 @@ otherwise (a heartbeat: ``st.heads``, ``net.pushes``; a patch of the record the 
 ``net.patches``), and stores it in the DHT every
 ``STORE_EVERY_S`` (:meth:`StateSync.publish`), for nodes that do not know it yet; readers
 reuse a DHT read with the newer pushes merged in (:meth:`StateSync.read_age`); after the
-first read, reads and stores visit ``NARROW_BEAM`` peers (issue 13: answers carry every record).
+first read, reads and stores visit ``NARROW_BEAM`` peers (every answer carries every record).
 A node that joins reads the DHT, pushes its record to every node it found there, and so enters
 their views (and audiences) at once; the DHT is how it finds them, not how they follow it.
 

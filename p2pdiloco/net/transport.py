@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_REPLY = sessions.MAX_MESSAGE  # bytes: reply payload a call accepts unless told otherwise (64 KiB: in a session)
 NARROW_BEAM = 5  # DHT peers a search keeps (hivemind's num_replicas: those that hold a value), instead of the
-# bucket size, 20, which at 16 nodes visits all of them, each answer carrying every record under the key (issue 13)
+# bucket size, 20, which at 16 nodes visits all of them, each answer carrying every record under the key
 
 class Swarm:
     """A peer's transport: daemon, DHT and framed RPCs. Create with :meth:`start`.

@@ -1,6 +1,6 @@
 """Prediction of a chaos run's goodput, for validating the simulator against the harness.
 
-The chaos harness (issue 3, ``p2pdiloco.chaos``) kills real nodes on a schedule; the
+The chaos harness (docs/chaos.md, ``p2pdiloco.chaos``) kills real nodes on a schedule; the
 simulator, given the same schedule, predicts the goodput the harness should measure. The
 two must agree within 5 points (tests/test_sim.py, skipped until the harness exists). The
 contract the harness is expected to meet is in docs/simulator.md ("Validation hook").
