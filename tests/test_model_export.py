@@ -181,7 +181,7 @@ def test_export_from_the_swarm_by_someone_who_never_trained(harness, tmp_path: P
     def settled() -> bool:
         sa, sb = _status(da), _status(db)
         return bool(sa and sb and sb.get("state") == "leaving" and sb.get("rounds_with_peers")
-                    and not sa.get("merging") and not sb.get("merging")
+                    and not sb.get("merging")  # a's rounds wait for b in vain: no quorum of 2
                     and sa.get("global_digest") == sb.get("global_digest"))
 
     wait_for(settled, 200, lambda: f"b settling at a's state: {_status(da)}, {_status(db)}", every=0.5,
