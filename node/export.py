@@ -156,18 +156,14 @@ def swarm_settings(args: argparse.Namespace) -> tuple[NodeConfig, str]:
 
 
 def _export_from_swarm(args: argparse.Namespace) -> int:
-    from p2pdiloco.cli import run_async  # noqa: PLC0415
+    import uvloop  # noqa: PLC0415
 
     from node.swarm_export import export_from_swarm  # noqa: PLC0415
 
     cfg, data_path = swarm_settings(args)
-    out = Path(args.out)
-
-    async def go() -> int:
-        _print_export(out, await export_from_swarm(cfg, data_path, out, wait=args.wait, candidates=args.candidates))
-        return 0
-
-    return run_async(go())
+    out = Path(args.out)  # errors reach p2pdiloco.cli's handler as from the data-dir export: one line
+    _print_export(out, uvloop.run(export_from_swarm(cfg, data_path, out, wait=args.wait, candidates=args.candidates)))
+    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -131,6 +131,17 @@ def test_refusals(trained, tmp_path: Path, capsys) -> None:
     assert main(["model", "export", "--data-dir", str(bare), "--out", str(tmp_path / "z"), *sets]) == 1
     capsys.readouterr()
 
+    # from the swarm: --initial-peers needs --run-id; one source only (usage errors, exit 2, no daemon)
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWAM1XnH6P5CbdqwPUmRnLqJBexe5WvUFZukqCyUBfCnvR"
+    assert main(["model", "export", "--initial-peers", peer, "--out", str(tmp_path / "s")]) == 2
+    assert "--run-id" in capsys.readouterr().err
+    assert main(["model", "export", "--initial-peers", peer, "--run-id", "r", "--candidates", "0",
+                 "--out", str(tmp_path / "s")]) == 2
+    with pytest.raises(SystemExit) as usage:
+        main(["model", "export", "--data-dir", str(data_dir), "--join", "x.manifest", "--out", str(tmp_path / "s")])
+    assert usage.value.code == 2 and not (tmp_path / "s").exists()
+    capsys.readouterr()
+
     # an export whose model file is not the one export.json describes
     (tmp_path / "y" / MODEL_FILE).write_bytes(b"\0" * 100)
     assert main(["model", "eval", "--model", str(tmp_path / "y")]) == 2
