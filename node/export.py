@@ -1,4 +1,5 @@
 """``p2pdiloco model export | eval | sample``: the model a node's data dir holds, taken out.
+(``model export --join``/``--initial-peers``: from the swarm itself, node/swarm_export.py.)
 
 ``export`` writes the swarm's global state Θ (every fragment at the version the node's
 checkpoint holds, not the node's local weights θ) as an export folder
@@ -11,6 +12,7 @@ or from ``--config``/``--set`` as ``node run`` takes them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -100,15 +102,67 @@ def export(data_dir: Path, out: Path, cfg: NodeConfig, data_path: str) -> dict[s
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.data_dir is None:
+        return _export_from_swarm(args)
     data_dir = Path(args.data_dir)
     if not data_dir.is_dir():
         raise ConfigError(f"--data-dir: {data_dir} is not a folder")
     if not checkpoint_path(data_dir).exists():  # before the settings: the likelier mistake
         raise NoCheckpoint.of(data_dir)
-    meta = export(data_dir, Path(args.out), *node_settings(data_dir, args.config, args.set))
+    _print_export(Path(args.out), export(data_dir, Path(args.out), *node_settings(data_dir, args.config, args.set)))
+    return 0
+
+
+def _print_export(out: Path, meta: dict[str, Any]) -> None:
     versions = ",".join(str(f["version"]) for f in meta["fragments"])
-    print(f"wrote {Path(args.out) / MODEL_FILE}: {meta['parameters']:,} parameters, {len(meta['fragments'])} "
-          f"fragments at versions {versions}, global digest {meta['global_digest']}")
+    loss = f", held-out loss {meta['heldout_loss']:.4f}" if "heldout_loss" in meta else ""
+    hf = f"; Hugging Face layout in {out / meta['hf']}" if "hf" in meta else ""
+    print(f"wrote {out / MODEL_FILE}: {meta['parameters']:,} parameters, {len(meta['fragments'])} "
+          f"fragments at versions {versions}, global digest {meta['global_digest']}{loss}{hf}")
+
+
+def swarm_settings(args: argparse.Namespace) -> tuple[NodeConfig, str]:
+    """The run's settings and the held-out text's path for an export from the swarm: from the
+    manifest of ``--join`` (its owner checked against the one pinned on this machine, its
+    initial peers added) with ``--config``/``--set`` as ``node run`` takes them, or from
+    ``--initial-peers``, ``--run-id`` and ``--config``/``--set``; ``--data`` else ``data.path``.
+    Raises ConfigError (usage, settings, a manifest of another owner) or NetworkError (no
+    initial peer reachable)."""
+    from p2pdiloco.net.addresses import check_any_reachable  # noqa: PLC0415
+
+    if not 1 <= args.candidates <= 64:
+        raise ConfigError(f"--candidates: must be in 1..64, got {args.candidates}")
+    if not 0 <= args.wait <= 3600:
+        raise ConfigError(f"--wait: must be in 0..3600 seconds, got {args.wait}")
+    overrides: dict[str, Any] = parse_overrides(args.set)
+    run = None
+    if args.join is not None:
+        from p2pdiloco import manifest, owners  # noqa: PLC0415
+
+        run = manifest.load(args.join)
+        owners.check(run.run_id, run.owner_id)
+        cfg = load_config(args.config, overrides=overrides, run=manifest.pinned(run),
+                          run_source=f"the manifest of run {run.run_id!r}")
+        peers = tuple(dict.fromkeys(cfg.swarm.initial_peers + run.initial_peers))
+    else:
+        if args.run_id is None:
+            raise ConfigError("--initial-peers needs --run-id (the run's name), or use --join MANIFEST")
+        cfg = load_config(args.config, overrides={**overrides, "swarm.run_id": args.run_id,
+                                                  "swarm.initial_peers": args.initial_peers})
+        peers = cfg.swarm.initial_peers
+    cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, initial_peers=peers))
+    check_any_reachable(cfg.swarm.initial_peers)
+    return cfg, cfg.data.path if args.data is None else args.data
+
+
+def _export_from_swarm(args: argparse.Namespace) -> int:
+    import uvloop  # noqa: PLC0415
+
+    from node.swarm_export import export_from_swarm  # noqa: PLC0415
+
+    cfg, data_path = swarm_settings(args)
+    out = Path(args.out)  # errors reach p2pdiloco.cli's handler as from the data-dir export: one line
+    _print_export(out, uvloop.run(export_from_swarm(cfg, data_path, out, wait=args.wait, candidates=args.candidates)))
     return 0
 
 

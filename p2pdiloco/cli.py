@@ -148,34 +148,6 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     show.add_argument("--json", action="store_true", help="print JSON (for scripts)")
 
 
-def _model_parser(sub: argparse._SubParsersAction) -> None:
-    model = sub.add_parser("model", help="the trained model: export it from a node's data dir, evaluate it, sample it")
-    msub = model.add_subparsers(dest="model_cmd", required=True, metavar="{export,eval,sample}")
-    export = msub.add_parser("export", help="write the swarm's global model held in a node's checkpoint",
-                             description="Write OUT/model.safetensors (the global parameters of every fragment at "
-                                         "the versions the node's checkpoint holds, fp32), OUT/config.json (the "
-                                         "model settings and run seed) and OUT/export.json (versions, digests). "
-                                         "Exit 2 with one line when the data dir holds no checkpoint.")
-    export.add_argument("--data-dir", required=True, help="the node's --data-dir (running or stopped)")
-    export.add_argument("--out", required=True, help="folder to write the export to (made if missing)")
-    export.add_argument("--config", type=Path, default=None,
-                        help="the node's TOML config (default: node-config.json the node wrote in its data dir)")
-    export.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="a node setting, as for node run (instead of node-config.json)")
-    ev = msub.add_parser("eval", help="held-out loss of an exported model (nats/byte and bits/byte)")
-    ev.add_argument("--model", required=True, metavar="EXPORT_DIR", help="a folder written by model export")
-    ev.add_argument("--data", default=None, metavar="PATH",
-                    help="text file or folder whose held-out split to use (default: what the node trained on)")
-    ev.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-    sample = msub.add_parser("sample", help="text written by an exported model after a prompt")
-    sample.add_argument("--model", required=True, metavar="EXPORT_DIR", help="a folder written by model export")
-    sample.add_argument("--prompt", default="", help="text to continue (default: none)")
-    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate (default 200)")
-    sample.add_argument("--temperature", type=float, default=0.8,
-                        help="sampling temperature (default 0.8; 0: always the most likely byte)")
-    sample.add_argument("--seed", type=int, default=0, help="random seed: the same text for the same seed (default 0)")
-
-
 def _pin_owner(m: Any) -> bool:
     """Pin the owner of manifest ``m`` for its run on first use (:mod:`p2pdiloco.owners`), saying
     so on stderr; returns whether it was new. Raises ConfigError: the run is pinned to another
@@ -525,7 +497,9 @@ def _parser() -> argparse.ArgumentParser:
     _node_parser(sub)
     _swarm_parser(sub)
     _run_parser(sub)
-    _model_parser(sub)
+    from p2pdiloco.model_cli import add_model_parser  # noqa: PLC0415
+
+    add_model_parser(sub)
     boot = sub.add_parser("bootstrap", help="run a bootstrap peer (DHT only) and print its multiaddrs")
     from bootstrap.main import add_arguments  # noqa: PLC0415
 

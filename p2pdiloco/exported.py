@@ -11,7 +11,11 @@ An export folder (``p2pdiloco model export``, node/export.py) holds:
   heldout_fraction, max_bytes, batch_size, eval_batches}}``: enough to rebuild the module
   (:func:`p2pdiloco.model.build_model`) and the nodes' held-out batches;
 * ``export.json``: per fragment its version and digest, the global digest, the sha256 of
-  ``model.safetensors`` (a copy that does not match is refused on load).
+  ``model.safetensors`` (a copy that does not match is refused on load);
+* ``hf/`` (a transformers model only: ``model.factory`` building a ``transformers.PreTrainedModel``,
+  e.g. ``p2pdiloco.models.hf:llama``): the same weights in Hugging Face's layout (its own
+  ``config.json`` and ``model.safetensors``, by ``save_pretrained``), which
+  ``transformers.AutoModelForCausalLM.from_pretrained(OUT / "hf")`` loads without p2pdiloco.
 
 Tokens are raw bytes (:mod:`p2pdiloco.data`); generation emits bytes.
 """
@@ -22,6 +26,9 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
+import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +48,10 @@ from p2pdiloco.errors import ConfigError
 from p2pdiloco.model import build_model
 from p2pdiloco.model_config import ModelConfig
 
-__all__ = ["MODEL_FILE", "CONFIG_FILE", "EXPORT_FILE", "FORMAT", "settings_config", "data_path_of", "read_json", "load_global",
-           "write_export", "Exported", "load_export", "heldout_of", "generate"]
+__all__ = ["MODEL_FILE", "CONFIG_FILE", "EXPORT_FILE", "FORMAT", "HF_DIR", "settings_config", "data_path_of", "read_json", "load_global",
+           "write_export", "write_hf", "Exported", "load_export", "heldout_of", "generate"]
 
-MODEL_FILE, CONFIG_FILE, EXPORT_FILE = "model.safetensors", "config.json", "export.json"
+MODEL_FILE, CONFIG_FILE, EXPORT_FILE, HF_DIR = "model.safetensors", "config.json", "export.json", "hf"
 FORMAT = 1
 EVAL_FIELDS = ("heldout_fraction", "max_bytes", "batch_size", "eval_batches")  # the held-out batches' settings
 MAX_JSON_BYTES = 1 << 20  # config.json, export.json, node-config.json
@@ -125,17 +132,45 @@ def write_export(out: Path, model: nn.Module, cfg: NodeConfig, data_path: str,
     """Write ``out``/model.safetensors (``model.state_dict()`` as fp32 CPU tensors, tied
     aliases as their own copies: safetensors stores no shared tensors), config.json (from
     ``cfg``, and ``data_path``: the text the node trained on) and export.json (``info`` plus ``format`` and ``model_sha256``), each atomically,
-    export.json last. Returns export.json's content. Raises OSError."""
+    export.json last; for a transformers model, ``out``/hf first (:func:`write_hf`). Returns
+    export.json's content. Raises OSError."""
     tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous().clone()
                for k, v in model.state_dict().items()}
     blob = safetensors.torch.save(tensors, metadata={"format": "pt"})
     config = {"format": FORMAT, "seed": cfg.seed, "model": dataclasses.asdict(cfg.model),
               "data": {"path": data_path, **{k: getattr(cfg.data, k) for k in EVAL_FIELDS}}}
     meta = {"format": FORMAT, **info, "model_sha256": hashlib.sha256(blob).hexdigest()}
+    if write_hf(out / HF_DIR, model):
+        meta["hf"] = HF_DIR
     for name, data in ((MODEL_FILE, blob), (CONFIG_FILE, json.dumps(config, indent=1).encode()),
                        (EXPORT_FILE, json.dumps(meta, indent=1).encode())):  # a model to share: readable by all
         write_bytes_atomic(out / name, data, mode=0o644)
     return meta
+
+
+def write_hf(folder: Path, model: nn.Module) -> bool:
+    """When ``model`` wraps a transformers model (``FactoryModel.net`` is a
+    ``transformers.PreTrainedModel``), write it with its ``save_pretrained`` (safetensors, fp32)
+    into a fresh temporary folder next to ``folder`` and rename that to ``folder`` (a previous
+    export there is replaced whole); returns whether it wrote. Other models: nothing, False.
+    Raises OSError."""
+    hf = sys.modules.get("transformers")  # imported by the factory of a transformers model, else absent
+    net = getattr(model, "net", None)
+    if hf is None or not isinstance(net, hf.PreTrainedModel):
+        return False
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        net.save_pretrained(tmp, safe_serialization=True)
+        for f in tmp.iterdir():
+            f.chmod(0o644)  # a model to share: readable by all (mkdtemp's files and folder are private)
+        tmp.chmod(0o755)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
 
 
 @dataclass(frozen=True)

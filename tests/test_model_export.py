@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from node.checkpoint import NODE_CONFIG, save_checkpoint, save_node_config
 from node.committed import global_digest
 from node.setup import Setup
 
-from tests.conftest import TINY
+from tests.conftest import TINY, wait_for
 
 
 def _text(path: Path) -> Path:
@@ -130,6 +131,17 @@ def test_refusals(trained, tmp_path: Path, capsys) -> None:
     assert main(["model", "export", "--data-dir", str(bare), "--out", str(tmp_path / "z"), *sets]) == 1
     capsys.readouterr()
 
+    # from the swarm: --initial-peers needs --run-id; one source only (usage errors, exit 2, no daemon)
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWAM1XnH6P5CbdqwPUmRnLqJBexe5WvUFZukqCyUBfCnvR"
+    assert main(["model", "export", "--initial-peers", peer, "--out", str(tmp_path / "s")]) == 2
+    assert "--run-id" in capsys.readouterr().err
+    assert main(["model", "export", "--initial-peers", peer, "--run-id", "r", "--candidates", "0",
+                 "--out", str(tmp_path / "s")]) == 2
+    with pytest.raises(SystemExit) as usage:
+        main(["model", "export", "--data-dir", str(data_dir), "--join", "x.manifest", "--out", str(tmp_path / "s")])
+    assert usage.value.code == 2 and not (tmp_path / "s").exists()
+    capsys.readouterr()
+
     # an export whose model file is not the one export.json describes
     (tmp_path / "y" / MODEL_FILE).write_bytes(b"\0" * 100)
     assert main(["model", "eval", "--model", str(tmp_path / "y")]) == 2
@@ -150,3 +162,60 @@ def test_demo_samples_fit_80_columns(trained) -> None:
     assert "versions 3,5" in lines[trained_at]
     assert lines[initial + 1:trained_at] != lines[trained_at + 1:]
     assert lines[initial + 1].startswith("  | def ") and lines[trained_at + 1].startswith("  | def ")
+
+
+def _status(d: Path) -> dict | None:
+    try:
+        return json.loads((d / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_export_from_the_swarm_by_someone_who_never_trained(harness, tmp_path: Path) -> None:
+    """Two real nodes of a run that merge only in pairs (min_quorum 2): once one has spent its
+    budget (it leaves, serving while it settles, as the other trains on), their global state no longer
+    moves. A third process that never trained exports it from the swarm: the same global
+    digest as both nodes report at the end, and plain torch on the safetensors gives their
+    held-out loss of that state."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    corpus = _text(tmp_path / "corpus.py")
+    settings = {**TINY, "data.path": str(corpus), "outer.min_quorum": "2", "data.num_shards": "1",
+                "data.shard_index": "0"}
+    maddr = harness.bootstrap()
+    (a, da), (b, db) = (harness.node(maddr, "a", settings, "--max-steps", "100000"),
+                        harness.node(maddr, "b", settings, "--max-steps", "160", "--set", "settle=240"))
+
+    def settled() -> bool:
+        sa, sb = _status(da), _status(db)
+        return bool(sa and sb and sb.get("state") == "leaving" and sb.get("rounds_with_peers")
+                    and not sb.get("merging")  # a's rounds wait for b in vain: no quorum of 2
+                    and sa.get("global_digest") == sb.get("global_digest"))
+
+    wait_for(settled, 200, lambda: f"b settling at a's state: {_status(da)}, {_status(db)}", every=0.5,
+             tick=harness.track_daemons)
+    out = tmp_path / "export"
+    sets = [x for k, v in settings.items() for x in ("--set", f"{k}={v}")]
+    done = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "model", "export", "--initial-peers", maddr,
+                           "--run-id", "test", "--out", str(out), *sets], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads((out / EXPORT_FILE).read_text())
+    assert info["global_digest"] in done.stdout and info["source"] == "swarm run test"
+    a.send_signal(signal.SIGTERM)  # a leaves; b, settled with a done, leaves too
+    for proc, d in ((a, da), (b, db)):
+        assert harness.wait(proc, 120, d / "node.log") == 0
+    reports = [json.loads((d / "report.json").read_text()) for d in (da, db)]
+    assert {r["global_digest"] for r in reports} == {info["global_digest"]}, [r["fragments"] for r in reports]
+    assert [[f["version"], f["digest"][:len(r)]] for f, (_, r) in zip(info["fragments"], reports[1]["fragments"])] \
+        == reports[1]["fragments"]
+    cfg = load_config(None, env={}, overrides=settings)
+    model = build_model(cfg.model, cfg.seed)
+    model.load_state_dict(safetensors.torch.load_file(out / MODEL_FILE), strict=True)
+    from p2pdiloco.exported import heldout_of  # noqa: PLC0415
+
+    assert abs(evaluate(model, heldout_of(cfg, str(corpus))) - reports[1]["end_loss"]) <= 1e-5
+    assert abs(info["heldout_loss"] - reports[1]["end_loss"]) <= 1e-5
