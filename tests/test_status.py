@@ -367,8 +367,10 @@ def test_reachability_and_views_of_crafted_records():
     by_name = {p["name"]: p for p in view["peers"]}
     assert by_name["n0"]["behind"] == [] and by_name["n1"]["behind"] == [1]
     assert by_name["n1"]["last_seen_s"] == 30.0 and by_name["n0"]["versions"] == [3, 2]
-    # the run's progress: the most tokens any record's states count, the live nodes' rate
-    assert view["progress"] == {"tokens": 10000, "tokens_per_s": 5.0, "shares": {peer_a: 0.6, peer_b: 0.4}}
+    # the run's progress: the median-high of the records' counts, the live nodes' rate; each
+    # node's share of the tokens merged into its own states (what its `node status` shows)
+    assert view["progress"] == {"tokens": 10000, "tokens_per_s": 5.0, "shares": {peer_a: 0.6, peer_b: 0.5}}
+    assert by_name["n1"]["share"] == 0.5 and by_name["n0"]["status"] == ["newest", "newest"]
     # a node's own figures: 5000 of a 20000-token target at 50 tokens/s: 25 %, 300 s left
     live = {peer_a: parse_heads(records[peer_a] | {"tps": 50.0})}
     assert progress(5000, 1000.0, 20000, swarm_rate(live)) == {"tokens": 5000, "target_tokens": 20000, "done": 0.25,
