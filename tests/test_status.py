@@ -411,3 +411,33 @@ def test_node_without_data_dir_gets_a_private_socket_and_stale_ones_are_swept():
         assert not server.path.parent.exists()
 
     asyncio.run(go())
+
+
+def test_the_demo_result_fits_80_columns_with_whole_digests_and_the_clock(monkeypatch):
+    """The demo's result at 80 columns: every line fits, and each node's whole 16-hex global
+    digest is printed (the README has the reader compare them); where they differ, the
+    fragments' 12-hex digests follow. The live title's clock: no estimate before a node trains,
+    then at most --duration."""
+    from rich.console import Console
+
+    from node import demo_view
+
+    def report(name: str, digest: str, frag: str, v: int = 163) -> dict:
+        return {"name": name, "start_loss": 5.388, "end_loss": 1.296, "end_bits_per_byte": 1.87, "tokens": 1234567,
+                "rounds_committed": 164, "catchups": 12, "rounds_with_peers": 160, "global_digest": digest,
+                "fragments": [[v, frag * 64], [164, frag * 64], [v, frag * 64], [164, frag * 64]]}
+
+    reports = [report("node0", "9934eb4392eaaf9b", "a"), report("node1", "9934eb4392eaaf9b", "a"),
+               report("node2", "0123456789abcdef", "b", 165)]
+    console = Console(width=80, record=True, color_system=None)
+    monkeypatch.setattr(demo_view, "console", console)
+    assert demo_view.final_table(reports, [0, 0, 0]) is False  # node2 holds other fragments: I1 broken
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert text.count("9934eb4392eaaf9b") == 2 and "0123456789abcdef" in text
+    assert "165:" + "b" * 12 in demo_view.digest_lines(reports)
+    assert "163:" not in demo_view.digest_lines(reports[:2])  # equal digests: no fragment lines
+    clock = demo_view.Clock(100.0)
+    assert clock.left([{"state": "joining", "step": 0}]) is None
+    left = clock.left([{"state": "training", "step": 3}])
+    assert left is not None and 99.0 < left <= 100.0
