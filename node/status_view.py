@@ -358,19 +358,25 @@ async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.
     """
     from p2pdiloco.net.transport import Swarm  # noqa: PLC0415  (imports hivemind)
 
+    from p2pdiloco.manifest import published  # noqa: PLC0415
+
     swarm = await Swarm.start(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         end = time.monotonic() + wait
         records: dict[str, Any] = {}
-        while True:
-            records = await swarm.get(f"{run_id}/heads")
-            if records or time.monotonic() >= end:
-                break
-            await asyncio.sleep(1.0)
+        # the manifest's DHT search runs beside the records' (each a Kademlia traversal), not after it
+        manifest = asyncio.ensure_future(swarm.get(f"{run_id}/manifest"))
+        try:
+            while True:
+                records = await swarm.get(f"{run_id}/heads")
+                if records or time.monotonic() >= end:
+                    break
+                await asyncio.sleep(1.0)
+            stored = await manifest
+        finally:
+            manifest.cancel()
         view = summarize_swarm(run_id, records, swarm.clock.now())
-        from p2pdiloco.manifest import published  # noqa: PLC0415
-
-        m = published(await swarm.get(f"{run_id}/manifest"), owner)
+        m = published(stored, owner)
         view["owner"] = owner
         view["manifests"] = [] if m is None else [{"digest": m.digest, "owner": m.owner_id,
                                                    "target_tokens": m.target_tokens}]

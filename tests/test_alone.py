@@ -37,7 +37,7 @@ def test_a_node_merging_with_nobody_shows_state_alone_with_the_reason(harness):
     other's record, can never merge with it, and says "other_settings"; n2 has another run id
     and sees no node of its run: "no_peers"; n3, started with no initial peers at all, "started_alone".
     All four within a few seconds of `alone_after`, and their reports count no round with another
-    node; stopped by a signal, each exits 0.
+    node; stopped by a signal, each exits 0."""
     maddr = harness.bootstrap()
     base = {**TINY, "alone_after": "4", "settle": "0"}
     nodes = {
@@ -89,3 +89,33 @@ def test_a_node_that_reaches_nobody_says_so_from_the_start_and_exits_3(harness):
         assert report["exit_code"] == code and report["rounds_with_peers"] == 0, name
         assert report["alone"]["reason"] == reason, report["alone"]
     assert "outer.min_quorum" in read_report(nodes["quorum"][0][1])["alone"]["detail"]
+
+
+def test_the_verdicts_made_from_the_first_seconds_and_the_exit_code():
+    """node.alone.AloneWatch on its own: the verdicts that need no `alone_after` wait, their
+    clearing once nodes of the run are seen, and the exit code at the end of a run."""
+    from node.alone import NEVER_MERGED_EXIT, AloneWatch
+
+    solo = AloneWatch(600, "r", "t", meant_to_join=False)
+    solo.started()
+    assert solo.alone.reason == "started_alone"
+    assert solo.exit_code(0, budget_ended=True) == 0  # alone on purpose
+    joiner = AloneWatch(600, "r", "t", min_quorum=1)
+    joiner.started()
+    assert joiner.alone is None
+    joiner.check(0, {}, read=False)  # nothing read yet: no verdict
+    assert joiner.alone is None
+    joiner.check(0, {})
+    assert joiner.alone.reason == "no_peers"
+    joiner.check(1, {})  # a node of the run seen: it gets alone_after to merge
+    assert joiner.alone is None
+    assert joiner.exit_code(0, budget_ended=True) == NEVER_MERGED_EXIT == 3
+    assert joiner.exit_code(0, budget_ended=False) == 0 and joiner.exit_code(2, budget_ended=True) == 0
+    quorum = AloneWatch(600, "r", "t", min_quorum=3)
+    quorum.started()
+    quorum.check(1, {})
+    assert quorum.alone.reason == "quorum" and "outer.min_quorum" in quorum.alone.detail
+    quorum.check(2, {})
+    assert quorum.alone is None
+    quorum.merged()
+    assert quorum.alone is None
