@@ -111,7 +111,8 @@ def running(tmp_path_factory):
                 snap = query(str(d / "control.sock"), timeout=2)
             except ControlUnreachable:
                 snap = {}
-            return snap.get("state") == "training" and snap.get("rounds_committed", 0) >= 2 \
+            # the only node of its run: "alone" from the first seconds (node.alone, reason no_peers)
+            return snap.get("state") == "alone" and snap.get("rounds_committed", 0) >= 2 \
                 and bool(snap.get("swarm")) and snap.get("tokens_per_s", 0) > 0
 
         try:  # about 10 s on an idle 2-core machine
@@ -140,7 +141,8 @@ def test_status_json_has_every_field_and_sane_values(running):
     assert set(s) == set(schema), (set(schema) - set(s), set(s) - set(schema))
     assert all(conforms(s[k], t) for k, (t, _) in schema.items()), {k: s[k] for k, (t, _) in schema.items()
                                                                      if not conforms(s[k], t)}
-    assert s["name"] == "n0" and s["run_id"] == "test" and s["state"] in ("training", "catching up")
+    assert s["name"] == "n0" and s["run_id"] == "test" and s["state"] == "alone"
+    assert s["alone"]["reason"] == "no_peers" and s["progress"]["share"] == 1.0
     assert s["pid"] == running.proc.pid
     daemon = psutil.Process(s["p2pd_pid"])
     assert daemon.name() == "p2pd" and daemon.ppid() == running.proc.pid
@@ -175,7 +177,7 @@ def test_status_human_output_and_watch(running):
     out = result.stdout
     snap = query(str(running.dir / "control.sock"))
     for needle in ("state", "training", "peer ID", snap["peer_id"], "addresses", "reachability", "loopback only",
-                   "warning", "--host 0.0.0.0", "swarm", "1 node with a live record", "up to date", "tokens/s",
+                   "warning", "--host 0.0.0.0", "swarm", "1 node with a live record", "merging with no other node", "tokens/s",
                    "held-out", "rounds", "committed", "rejected", "traffic", "p2pd pid", "uptime", "fragments",
                    "swarm newest", "recent rounds"):
         assert needle in out, f"{needle!r} missing from:\n{out}"
@@ -201,7 +203,7 @@ def test_metrics_endpoint_serves_the_figures(running):
                  "p2pdiloco_bytes_received_total", 'p2pdiloco_rounds_total{outcome="committed"}',
                  'p2pdiloco_rounds_total{outcome="failed"}', 'p2pdiloco_fragment_version{fragment="0"}',
                  'p2pdiloco_swarm_fragment_version{fragment="1"}', "p2pdiloco_swarm_peers",
-                 'p2pdiloco_state{state="training"}', "p2pdiloco_uptime_seconds"):
+                 'p2pdiloco_state{state="alone"}', "p2pdiloco_uptime_seconds"):
         assert name in values, f"{name} missing:\n{text}"
     assert values["p2pdiloco_inner_step"] > 0 and values['p2pdiloco_rounds_total{outcome="committed"}'] >= 2
     assert values["p2pdiloco_swarm_peers"] == 1
@@ -216,7 +218,8 @@ def test_swarm_status_lists_the_node_and_leaves(running):
     assert result.returncode == 0, result.stderr
     view = json.loads(result.stdout)
     (rec,) = [p for p in view["peers"] if p["peer_id"] == peer]
-    assert rec["name"] == "n0" and rec["state"] == "training" and not rec["done"]
+    assert rec["name"] == "n0" and rec["state"] == "alone" and not rec["done"]
+    assert rec["share"] == 1.0 and rec["status"] == ["newest", "newest"]  # as its node status counts them
     assert rec["step"] > 0 and rec["tokens_per_s"] > 0 and 0 < rec["loss"] < 10
     assert len(rec["versions"]) == 2 and all(v >= 1 for v in rec["versions"])
     assert 0 <= rec["last_seen_s"] < 60
