@@ -103,8 +103,7 @@ class Node:
         self._resumed: Resumed | None = None  # from a local checkpoint
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self._stepped: set[int] = set()  # fragments with an own outer step from a round of ours (StateSync.own_step)
-        self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag, out.min_quorum,  # no silent solo
-                               meant_to_join=bool(self.cfg.swarm.initial_peers))
+        self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag, out.min_quorum, bool(self.cfg.swarm.initial_peers))
         self.done = False
 
     # ---- lifecycle ------------------------------------------------------------------------
