@@ -87,9 +87,10 @@ class AloneWatch:
         records; ``other_settings``: {peer ID: its settings} of nodes of the run that state
         other ones (``StateSync.other_settings``); ``advice``: set when peers cannot dial this
         node (``Reachability.advice``: behind NAT without a relay slot); ``read``: the records
-        were read at least once (before that, only the verdicts that need no read are made)."""
+        were read at least once (before that, only the verdicts that need no read are made).
+        The first call starts the clock (:meth:`started`) when nothing did."""
         if self.last_merged is None:
-            return
+            self.started()
         quiet = time.time() - self.last_merged
         run, since = self.run_id, self.last_merged
         if read and self.min_quorum > others_seen + 1:

@@ -135,7 +135,7 @@ class Node:
         if self._interrupted:  # stopped while joining
             self.training.stop.set()
         self.stats.state = "training"
-        self.solo.started()
+        await self._alone_step()  # training began: the alone clock starts, with its first verdict
         out = self.cfg.outer
         async with asyncio.TaskGroup() as tg:
             self._rounds = tg
