@@ -34,7 +34,7 @@ from node.checkpoint import save_node_config
 from node.committed import global_digest
 from node.control import ControlServer, start_metrics
 from node.runtime import Node
-from node.status_view import progress, swarm_rate
+from node.status_view import RECORD_RPC, progress, swarm_rate
 from node.setup import Setup
 from node.swarm_view import fragment_status
 from node.vetting import trusted_records
@@ -112,6 +112,21 @@ class SwarmView:
             "behind": [f["fragment"] for f in frags if f["status"] == "behind"],
             "read_age_s": _num(now - self.read_at, 1) if self.read_at else None,
         }, frags
+
+
+async def serve_record(node: Node, swarm: Swarm) -> None:
+    """Answer ``st.record`` with this node's heads record as it stands (its states, figures,
+    protocol tag, the swarm's time): ``swarm status`` asks every node whose record it finds in
+    the DHT, where a node stores its record every ``STORE_EVERY_S`` (300 s) only, so the two
+    views read the same figures. The transport authenticates the answering peer, so a reader
+    takes the answer as that peer's own record; the request carries nothing."""
+
+    async def on_record(peer: str, header: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
+        record = HeadsRecord(tuple((s.version, s.digest) for s in node.committed), t=swarm.clock.now(),
+                             tag=node.sync.tag, **node.record())
+        return {"r": record.to_wire(), "run": node.cfg.swarm.run_id}, b""
+
+    await swarm.add_handler(RECORD_RPC, on_record)
 
 
 def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None = None,
@@ -370,6 +385,7 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
     node = Node(setup, swarm)
     node.solo.joined = manifest is not None  # "alone" advice for a joiner of an existing run
     view = SwarmView()
+    await serve_record(node, swarm)
     board.current = lambda: snapshot(node, swarm, maddrs, view, board.extra())
     loop = asyncio.get_running_loop()
     signalled: list[bool] = []  # a supervisor stopped the node: it did not end at its budget

@@ -345,6 +345,40 @@ def render_swarm(view: dict[str, Any]) -> RenderableType:
     return Group(t, *notes)
 
 
+RECORD_RPC = "st.record"  # a node's record as it stands now (node.main.serve_record)
+ASK_AT_MOST, ASK_TIMEOUT_S = 64, 3.0  # nodes asked for their current record, seconds for all answers
+
+
+async def _fresh_records(swarm: Any, run_id: str, stored: dict[str, Any]) -> dict[str, Any]:
+    """``stored`` (the DHT's {peer ID: record}, each up to ``STORE_EVERY_S`` old) with the
+    record each of up to ``ASK_AT_MOST`` of those peers gives for itself now (``st.record``,
+    ``node.main.serve_record``), where it parses and is newer; a peer that does not answer
+    within ``ASK_TIMEOUT_S`` keeps its stored record. The answer is bounded by the transport's
+    reply limit and parsed at the one boundary (``net.records.parse_heads``)."""
+    from p2pdiloco.errors import P2PDilocoError, ProtocolError  # noqa: PLC0415
+    from p2pdiloco.net.records import parse_heads  # noqa: PLC0415
+    from p2pdiloco.trust.identity import is_peer_id  # noqa: PLC0415
+
+    async def ask(peer: str) -> tuple[str, Any] | None:
+        try:
+            reply, _ = await swarm.call(peer, RECORD_RPC, {}, timeout=ASK_TIMEOUT_S)
+            if not isinstance(reply, dict) or reply.get("run") != run_id:
+                return None
+            new = parse_heads(reply.get("r"), None)
+        except (P2PDilocoError, ProtocolError):
+            return None
+        try:
+            if parse_heads(stored[peer], None).t > new.t:
+                return None
+        except ProtocolError:
+            pass
+        return peer, reply["r"]
+
+    peers = [p for p in stored if is_peer_id(p) and p != swarm.peer_id][:ASK_AT_MOST]
+    answers = await asyncio.gather(*(ask(p) for p in peers))
+    return {**stored, **dict(a for a in answers if a is not None)}
+
+
 async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.0,
                      owner: str | None = None) -> dict[str, Any]:
     """Join the DHT as a light peer (no model, no training), read ``{run}/heads`` until it is
@@ -375,6 +409,7 @@ async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.
             stored = await manifest
         finally:
             manifest.cancel()
+        records = await _fresh_records(swarm, run_id, records)
         view = summarize_swarm(run_id, records, swarm.clock.now())
         m = published(stored, owner)
         view["owner"] = owner

@@ -213,13 +213,17 @@ def test_metrics_endpoint_serves_the_figures(running):
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_swarm_status_lists_the_node_and_leaves(running):
-    peer = query(str(running.dir / "control.sock"))["peer_id"]
-    result, _ = cli("swarm", "status", "--initial-peers", running.maddr, "--run-id", "test", "--json")
+    before = query(str(running.dir / "control.sock"))
+    peer = before["peer_id"]
+    result, elapsed = cli("swarm", "status", "--initial-peers", running.maddr, "--run-id", "test", "--json")
     assert result.returncode == 0, result.stderr
     view = json.loads(result.stdout)
     (rec,) = [p for p in view["peers"] if p["peer_id"] == peer]
     assert rec["name"] == "n0" and rec["state"] == "alone" and not rec["done"]
     assert rec["share"] == 1.0 and rec["status"] == ["newest", "newest"]  # as its node status counts them
+    # the node's record as it stands (st.record), not the DHT's copy, stored every 300 s
+    assert all(v >= b for v, (b, _) in zip(rec["versions"], before["fragments"])), (rec, before["fragments"])
+    assert rec["step"] >= before["step"] and elapsed < 30
     assert rec["step"] > 0 and rec["tokens_per_s"] > 0 and 0 < rec["loss"] < 10
     assert len(rec["versions"]) == 2 and all(v >= 1 for v in rec["versions"])
     assert 0 <= rec["last_seen_s"] < 60
