@@ -46,7 +46,7 @@ class Clock:
             return None
         left = max(0.0, self.duration - (now - self.trained_at))
         steps = [s.get("step", 0) for s in statuses]
-        if self.max_steps and min(steps) > 0 and now > self.trained_at:
+        if self.max_steps and steps and min(steps) > 0 and now > self.trained_at:
             left = min(left, max(0.0, (self.max_steps - min(steps)) * (now - self.trained_at) / min(steps)))
         return left
 
