@@ -131,8 +131,10 @@ class AloneWatch:
             log.warning("training alone, contributing to nobody: %s", alone.detail)
         self.alone = alone
 
-    def exit_code(self, rounds_with_peers: int, budget_ended: bool) -> int:
+    def exit_code(self, reached: int, budget_ended: bool) -> int:
         """The node's exit code at its end: ``NEVER_MERGED_EXIT`` when it was meant to join a
-        swarm, ran to the end of its budget (not stopped by a signal) and merged with no other
-        node; else 0 (a node started alone on purpose, or stopped by its supervisor)."""
-        return NEVER_MERGED_EXIT if self.meant_to_join and budget_ended and not rounds_with_peers else 0
+        swarm, ran to the end of its budget (not stopped by a signal) and reached no other node
+        (``reached``: rounds committed with another member, plus rounds merged without its
+        contribution that it took, plus states it took from peers: 0 means it trained on its
+        own); else 0 (a node started alone on purpose, or stopped by its supervisor)."""
+        return NEVER_MERGED_EXIT if self.meant_to_join and budget_ended and not reached else 0

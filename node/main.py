@@ -435,7 +435,8 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
     board.current = lambda: {**report, **board.extra()}
     log.info("%s done: held-out loss %.3f -> %.3f nats/byte, %d rounds, digest %s",
              name, start, final, node.stats.rounds_committed, report["global_digest"])
-    report["exit_code"] = node.solo.exit_code(report["rounds_with_peers"], budget_ended=not signalled)
+    reached = report["rounds_with_peers"] + report["rounds_excluded"] + report["catchups"]  # followed the swarm: not alone
+    report["exit_code"] = node.solo.exit_code(reached, budget_ended=not signalled)
     if not report["rounds_with_peers"]:
         log.warning("%s never merged with another node: its training reached nobody%s", name,
                     f" ({node.solo.alone.detail})" if node.solo.alone else "")

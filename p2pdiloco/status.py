@@ -130,7 +130,8 @@ class Report(Status):
     end_bits_per_byte: Annotated[float, "end_loss in bits/byte"]
     heldout_history: Annotated[list[list[float]], "[inner step, held-out loss] at each evaluation"]
     exit_code: Annotated[int, "the node's exit code: 0, or 3 when it was given peers to join, ran to the end of its "
-                              "budget and merged with no other node"]
+                              "budget and reached no other node (no round with one, none taken without its "
+                              "contribution, no state from one)"]
 
 
 def keys(schema: type) -> dict[str, tuple[Any, Doc]]:
