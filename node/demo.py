@@ -77,7 +77,7 @@ def _print_samples(data_dirs: list[Path], cfg: typing.Any, prompt: str) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from node.demo_view import final_table, live_view  # noqa: PLC0415
+    from node.demo_view import Clock, final_table, live_view  # noqa: PLC0415
 
     from p2pdiloco.config import load_config, parse_overrides, topk2_note  # noqa: PLC0415
     from p2pdiloco.errors import ConfigError  # noqa: PLC0415
@@ -119,7 +119,7 @@ def run_demo(args: argparse.Namespace) -> int:
             for old in ("node.log", "status.json", "report.json"):  # a reused --workdir: this run's files only
                 (d / old).unlink(missing_ok=True)
             nodes.append((children.start(argv, d / "node.log", f"node{i}"), d))
-        live_view(nodes, quiet=args.quiet)
+        live_view(nodes, quiet=args.quiet, clock=Clock(args.duration, args.max_steps or 0))
         reports = [read_status(d / "report.json") for _, d in nodes]
         codes = [p.returncode for p, _ in nodes]
         ok = final_table(reports, codes, [_last_line(d / "node.log") for _, d in nodes])

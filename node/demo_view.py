@@ -22,9 +22,46 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None or x != x else format(x, spec)
 
 
-def _live_table(nodes: list[tuple[Proc, Path]]) -> Table:
-    t = Table(title="p2pdiloco demo: live")
-    for col in ("node", "state", "inner step", "tokens/s", "loss", "held-out", "rounds", "last round", "versions"):
+class Clock:
+    """The demo's elapsed time and an estimate of the time left (seconds).
+
+    Each node trains for ``duration`` seconds (``--duration``) from when it starts training, or
+    until ``max_steps`` inner steps (``--max-steps``, 0: none); the estimate runs from the first
+    status that shows a node past "starting" and "joining", and with ``max_steps`` takes the
+    earlier of the two ends at the slowest node's step rate. None until a node trains."""
+
+    def __init__(self, duration: float, max_steps: int = 0) -> None:
+        self.duration, self.max_steps = duration, max_steps
+        self.t0 = time.monotonic()
+        self.trained_at: float | None = None  # time.monotonic() a node was first seen training
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self, statuses: list[dict[str, Any]]) -> float | None:
+        now = time.monotonic()
+        if self.trained_at is None and any(s.get("state") not in (None, "starting", "joining") for s in statuses):
+            self.trained_at = now
+        if self.trained_at is None:
+            return None
+        left = max(0.0, self.duration - (now - self.trained_at))
+        steps = [s.get("step", 0) for s in statuses]
+        if self.max_steps and steps and min(steps) > 0 and now > self.trained_at:
+            left = min(left, max(0.0, (self.max_steps - min(steps)) * (now - self.trained_at) / min(steps)))
+        return left
+
+    def text(self, statuses: list[dict[str, Any]]) -> str:
+        left = self.left(statuses)
+        return f"{self.elapsed():.0f} s elapsed, " + ("starting" if left is None else f"about {left:.0f} s left")
+
+
+def _statuses(nodes: list[tuple[Proc, Path]]) -> list[dict[str, Any]]:
+    return [dict(read_status(d / "status.json") or {}) for _, d in nodes]
+
+
+def _live_table(nodes: list[tuple[Proc, Path]], clock: Clock) -> Table:
+    t = Table(title=f"p2pdiloco demo: {clock.text(_statuses(nodes))}")
+    for col in ("node", "state", "step", "tok/s", "loss", "held-out", "rounds", "last round", "versions"):
         t.add_column(col)
     for proc, d in nodes:
         s = read_status(d / "status.json") or {}
@@ -40,7 +77,7 @@ def _live_table(nodes: list[tuple[Proc, Path]]) -> Table:
 PLAIN_EVERY_S = 10.0  # seconds between two progress lines when stdout is not a terminal
 
 
-def _plain_line(nodes: list[tuple[Proc, Path]], elapsed: float) -> str:
+def _plain_line(nodes: list[tuple[Proc, Path]], clock: Clock) -> str:
     """One progress line for a log file: per node its state, inner step, loss, rounds."""
     parts = []
     for proc, d in nodes:
@@ -48,31 +85,45 @@ def _plain_line(nodes: list[tuple[Proc, Path]], elapsed: float) -> str:
         state = s.get("state", "starting") if proc.poll() is None or s.get("state") == "stopped" else f"exit {proc.returncode}"
         parts.append(f"{d.name} {state} step {s.get('step', 0)} loss {_fmt(s.get('loss'))} "
                      f"held-out {_fmt(s.get('heldout_loss'))} rounds {s.get('rounds_committed', 0)}")
-    return f"[{elapsed:5.0f} s] " + " | ".join(parts)
+    return f"[{clock.text(_statuses(nodes))}] " + " | ".join(parts)
 
 
-def live_view(nodes: list[tuple[Proc, Path]], quiet: bool = False) -> None:
-    """Refresh the live table until every node process has exited; when stdout is not a
-    terminal (a file, a pipe), print a plain progress line every ``PLAIN_EVERY_S`` instead."""
+def live_view(nodes: list[tuple[Proc, Path]], quiet: bool = False, clock: Clock | None = None) -> None:
+    """Refresh the live table, titled with ``clock``'s elapsed and remaining time, until every
+    node process has exited; when stdout is not a terminal (a file, a pipe), print a plain
+    progress line every ``PLAIN_EVERY_S`` instead."""
+    clock = clock or Clock(0.0)
     if quiet:
         while any(p.poll() is None for p, _ in nodes):
             time.sleep(0.5)
         return
     if not console.is_terminal:
-        t0 = last = time.monotonic()
-        print(_plain_line(nodes, 0.0), flush=True)
+        last = time.monotonic()
+        print(_plain_line(nodes, clock), flush=True)
         while any(p.poll() is None for p, _ in nodes):
             time.sleep(0.5)
             if time.monotonic() - last >= PLAIN_EVERY_S:
                 last = time.monotonic()
-                print(_plain_line(nodes, last - t0), flush=True)
-        print(_plain_line(nodes, time.monotonic() - t0), "", sep="\n", flush=True)
+                print(_plain_line(nodes, clock), flush=True)
+        print(_plain_line(nodes, clock), "", sep="\n", flush=True)
         return
-    with Live(_live_table(nodes), console=console, refresh_per_second=2) as live:
+    with Live(_live_table(nodes, clock), console=console, refresh_per_second=2) as live:
         while any(p.poll() is None for p, _ in nodes):
             time.sleep(1.0)
-            live.update(_live_table(nodes))
-        live.update(_live_table(nodes))
+            live.update(_live_table(nodes, clock))
+        live.update(_live_table(nodes, clock))
+
+
+def digest_lines(reports: list[dict[str, Any] | None]) -> str:
+    """The nodes' global digests (16 hex, ``node.committed.global_digest``), one node a line,
+    whole at 80 columns: what the README tells the reader to compare. Where they differ, each
+    node's fragments follow on a line of their own as version:digest (12 hex, ``FragmentState.short``)."""
+    done = [r for r in reports if r]
+    lines = ["global digests (equal iff the nodes hold the same model):"]
+    lines += [f"  {r['name']:<10} {r['global_digest']}" for r in done]
+    if len({r["global_digest"] for r in done}) > 1:
+        lines += [f"  {r['name']:<10} " + " ".join(f"{v}:{d[:12]}" for v, d in r["fragments"]) for r in done]
+    return "\n".join(lines)
 
 
 def final_table(reports: list[dict[str, Any] | None], codes: list[int | None],
@@ -82,23 +133,22 @@ def final_table(reports: list[dict[str, Any] | None], codes: list[int | None],
     merged with another at least once. ``reasons``: per node, the last line of its log, shown
     under the table for the nodes that failed."""
     t = Table(title="p2pdiloco demo: result")
-    for col in ("node", "held-out start", "held-out end", "bits/byte", "tokens", "rounds", "catch-ups",
-                "fragments (version:digest)", "global digest"):
+    for col in ("node", "held-out", "bits/byte", "tokens", "rounds", "catch-ups", "versions"):
         t.add_column(col)
     by_version: dict[tuple[int, int], set[str]] = {}
     ok = True
     for i, (r, code) in enumerate(zip(reports, codes)):
         if r is None or code != 0:
-            t.add_row(f"node{i}", f"failed (exit {code})", *["-"] * 7)
+            t.add_row(f"node{i}", f"failed (exit {code})", *["-"] * 5)
             ok = False
             continue
         frags = r["fragments"]
         for p, (v, dig) in enumerate(frags):
             by_version.setdefault((p, v), set()).add(dig)
-        t.add_row(r["name"], _fmt(r["start_loss"]), _fmt(r["end_loss"]), _fmt(r["end_bits_per_byte"]),
-                  f"{r['tokens']:,}", str(r["rounds_committed"]), str(r["catchups"]),
-                  " ".join(f"{v}:{d[:6]}" for v, d in frags), r["global_digest"])
+        t.add_row(r["name"], f"{_fmt(r['start_loss'])} -> {_fmt(r['end_loss'])}", _fmt(r["end_bits_per_byte"]),
+                  f"{r['tokens']:,}", str(r["rounds_committed"]), str(r["catchups"]), " ".join(str(v) for v, _ in frags))
     console.print(t)
+    console.print(digest_lines(reports))
     for i, (r, code) in enumerate(zip(reports, codes)):
         if (r is None or code != 0) and reasons and reasons[i]:
             console.print(Text(f"node{i} failed (exit {code}): {reasons[i]}", style="red"))

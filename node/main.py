@@ -26,16 +26,17 @@ from p2pdiloco.footprint import check_memory, rss_mib
 from p2pdiloco import owners
 from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.heads import is_behind, newest_heads
 from p2pdiloco.net.transport import Swarm
 from p2pdiloco.status import Status
 
+from node.alone import START_ALONE_HINT
 from node.checkpoint import save_node_config
 from node.committed import global_digest
 from node.control import ControlServer, start_metrics
 from node.runtime import Node
-from node.status_view import progress, swarm_rate
+from node.status_view import RECORD_RPC, progress, swarm_rate
 from node.setup import Setup
+from node.swarm_view import fragment_status
 from node.vetting import trusted_records
 
 if TYPE_CHECKING:
@@ -98,14 +99,11 @@ class SwarmView:
         mine = tuple((st.version, st.digest) for st in committed)
         records[me] = replace(records[me], fragments=mine) if me in records else HeadsRecord(mine)
         chosen = trusted_records(records, me, trusted) if trusted is not None else None
-        heads = newest_heads(chosen or records, len(committed), me=me, mine=[st.version for st in committed])
-        for f, st, head in zip(frags, committed, heads):
-            if head is None:
-                f["status"] = "no record"
-                continue
-            f.update(swarm_version=head.version, holders=len(head.holders))
-            f["status"] = ("newest" if (st.version, st.digest) == (head.version, head.digest)
-                           else "behind" if is_behind(st, head) else "ahead")
+        heads, statuses = fragment_status(chosen or records, me, mine)
+        for f, head, status in zip(frags, heads, statuses):
+            f["status"] = status
+            if head is not None:
+                f.update(swarm_version=head.version, holders=len(head.holders))
         now = time.time()
         return {
             "peers": len(records),
@@ -114,6 +112,21 @@ class SwarmView:
             "behind": [f["fragment"] for f in frags if f["status"] == "behind"],
             "read_age_s": _num(now - self.read_at, 1) if self.read_at else None,
         }, frags
+
+
+async def serve_record(node: Node, swarm: Swarm) -> None:
+    """Answer ``st.record`` with this node's heads record as it stands (its states, figures,
+    protocol tag, the swarm's time): ``swarm status`` asks every node whose record it finds in
+    the DHT, where a node stores its record every ``STORE_EVERY_S`` (300 s) only, so the two
+    views read the same figures. The transport authenticates the answering peer, so a reader
+    takes the answer as that peer's own record; the request carries nothing."""
+
+    async def on_record(peer: str, header: dict[str, Any], _: bytes) -> tuple[dict[str, Any], bytes]:
+        record = HeadsRecord(tuple((s.version, s.digest) for s in node.committed), t=swarm.clock.now(),
+                             tag=node.sync.tag, **node.record())
+        return {"r": record.to_wire(), "run": node.cfg.swarm.run_id}, b""
+
+    await swarm.add_handler(RECORD_RPC, on_record)
 
 
 def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None = None,
@@ -367,13 +380,22 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
                              "maddrs": maddrs, "reachability": swarm.reach.state(maddrs),
                              "reach": swarm.reach.status(swarm.stats.bytes_relayed, maddrs)}
     setup.log_notes()
+    if not cfg.swarm.initial_peers:
+        log.warning("%s: %s", name, START_ALONE_HINT)
     node = Node(setup, swarm)
     node.solo.joined = manifest is not None  # "alone" advice for a joiner of an existing run
     view = SwarmView()
+    await serve_record(node, swarm)
     board.current = lambda: snapshot(node, swarm, maddrs, view, board.extra())
     loop = asyncio.get_running_loop()
+    signalled: list[bool] = []  # a supervisor stopped the node: it did not end at its budget
+
+    def stop() -> None:
+        signalled.append(True)
+        node.stop()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, once_per_burst(node.stop))
+        loop.add_signal_handler(sig, once_per_burst(stop))
     if on_ready is not None:
         on_ready(swarm.peer_id, maddrs)
 
@@ -413,6 +435,8 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
     board.current = lambda: {**report, **board.extra()}
     log.info("%s done: held-out loss %.3f -> %.3f nats/byte, %d rounds, digest %s",
              name, start, final, node.stats.rounds_committed, report["global_digest"])
+    reached = report["rounds_with_peers"] + report["rounds_excluded"] + report["catchups"]  # followed the swarm: not alone
+    report["exit_code"] = node.solo.exit_code(reached, budget_ended=not signalled)
     if not report["rounds_with_peers"]:
         log.warning("%s never merged with another node: its training reached nobody%s", name,
                     f" ({node.solo.alone.detail})" if node.solo.alone else "")

@@ -104,7 +104,7 @@ class Node:
         self._resumed: Resumed | None = None  # from a local checkpoint
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self._stepped: set[int] = set()  # fragments with an own outer step from a round of ours (StateSync.own_step)
-        self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag)  # no silent solo
+        self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag, out.min_quorum, bool(self.cfg.swarm.initial_peers))
         self.done = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -136,7 +136,7 @@ class Node:
         if self._interrupted:  # stopped while joining
             self.training.stop.set()
         self.stats.state = "training"
-        self.solo.started()
+        await self._alone_step()  # training began: the alone clock starts, with its first verdict
         out = self.cfg.outer
         async with asyncio.TaskGroup() as tg:
             self._rounds = tg
@@ -386,7 +386,7 @@ class Node:
         if self.training is not None and not self.done:
             # peers ignored for not delivering their state are nodes of the run too (behind NAT, say)
             seen = len(self.view.others | self.sync.strikes.ignoring().keys())
-            self.solo.check(seen, self.sync.other_settings(), self.swarm.reach.advice())
+            self.solo.check(seen, self.sync.other_settings(), self.swarm.reach.advice(), read=self.view.read_ok)
 
     def state_name(self) -> str:
         """The life-cycle state shown in status and published in the record: ``stats.state``,

@@ -84,18 +84,24 @@ def progress(merged: int, mine: float | None, target: int, rate: float | None) -
     tokens/s (:func:`swarm_rate`). Returns tokens, target_tokens, done (fraction of the
     target), tokens_per_s, eta_s (seconds to the target at that rate) and share (the node's
     fraction of the merged tokens); None where unknown."""
+    from node.swarm_view import share  # noqa: PLC0415  (the one rule; `node status` stays light)
+
     left = max(0, target - merged) if target else None
     return {"tokens": merged, "target_tokens": target or None,
             "done": round(min(1.0, merged / target), 4) if target else None,
             "tokens_per_s": round(rate, 1) if rate is not None else None,
             "eta_s": round(left / rate) if left is not None and rate else (0 if left == 0 else None),
-            "share": round(mine / merged, 4) if merged and mine is not None else None}
+            "share": share(mine, merged)}
 
 
-def progress_text(p: Any) -> str:
-    """One line of the run's progress (``progress`` of a node's snapshot), "" when unknown."""
+def progress_text(p: Any, alone: bool = False) -> str:
+    """One line of the run's progress (``progress`` of a node's snapshot), "" when unknown;
+    ``alone``: the node merges with no other node (its ``alone`` is set), so nothing it counts
+    is the swarm's."""
     if not isinstance(p, dict) or not p.get("tokens"):
         return ""
+    if alone:
+        return f"{fmt_count(p['tokens'])} tokens merged, by this node alone: it contributes to no swarm"
     text = f"{fmt_count(p['tokens'])} tokens merged swarm-wide"
     if p.get("target_tokens"):
         text += f", {100 * (p.get('done') or 0):.1f}% of the run's {fmt_count(p['target_tokens'])}"
@@ -190,13 +196,14 @@ def node_lines(s: dict[str, Any]) -> Table:
     sw = s.get("swarm")
     if sw:
         behind = sw.get("behind") or []
+        where = ("merging with no other node" if isinstance(alone, dict) else
+                 f"behind on {', '.join(f'f{p}' for p in behind)}" if behind else "up to date")
         g.add_row("swarm", f"{plural(sw['peers'], 'node')} with a live record, {sw['learners']} training; "
-                           f"this node is {'behind on ' + ', '.join(f'f{p}' for p in behind) if behind else 'up to date'}"
-                           f" (read {fmt_age(sw.get('read_age_s'))} ago)")
+                           f"this node is {where} (read {fmt_age(sw.get('read_age_s'))} ago)")
     elif s.get("state") not in (None, "starting"):
         g.add_row("swarm", "not read yet")
-    if progress_text(s.get("progress")):
-        g.add_row("run progress", progress_text(s.get("progress")))
+    if progress_text(s.get("progress"), isinstance(alone, dict)):
+        g.add_row("run progress", progress_text(s.get("progress"), isinstance(alone, dict)))
     hw = s.get("hardware")
     if isinstance(hw, dict):
         limit = f" of {hw['memory_limit_mib']} MiB allowed" if hw.get("memory_limit_mib") else ""
@@ -257,9 +264,9 @@ def render_live(s: dict[str, Any]) -> RenderableType:
               versions, str(sw.get("peers", "-")), f"{fmt_bytes(s.get('bytes_out'))}/{fmt_bytes(s.get('bytes_in'))}",
               fmt_age(s.get("uptime_s")))
     lines: list[RenderableType] = [t]
-    if progress_text(s.get("progress")):
-        lines.append(Text(progress_text(s.get("progress"))))
     alone = s.get("alone")
+    if progress_text(s.get("progress"), isinstance(alone, dict)):
+        lines.append(Text(progress_text(s.get("progress"), isinstance(alone, dict))))
     if isinstance(alone, dict):  # a volunteer must not miss that the node contributes nothing
         lines.append(Text(f"ALONE for {fmt_age(alone.get('since_s'))}: {alone.get('detail', '')}", style="bold red"))
     return Group(*lines) if len(lines) > 1 else t
@@ -274,9 +281,11 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
     swarm's time, ``Swarm.clock``; default this machine's clock) as ``gone``: a live node stores
     its record that often (on a publish, every 5 s), and the DHT keeps records for ``HEAD_TTL``
     and longer, for nodes whose clocks are ahead."""
+    from p2pdiloco.net.pushes import stale_after  # noqa: PLC0415
     from p2pdiloco.net.records import parse_many, parse_heads  # noqa: PLC0415
-    from p2pdiloco.net.heads import newest_heads  # noqa: PLC0415
     from p2pdiloco.net.statesync import STORE_EVERY_S  # noqa: PLC0415
+
+    from node.swarm_view import fragment_status, share  # noqa: PLC0415  (the rule `node status` uses)
 
     now = time.time() if now is None else now
     # only records under a peer ID count: the DHT accepts those only when signed by that peer
@@ -285,23 +294,26 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
     n = max(sizes, key=lambda k: (sizes[k], k)) if sizes else 0
     good = {p: r for p, r in good.items() if len(r.fragments) == n}
     malformed = len(records) - len(good)
-    good = {p: r for p, r in good.items() if now - r.t <= STORE_EVERY_S + 60.0}  # a late publish is not gone
-    heads = newest_heads(good, n)
-    peers = []
+    # gone as a node's first read counts it (StateSync._live): a stored record missed a store by
+    # more than its author's heartbeat allows
+    good = {p: r for p, r in good.items() if now - r.t <= STORE_EVERY_S + stale_after(r.beat)}
+    peers, newest = [], [None] * n
     for peer, r in sorted(good.items(), key=lambda kv: kv[1].name):
-        behind = [p for p, (f, h) in enumerate(zip(r.fragments, heads)) if h and f != (h.version, h.digest)]
+        heads, statuses = fragment_status(good, peer, r.fragments)  # judged from its own seat, as it judges
+        newest = [max((v for v in (old, h and h.version) if v is not None), default=None)
+                  for old, h in zip(newest, heads)]
         peers.append({
             "peer_id": peer, "name": r.name, "state": r.state, "done": r.done, "step": r.step, "reach": r.reach,
             "tokens_per_s": r.tps, "loss": r.loss, "versions": [f[0] if f else None for f in r.fragments],
-            "tokens_merged": r.mine,
-            "behind": behind, "last_seen_s": round(now - r.t, 1),
+            "tokens_merged": r.mine, "share": share(r.mine, r.merged), "status": statuses,
+            "behind": [p for p, st in enumerate(statuses) if st == "behind"], "last_seen_s": round(now - r.t, 1),
         })
     # the highest median of the nodes' counts: one peer claiming a giant count moves it no further
     merged = statistics.median_high([r.merged for r in good.values()]) if good else 0
-    return {"run_id": run_id, "peers": peers, "newest": [h.version if h else None for h in heads],
+    return {"run_id": run_id, "peers": peers, "newest": newest,
             "malformed": malformed, "gone": len(records) - malformed - len(good),
             "progress": {"tokens": merged, "tokens_per_s": round(swarm_rate(good), 1),
-                         "shares": {p: round(min(1.0, r.mine / merged), 4) for p, r in good.items()} if merged else {}}}
+                         "shares": {p: s for p, r in good.items() if (s := share(r.mine, r.merged)) is not None}}}
 
 
 def render_swarm(view: dict[str, Any]) -> RenderableType:
@@ -309,7 +321,6 @@ def render_swarm(view: dict[str, Any]) -> RenderableType:
     training = sum(1 for p in peers if not p["done"])
     t = Table(title=f"swarm {view['run_id']}: {plural(len(peers), 'node')} with a live record, {training} training",
               title_justify="left")
-    merged = (view.get("progress") or {}).get("tokens") or 0
     for col in ("peer", "name", "state", "reachability", "step", "tokens/s", "loss", "share", "fragment versions",
                 "last seen"):
         t.add_column(col, justify="right" if col in ("step", "tokens/s", "loss", "share", "last seen") else "left")
@@ -320,10 +331,11 @@ def render_swarm(view: dict[str, Any]) -> RenderableType:
         t.add_row("…" + p["peer_id"][-8:], str(p.get("name") or "-"), str(p.get("state") or "-"),
                   str(p.get("reach") or "-"), str(p.get("step", "-")),
                   fmt_num(p.get("tokens_per_s"), ",.0f"), fmt_num(p.get("loss")),
-                  f"{100 * min(1.0, p.get('tokens_merged', 0) / merged):.1f}%" if merged else "-", versions,
+                  fmt_num(100 * p["share"], ".1f") + "%" if isinstance(p.get("share"), (int, float)) else "-", versions,
                   f"{fmt_age(p.get('last_seen_s'))} ago")
     notes = [Text(f"newest fragment versions: {' '.join(str(v) for v in view['newest']) or '-'}"
-                  "   (yellow: behind the newest, or another digest at it)")]
+                  "   (yellow: behind the newest, as the node itself counts it; share: of the tokens merged "
+                  "into its states, its own, as `node status` shows)")]
     if progress_text(view.get("progress")):
         notes.append(Text(progress_text(view["progress"])))
     for m in view.get("manifests") or []:
@@ -331,6 +343,40 @@ def render_swarm(view: dict[str, Any]) -> RenderableType:
     if view.get("malformed"):
         notes.append(Text(f"{view['malformed']} malformed records ignored", style="yellow"))
     return Group(t, *notes)
+
+
+RECORD_RPC = "st.record"  # a node's record as it stands now (node.main.serve_record)
+ASK_AT_MOST, ASK_TIMEOUT_S = 64, 3.0  # nodes asked for their current record, seconds for all answers
+
+
+async def _fresh_records(swarm: Any, run_id: str, stored: dict[str, Any]) -> dict[str, Any]:
+    """``stored`` (the DHT's {peer ID: record}, each up to ``STORE_EVERY_S`` old) with the
+    record each of up to ``ASK_AT_MOST`` of those peers gives for itself now (``st.record``,
+    ``node.main.serve_record``), where it parses and is newer; a peer that does not answer
+    within ``ASK_TIMEOUT_S`` keeps its stored record. The answer is bounded by the transport's
+    reply limit and parsed at the one boundary (``net.records.parse_heads``)."""
+    from p2pdiloco.errors import P2PDilocoError, ProtocolError  # noqa: PLC0415
+    from p2pdiloco.net.records import parse_heads  # noqa: PLC0415
+    from p2pdiloco.trust.identity import is_peer_id  # noqa: PLC0415
+
+    async def ask(peer: str) -> tuple[str, Any] | None:
+        try:
+            reply, _ = await swarm.call(peer, RECORD_RPC, {}, timeout=ASK_TIMEOUT_S)
+            if not isinstance(reply, dict) or reply.get("run") != run_id:
+                return None
+            new = parse_heads(reply.get("r"), None)
+        except (P2PDilocoError, ProtocolError):
+            return None
+        try:
+            if parse_heads(stored[peer], None).t > new.t:
+                return None
+        except ProtocolError:
+            pass
+        return peer, reply["r"]
+
+    peers = [p for p in stored if is_peer_id(p) and p != swarm.peer_id][:ASK_AT_MOST]
+    answers = await asyncio.gather(*(ask(p) for p in peers))
+    return {**stored, **dict(a for a in answers if a is not None)}
 
 
 async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.0,
@@ -346,19 +392,26 @@ async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.
     """
     from p2pdiloco.net.transport import Swarm  # noqa: PLC0415  (imports hivemind)
 
+    from p2pdiloco.manifest import published  # noqa: PLC0415
+
     swarm = await Swarm.start(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         end = time.monotonic() + wait
         records: dict[str, Any] = {}
-        while True:
-            records = await swarm.get(f"{run_id}/heads")
-            if records or time.monotonic() >= end:
-                break
-            await asyncio.sleep(1.0)
+        # the manifest's DHT search runs beside the records' (each a Kademlia traversal), not after it
+        manifest = asyncio.ensure_future(swarm.get(f"{run_id}/manifest"))
+        try:
+            while True:
+                records = await swarm.get(f"{run_id}/heads")
+                if records or time.monotonic() >= end:
+                    break
+                await asyncio.sleep(1.0)
+            stored = await manifest
+        finally:
+            manifest.cancel()
+        records = await _fresh_records(swarm, run_id, records)
         view = summarize_swarm(run_id, records, swarm.clock.now())
-        from p2pdiloco.manifest import published  # noqa: PLC0415
-
-        m = published(await swarm.get(f"{run_id}/manifest"), owner)
+        m = published(stored, owner)
         view["owner"] = owner
         view["manifests"] = [] if m is None else [{"digest": m.digest, "owner": m.owner_id,
                                                    "target_tokens": m.target_tokens}]

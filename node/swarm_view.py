@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping, Sequence
 
 from p2pdiloco.errors import NetworkError
+from p2pdiloco.net.heads import Head, newest_heads
 from p2pdiloco.net.records import HeadsRecord
 from p2pdiloco.net.statesync import StateSync
 
@@ -57,3 +59,45 @@ class SwarmView:
         steps = sorted((r.step for p, r in records.items() if p != self.me), reverse=True)
         self.swarm_step = steps[1] if len(steps) > 1 else steps[0] if steps else self.swarm_step
         return records
+
+
+# ---- the one rule of what a node's fragments are against the swarm ----------------------------
+# `node status` (node.main, a node's own fragments against the records it follows) and `swarm
+# status` (node.status_view.summarize_swarm, every node's record against the others) both judge
+# through these two functions, so that they agree wherever they read the same records.
+
+FragmentClaim = tuple[int, str] | None  # (version, digest) a node holds, None where unknown
+
+
+def fragment_status(records: Mapping[str, HeadsRecord], me: str,
+                    mine: Sequence[FragmentClaim]) -> tuple[list[Head | None], list[str]]:
+    """Per fragment, the swarm's newest head as node ``me`` holding ``mine`` counts it, and the
+    status of ``mine`` against it: "newest", "behind" (a newer version, or another digest at the
+    same one: ``net.heads.is_behind``), "ahead", "no record" (no head) or "unknown" (``mine``
+    None there). The heads rule is ``net.heads.newest_heads`` from ``me``'s seat: a claim counts
+    up to ``heads.LEAD`` above the larger of ``me``'s own version and what two other peers hold,
+    so a node ahead of stale records is not judged behind them. ``records``: the records the
+    node counts ({peer ID: record}; a node passes those of the peers it trusts,
+    ``node.vetting.trusted_records``; ``swarm status``, which trusts nobody, every live one)."""
+    heads = newest_heads(records, len(mine), me=me, mine=[c[0] if c else -1 for c in mine])
+    out = []
+    for claim, head in zip(mine, heads):
+        if claim is None:
+            out.append("unknown")
+        elif head is None:
+            out.append("no record")
+        elif claim == (head.version, head.digest):
+            out.append("newest")
+        else:
+            out.append("behind" if head.version >= claim[0] else "ahead")  # at its version: another digest
+    return heads, out
+
+
+def share(mine: float | None, merged: float | None) -> float | None:
+    """A node's share of the run's progress: of the tokens merged into the states it holds
+    (``merged``, ``core.outer.run_tokens``: the ``merged`` of its record), the fraction that are
+    its own contributions (``mine``: ``NodeStats.tokens_merged``, its record's ``mine``), at most
+    1, rounded to 4 digits; None when either is unknown or nothing is merged."""
+    if mine is None or not merged:
+        return None
+    return round(min(1.0, mine / merged), 4)

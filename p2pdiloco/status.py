@@ -49,7 +49,9 @@ class Status(Starting):
     rejoins: Annotated[int, "times it lost every connection and dialled the initial peers again"]
     bytes_relayed: Annotated[int, "RPC bytes, both directions, with peers reached only through a relay"]
     p2pd_pid: Annotated[int | None, "process ID of its libp2p daemon"]
-    alone: Annotated[dict[str, Any] | None, "why it trains without merging (reason, detail, since_s), else null"]
+    alone: Annotated[dict[str, Any] | None, "why it merges with no other node, else null: reason (started_alone, "
+                                            "no_peers, quorum: from the first seconds; other_settings, unreachable, "
+                                            "no_rounds: after alone_after s), detail, since_s (node.alone)"]
     merging: Annotated[list[int], "fragments with an outer round in flight"]
     step: Annotated[int, "inner steps done"]
     tokens: Annotated[int, "tokens trained by this node"]
@@ -127,6 +129,9 @@ class Report(Status):
     end_loss: Annotated[float, "held-out loss of the final global model, nats/byte"]
     end_bits_per_byte: Annotated[float, "end_loss in bits/byte"]
     heldout_history: Annotated[list[list[float]], "[inner step, held-out loss] at each evaluation"]
+    exit_code: Annotated[int, "the node's exit code: 0, or 3 when it was given peers to join, ran to the end of its "
+                              "budget and reached no other node (no round with one, none taken without its "
+                              "contribution, no state from one)"]
 
 
 def keys(schema: type) -> dict[str, tuple[Any, Doc]]:

@@ -111,7 +111,8 @@ def running(tmp_path_factory):
                 snap = query(str(d / "control.sock"), timeout=2)
             except ControlUnreachable:
                 snap = {}
-            return snap.get("state") == "training" and snap.get("rounds_committed", 0) >= 2 \
+            # the only node of its run: "alone" from the first seconds (node.alone, reason no_peers)
+            return snap.get("state") == "alone" and snap.get("rounds_committed", 0) >= 2 \
                 and bool(snap.get("swarm")) and snap.get("tokens_per_s", 0) > 0
 
         try:  # about 10 s on an idle 2-core machine
@@ -140,7 +141,8 @@ def test_status_json_has_every_field_and_sane_values(running):
     assert set(s) == set(schema), (set(schema) - set(s), set(s) - set(schema))
     assert all(conforms(s[k], t) for k, (t, _) in schema.items()), {k: s[k] for k, (t, _) in schema.items()
                                                                      if not conforms(s[k], t)}
-    assert s["name"] == "n0" and s["run_id"] == "test" and s["state"] in ("training", "catching up")
+    assert s["name"] == "n0" and s["run_id"] == "test" and s["state"] == "alone"
+    assert s["alone"]["reason"] == "no_peers" and s["progress"]["share"] == 1.0
     assert s["pid"] == running.proc.pid
     daemon = psutil.Process(s["p2pd_pid"])
     assert daemon.name() == "p2pd" and daemon.ppid() == running.proc.pid
@@ -175,7 +177,7 @@ def test_status_human_output_and_watch(running):
     out = result.stdout
     snap = query(str(running.dir / "control.sock"))
     for needle in ("state", "training", "peer ID", snap["peer_id"], "addresses", "reachability", "loopback only",
-                   "warning", "--host 0.0.0.0", "swarm", "1 node with a live record", "up to date", "tokens/s",
+                   "warning", "--host 0.0.0.0", "swarm", "1 node with a live record", "merging with no other node", "tokens/s",
                    "held-out", "rounds", "committed", "rejected", "traffic", "p2pd pid", "uptime", "fragments",
                    "swarm newest", "recent rounds"):
         assert needle in out, f"{needle!r} missing from:\n{out}"
@@ -201,7 +203,7 @@ def test_metrics_endpoint_serves_the_figures(running):
                  "p2pdiloco_bytes_received_total", 'p2pdiloco_rounds_total{outcome="committed"}',
                  'p2pdiloco_rounds_total{outcome="failed"}', 'p2pdiloco_fragment_version{fragment="0"}',
                  'p2pdiloco_swarm_fragment_version{fragment="1"}', "p2pdiloco_swarm_peers",
-                 'p2pdiloco_state{state="training"}', "p2pdiloco_uptime_seconds"):
+                 'p2pdiloco_state{state="alone"}', "p2pdiloco_uptime_seconds"):
         assert name in values, f"{name} missing:\n{text}"
     assert values["p2pdiloco_inner_step"] > 0 and values['p2pdiloco_rounds_total{outcome="committed"}'] >= 2
     assert values["p2pdiloco_swarm_peers"] == 1
@@ -211,12 +213,17 @@ def test_metrics_endpoint_serves_the_figures(running):
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_swarm_status_lists_the_node_and_leaves(running):
-    peer = query(str(running.dir / "control.sock"))["peer_id"]
-    result, _ = cli("swarm", "status", "--initial-peers", running.maddr, "--run-id", "test", "--json")
+    before = query(str(running.dir / "control.sock"))
+    peer = before["peer_id"]
+    result, elapsed = cli("swarm", "status", "--initial-peers", running.maddr, "--run-id", "test", "--json")
     assert result.returncode == 0, result.stderr
     view = json.loads(result.stdout)
     (rec,) = [p for p in view["peers"] if p["peer_id"] == peer]
-    assert rec["name"] == "n0" and rec["state"] == "training" and not rec["done"]
+    assert rec["name"] == "n0" and rec["state"] == "alone" and not rec["done"]
+    assert rec["share"] == 1.0 and rec["status"] == ["newest", "newest"]  # as its node status counts them
+    # the node's record as it stands (st.record), not the DHT's copy, stored every 300 s
+    assert all(v >= b for v, (b, _) in zip(rec["versions"], before["fragments"])), (rec, before["fragments"])
+    assert rec["step"] >= before["step"] and elapsed < 30
     assert rec["step"] > 0 and rec["tokens_per_s"] > 0 and 0 < rec["loss"] < 10
     assert len(rec["versions"]) == 2 and all(v >= 1 for v in rec["versions"])
     assert 0 <= rec["last_seen_s"] < 60
@@ -367,8 +374,10 @@ def test_reachability_and_views_of_crafted_records():
     by_name = {p["name"]: p for p in view["peers"]}
     assert by_name["n0"]["behind"] == [] and by_name["n1"]["behind"] == [1]
     assert by_name["n1"]["last_seen_s"] == 30.0 and by_name["n0"]["versions"] == [3, 2]
-    # the run's progress: the most tokens any record's states count, the live nodes' rate
-    assert view["progress"] == {"tokens": 10000, "tokens_per_s": 5.0, "shares": {peer_a: 0.6, peer_b: 0.4}}
+    # the run's progress: the median-high of the records' counts, the live nodes' rate; each
+    # node's share of the tokens merged into its own states (what its `node status` shows)
+    assert view["progress"] == {"tokens": 10000, "tokens_per_s": 5.0, "shares": {peer_a: 0.6, peer_b: 0.5}}
+    assert by_name["n1"]["share"] == 0.5 and by_name["n0"]["status"] == ["newest", "newest"]
     # a node's own figures: 5000 of a 20000-token target at 50 tokens/s: 25 %, 300 s left
     live = {peer_a: parse_heads(records[peer_a] | {"tps": 50.0})}
     assert progress(5000, 1000.0, 20000, swarm_rate(live)) == {"tokens": 5000, "target_tokens": 20000, "done": 0.25,
@@ -409,3 +418,33 @@ def test_node_without_data_dir_gets_a_private_socket_and_stale_ones_are_swept():
         assert not server.path.parent.exists()
 
     asyncio.run(go())
+
+
+def test_the_demo_result_fits_80_columns_with_whole_digests_and_the_clock(monkeypatch):
+    """The demo's result at 80 columns: every line fits, and each node's whole 16-hex global
+    digest is printed (the README has the reader compare them); where they differ, the
+    fragments' 12-hex digests follow. The live title's clock: no estimate before a node trains,
+    then at most --duration."""
+    from rich.console import Console
+
+    from node import demo_view
+
+    def report(name: str, digest: str, frag: str, v: int = 163) -> dict:
+        return {"name": name, "start_loss": 5.388, "end_loss": 1.296, "end_bits_per_byte": 1.87, "tokens": 1234567,
+                "rounds_committed": 164, "catchups": 12, "rounds_with_peers": 160, "global_digest": digest,
+                "fragments": [[v, frag * 64], [164, frag * 64], [v, frag * 64], [164, frag * 64]]}
+
+    reports = [report("node0", "9934eb4392eaaf9b", "a"), report("node1", "9934eb4392eaaf9b", "a"),
+               report("node2", "0123456789abcdef", "b", 165)]
+    console = Console(width=80, record=True, color_system=None)
+    monkeypatch.setattr(demo_view, "console", console)
+    assert demo_view.final_table(reports, [0, 0, 0]) is False  # node2 holds other fragments: I1 broken
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert text.count("9934eb4392eaaf9b") == 2 and "0123456789abcdef" in text
+    assert "165:" + "b" * 12 in demo_view.digest_lines(reports)
+    assert "163:" not in demo_view.digest_lines(reports[:2])  # equal digests: no fragment lines
+    clock = demo_view.Clock(100.0)
+    assert clock.left([{"state": "joining", "step": 0}]) is None
+    left = clock.left([{"state": "training", "step": 3}])
+    assert left is not None and 99.0 < left <= 100.0

@@ -26,7 +26,8 @@ def test_the_docs_table_is_the_schemas():
 def test_each_schema_extends_the_one_before_and_every_key_is_documented():
     start, status, report = keys(Starting), keys(Status), keys(Report)
     assert set(start) < set(status) < set(report)
-    assert set(report) - set(status) == {"start_loss", "end_loss", "end_bits_per_byte", "heldout_history"}
+    assert set(report) - set(status) == {"start_loss", "end_loss", "end_bits_per_byte", "heldout_history",
+                                           "exit_code"}
     assert all(doc.strip() for _, doc in report.values())
 
 

@@ -47,3 +47,40 @@ def test_a_recent_read_is_reused_and_an_older_read_ending_last_does_not_replace_
         assert await fresh == {} and view.others == set()
 
     asyncio.run(scenario())
+
+
+def test_node_status_and_swarm_status_judge_a_node_alike() -> None:
+    """A live node at versions 8 7 7 7 and three records of nodes that left at 3 3 3 3 (still
+    within the DHT's window): `node status` (the node's own view) and `swarm status` (the
+    records, from no node's seat) give the same per-fragment status, newest versions and share
+    through one rule (node.swarm_view.fragment_status, share); before it, `swarm status` judged
+    the live node behind on every fragment against 3 3 3 3 and took its share of a median."""
+    import time
+
+    import torch
+
+    from node.main import SwarmView as NodeView
+    from node.status_view import progress, summarize_swarm
+    from p2pdiloco.core.outer import FragmentState
+    from p2pdiloco.net.records import HeadsRecord
+    from p2pdiloco.trust.identity import Identity
+
+    now = time.time()
+    me, *gone = (Identity.generate().peer_id for _ in range(4))
+    states = [FragmentState.create(i, v, [torch.full((2,), float(v))], [torch.zeros(2)])
+              for i, v in enumerate((8, 7, 7, 7))]
+    old = tuple((3, FragmentState.create(i, 3, [torch.zeros(2)], [torch.zeros(2)]).digest) for i in range(4))
+    mine = HeadsRecord(tuple((s.version, s.digest) for s in states), t=now - 1, name="live", state="training",
+                       merged=4000, mine=3004)
+    records = {me: mine, **{p: HeadsRecord(old, t=now - 200, name=f"left{i}", state="stopped", done=True,
+                                           merged=1000, mine=300) for i, p in enumerate(gone)}}
+    node_view = NodeView()
+    node_view.records, node_view.read_at = dict(records), now
+    figures, frags = node_view.summary(states, me)
+    swarm = summarize_swarm("r", {p: r.to_wire() for p, r in records.items()}, now)
+    (live,) = [p for p in swarm["peers"] if p["peer_id"] == me]
+    assert [f["status"] for f in frags] == live["status"] == ["newest"] * 4 and live["behind"] == figures["behind"] == []
+    assert swarm["newest"] == figures["newest"] == [8, 7, 7, 7]
+    assert live["share"] == progress(4000, 3004.0, 0, None)["share"] == 0.751
+    for p in swarm["peers"]:  # from their own seat, one node's claim 5 versions ahead is uncorroborated (heads.LEAD)
+        assert p["peer_id"] == me or p["status"] == ["newest"] * 4

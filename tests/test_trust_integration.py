@@ -24,7 +24,8 @@ def _wait_training(harness, proc, d: Path, timeout: float = 90) -> None:
     def training() -> bool:
         assert proc.poll() is None, (d / "node.log").read_text()[-3000:]
         try:
-            return json.loads((d / "status.json").read_text()).get("state") == "training"
+            # a node that sees no other node of its run yet says "alone" while it trains (node.alone)
+            return json.loads((d / "status.json").read_text()).get("state") in ("training", "alone")
         except (OSError, ValueError):
             return False
 
