@@ -77,7 +77,7 @@ def train(files: Sequence[Path], vocab_size: int, output: Path, *, fmt: str = "a
     """Train a byte-level BPE tokenizer (the 256 byte symbols, then merges up to ``vocab_size``)
     on the documents of ``files`` read as ``fmt`` and write it to ``output`` atomically (a
     temporary file renamed into place). Returns (its vocabulary size, its sha256 hex).
-    Raises DataError on a missing package, an unreadable file or a vocab_size outside
+    Raises DataError on a missing package, an unreadable file, a corpus of no text or a vocab_size outside
     257..2**20."""
     if not 257 <= vocab_size <= 2**20:
         raise DataError(f"--vocab-size must be in 257..{2**20} (256 byte symbols and at least one merge), "
@@ -90,7 +90,16 @@ def train(files: Sequence[Path], vocab_size: int, output: Path, *, fmt: str = "a
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
-    tok.train_from_iterator(_texts(files, fmt, field), trainer=trainer)
+    seen = [0]
+
+    def texts() -> Iterator[str]:
+        for text in _texts(files, fmt, field):
+            seen[0] += len(text)
+            yield text
+
+    tok.train_from_iterator(texts(), trainer=trainer)
+    if not seen[0]:
+        raise DataError(f"the corpus ({len(files)} file(s)) holds no text (every document is empty)")
     output = Path(output)
     tmp = output.with_name(output.name + ".tmp")
     tmp.write_text(tok.to_str())
