@@ -134,6 +134,7 @@ def test_bad_input_is_one_line_and_exit_2_through_the_cli(tmp_path, capsys):
 
 def test_a_node_refuses_bad_data_in_one_line_before_its_daemon_starts(tmp_path, harness):
     """Through `node run` (Setup.build, before any daemon): exit 2, one line, no identity made."""
+    (tmp_path / "bad").mkdir()
     bad = _bad_corpora(tmp_path / "bad")
     for i, what in enumerate(["not an object", "no column", "empty corpus"]):
         path, fmt = bad[what]
