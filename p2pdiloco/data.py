@@ -10,7 +10,6 @@ which shard trains on it. So shards are disjoint and every node evaluates on the
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import math
 import os
@@ -25,14 +24,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from p2pdiloco.formats import check_not_empty, document_bytes, file_size, kind_of
+from p2pdiloco.formats import check_not_empty, collect_text_files, document_bytes, file_size, kind_of
 
 __all__ = ["PIECE_BYTES", "min_text_bytes", "default_corpus_files", "collect_text_files", "Corpus", "load_corpus",
            "BatchSampler", "heldout_batches", "evaluate", "bits_per_byte"]
 
 
 PIECE_BYTES = 1 << 16  # unit of the held-out / shard split, so one large file can feed many shards
-_SNIFF_BYTES = 1 << 16
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -48,38 +46,6 @@ def default_corpus_files() -> list[Path]:
     if not files:
         raise ValueError(f"no .py files found in the standard library at {root}")
     return sorted(files)
-
-
-def _is_text(path: Path) -> bool:
-    """True for a non-empty file whose first 64 KiB hold no NUL byte and decode as UTF-8."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(_SNIFF_BYTES)
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
-    except (OSError, UnicodeDecodeError):
-        return False
-    return bool(head) and b"\0" not in head
-
-
-def collect_text_files(path: Path) -> list[Path]:
-    """``path`` itself if it is a text file, else every non-hidden regular text file below the
-    folder (recursive, sorted); binary, non-UTF-8 and empty files are skipped.
-    Raises FileNotFoundError if path does not exist, ValueError if nothing usable is found."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"corpus path {path} does not exist")
-    if path.is_file():
-        if not _is_text(path):
-            raise ValueError(f"{path} is not a non-empty UTF-8 text file")
-        return [path]
-    files = []
-    for d, dirs, names in os.walk(path):
-        dirs[:] = [x for x in dirs if not x.startswith(".")]
-        files += [Path(d, n) for n in names if not n.startswith(".")]
-    usable = sorted(f for f in files if f.is_file() and not f.is_symlink() and _is_text(f))
-    if not usable:
-        raise ValueError(f"no usable UTF-8 text files under {path}")
-    return usable
 
 
 @dataclass(frozen=True)

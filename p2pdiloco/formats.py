@@ -15,19 +15,21 @@ line naming the file (and line or row) and what to do; a node says it and exits 
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["DataFormat", "FORMATS", "EXTRA_HINT", "DataError", "kind_of", "collect_files", "documents",
+__all__ = ["DataFormat", "FORMATS", "EXTRA_HINT", "DataError", "kind_of", "collect_text_files", "collect_files", "documents",
            "document_bytes", "file_size", "require"]
 
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 FORMATS: tuple[str, ...] = ("auto", "text", "jsonl", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 EXTRA_HINT = "pip install 'p2pdiloco[data]'"
+_SNIFF_BYTES = 1 << 16
 
 
 class DataError(ValueError):
@@ -52,15 +54,45 @@ def kind_of(path: Path, fmt: str) -> str:
     return _SUFFIXES.get(Path(path).suffix.lower(), "text")
 
 
+def _is_text(path: Path) -> bool:
+    """True for a non-empty file whose first 64 KiB hold no NUL byte and decode as UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return bool(head) and b"\0" not in head
+
+
+def collect_text_files(path: Path) -> list[Path]:
+    """``path`` itself if it is a text file, else every non-hidden regular text file below the
+    folder (recursive, sorted); binary, non-UTF-8 and empty files are skipped.
+    Raises FileNotFoundError if path does not exist, ValueError if nothing usable is found."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"corpus path {path} does not exist")
+    if path.is_file():
+        if not _is_text(path):
+            raise ValueError(f"{path} is not a non-empty UTF-8 text file")
+        return [path]
+    files = []
+    for d, dirs, names in os.walk(path):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        files += [Path(d, n) for n in names if not n.startswith(".")]
+    usable = sorted(f for f in files if f.is_file() and not f.is_symlink() and _is_text(f))
+    if not usable:
+        raise ValueError(f"no usable UTF-8 text files under {path}")
+    return usable
+
+
 def collect_files(path: Path, fmt: str) -> list[Path]:
     """The corpus files of ``path`` under ``data.format`` ``fmt``, sorted (the same order on
     every node): ``path`` itself if it is a file, else every non-hidden regular file below the
     folder whose kind (:func:`kind_of`) is the format's (for ``auto``: ``.jsonl``/``.parquet``
     files and UTF-8 text files). Text files are chosen by
-    :func:`p2pdiloco.data.collect_text_files` (binary, non-UTF-8 and empty files skipped).
+    :func:`collect_text_files` (binary, non-UTF-8 and empty files skipped).
     Raises FileNotFoundError if path does not exist, DataError if nothing usable is found."""
-    from p2pdiloco.data import collect_text_files  # noqa: PLC0415  (data imports this module)
-
     path = Path(path)
     if fmt == "text" or (path.is_file() and kind_of(path, fmt) == "text"):
         return collect_text_files(path)
