@@ -205,6 +205,6 @@ def test_two_nodes_train_on_jsonl_with_a_trained_tokenizer_to_one_state(harness,
     reports = [read_report(d) for _, d in nodes]
     assert all(r["rounds_with_peers"] > 0 for r in reports), [r["recent_rounds"] for r in reports]
     assert len({r["global_digest"] for r in reports}) == 1, [r["fragments"] for r in reports]
-    configs = [json.loads((d / "node-config.json").read_text()) for _, d in nodes]
+    configs = [json.loads((d / "node-config.json").read_text())["settings"] for _, d in nodes]
     assert all(c["model"]["vocab_size"] == 400 for c in configs)
     assert all(c["data"]["tokenizer_sha256"] == tokenizer.file_sha256(path) for c in configs)
