@@ -199,7 +199,7 @@ def test_two_nodes_train_on_jsonl_with_a_trained_tokenizer_to_one_state(harness,
     maddr = harness.bootstrap()
     settings = {**TINY, "data.num_shards": "2", "data.tokenizer": str(path), "data.format": "jsonl"}
     nodes = [harness.node(maddr, f"n{i}", {**settings, "data.shard_index": str(i)}, "--data", str(corpus),
-                          "--duration", "14", "--set", "settle=15") for i in range(2)]
+                          "--duration", "14", "--set", "settle=30") for i in range(2)]
     for proc, d in nodes:
         assert harness.wait(proc, 180, d / "node.log") == 0, (d / "node.log").read_text()[-3000:]
     reports = [read_report(d) for _, d in nodes]
