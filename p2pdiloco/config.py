@@ -174,7 +174,7 @@ class SwarmConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Training text: the standard library's source by default, or the user's files
-    (docs/operating.md, "Training data")."""
+    (docs/data.md)."""
 
     path: str = ""  # file or folder; "" = the Python standard library's .py files
     format: DataFormat = "auto"  # text | jsonl | parquet | auto (by extension: .jsonl/.ndjson, .parquet, else text)

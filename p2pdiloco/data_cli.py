@@ -3,8 +3,8 @@
 ``p2pdiloco data tokenizer --input PATH --vocab-size N --output tok.json`` trains a byte-level
 BPE tokenizer (:func:`p2pdiloco.tokenizer.train`) on the text under PATH, read as
 ``--format`` says (:mod:`p2pdiloco.formats`); the run's owner names it in ``run init``
-(``--set data.tokenizer=tok.json``) and hands the file to every node (docs/operating.md,
-"Training data"). Bad input: one line on stderr and exit 2.
+(``--set data.tokenizer=tok.json``) and hands the file to every node (docs/data.md).
+Bad input: one line on stderr and exit 2.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Training text as people keep it: plain text files, JSON Lines, Parquet (docs/operating.md,
-"Training data").
+"""Training text as people keep it: plain text files, JSON Lines, Parquet (docs/data.md).
 
 A corpus file is one of three kinds. ``text``: its bytes as they are. ``jsonl``: one JSON
 object per line whose string field ``data.text_field`` holds a document; ``parquet``: a table

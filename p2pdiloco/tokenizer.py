@@ -5,7 +5,7 @@ Without one, tokens are bytes (vocab 256, :mod:`p2pdiloco.data`). With one, its 
 so every node of a run tokenizes alike: a node whose file has another digest is refused in one
 line; ``model.vocab_size`` follows the tokenizer's vocabulary. ``p2pdiloco data tokenizer``
 trains a byte-level BPE (Sennrich et al., arXiv:1508.07909; byte-level alphabet as in GPT-2)
-from the run's own text (:func:`train`). docs/operating.md, "Training data".
+from the run's own text (:func:`train`). docs/data.md.
 """
 
 from __future__ import annotations
