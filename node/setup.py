@@ -14,10 +14,12 @@ from p2pdiloco.config import NodeConfig, topk2_note
 from p2pdiloco.core.fragments import Fragment, StaggeredSchedule, balanced_fragments
 from p2pdiloco.core.learner import Learner
 from p2pdiloco.core.outer import OUTER_STEP_RULE
-from p2pdiloco.data import (PIECE_BYTES, BatchSampler, Corpus, EmptyShard, collect_text_files, default_corpus_files,
-                            heldout_batches, load_corpus, min_text_bytes)
+from p2pdiloco import tokenizer as tokenizers
+from p2pdiloco.data import (PIECE_BYTES, BatchSampler, Corpus, EmptyShard, default_corpus_files, heldout_batches,
+                            load_corpus, min_text_bytes)
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.exported import load_global
+from p2pdiloco.formats import collect_files
 from p2pdiloco.model import build_model
 
 from node.training import Dispatch, TrainingLoop
@@ -78,6 +80,20 @@ def _more_text(block_size: int) -> str:
             f"KiB pieces, one held out)")
 
 
+def _tokenizer(cfg: NodeConfig):
+    """The run's tokenizer (None: bytes), its file checked against the run's digest once more
+    (p2pdiloco.tokenizer.resolve did at load). Raises ConfigError (one line)."""
+    want = cfg.data.tokenizer_sha256
+    if not cfg.data.tokenizer:
+        if want:
+            raise ConfigError(f"this run tokenizes with a tokenizer of sha256 {want[:16]}... (data.tokenizer_sha256): "
+                              f"set data.tokenizer to your copy of the run's tokenizer file")
+        return None
+    if tokenizers.file_sha256(cfg.data.tokenizer) != want:
+        raise ConfigError(f"data.tokenizer {cfg.data.tokenizer} changed since the node's settings were read")
+    return tokenizers.load(cfg.data.tokenizer)
+
+
 @dataclass
 class Setup:
     """A node's local pieces. ``name`` is a human label; ``peer_id`` seeds its data shard."""
@@ -101,7 +117,8 @@ class Setup:
             model = build_model(cfg.model, cfg.seed).to(device)  # same run seed: same start on every node (I8)
             shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
             fragments = balanced_fragments(shapes, cfg.outer.fragments, model.embedding_names())
-            files = collect_text_files(Path(cfg.data.path)) if cfg.data.path else default_corpus_files()
+            files = collect_files(Path(cfg.data.path), cfg.data.format) if cfg.data.path else default_corpus_files()
+            tok = _tokenizer(cfg)
             shard, shards = cfg.data.shard_index, cfg.data.num_shards
             auto = shard < 0
             if auto:
@@ -109,7 +126,8 @@ class Setup:
             fallback = None
 
             def corpus_of(shard: int, shards: int) -> Corpus:
-                return load_corpus(files, shard, shards, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
+                return load_corpus(files, shard, shards, cfg.data.heldout_fraction, cfg.data.max_bytes or None,
+                                   fmt=cfg.data.format, text_field=cfg.data.text_field, tokenizer=tok)
 
             bs = cfg.model.block_size
             try:
@@ -132,13 +150,14 @@ class Setup:
             heldout = heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)
         except (ValueError, OSError) as e:
             raise ConfigError(str(e)) from None
+        unit = "tokens" if cfg.data.tokenizer else "bytes"
         notes = [(logging.WARNING, f"{name}: {fallback}; this node trains on all of the training text instead")] \
             if fallback else []
         notes += [(logging.INFO, f"{name}: model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
                                  f"{f'from {cfg.model.factory} ' if cfg.model.factory else ''}"
                                  f"in {len(fragments)} fragments on {device}; corpus of {len(files)} file(s), data "
-                                 f"shard {shard}/{shards}: {corpus.train.numel()} training bytes, "
-                                 f"{corpus.heldout.numel()} held-out bytes")]
+                                 f"shard {shard}/{shards}: {corpus.train.numel()} training {unit}, "
+                                 f"{corpus.heldout.numel()} held-out {unit}")]
         if note := topk2_note(cfg.outer):
             notes += [(logging.WARNING, f"{name}: {note}")]
         learner = Learner(model, fragments, cfg.inner)

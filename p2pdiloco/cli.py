@@ -181,8 +181,8 @@ def _run_command(args: argparse.Namespace) -> int:
         if args.initial_peers:
             overrides["swarm.initial_peers"] = args.initial_peers
         # a node's own config (file or --set) works too: its per-node settings (data.path,
-        # swarm.port...) are left out, said in one line
-        per_node = set(manifest.per_node_settings())
+        # swarm.port...) are left out, said in one line; data.tokenizer gives the run its digest
+        per_node = set(manifest.per_node_settings()) - {"data.tokenizer"}
         skipped = [*(settings_in(args.config) if args.config is not None else []), *overrides]
         skipped = list(dict.fromkeys(k for k in skipped if k in per_node))
         overrides = {k: v for k, v in overrides.items() if k not in per_node}
@@ -436,7 +436,7 @@ def _native_modules(args: argparse.Namespace) -> tuple[str, ...]:
     """The native libraries a command needs before it runs (``_load_native_libraries``)."""
     if args.cmd == "model":
         return ("torch",)
-    if args.cmd in ("node", "demo", "run"):  # `node run` loads them once its settings are checked, and
+    if args.cmd in ("node", "demo", "run", "data"):  # `node run` loads them once its settings are checked, and
         return ()  # `run init` while it parses multiaddrs; `node status`, `run show` and the demo need neither
     return ("torch", "hivemind")
 
@@ -519,8 +519,10 @@ def _parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     from p2pdiloco.chaos.cli import add_chaos_parser  # noqa: PLC0415
+    from p2pdiloco.data_cli import add_data_parser  # noqa: PLC0415
 
     add_chaos_parser(sub)
+    add_data_parser(sub)
     return parser
 
 
@@ -562,6 +564,10 @@ def _main(args: argparse.Namespace) -> int:
         from p2pdiloco.chaos.cli import run_chaos  # noqa: PLC0415
 
         return run_chaos(args)
+    if args.cmd == "data":
+        from p2pdiloco.data_cli import run_data_command  # noqa: PLC0415
+
+        return run_data_command(args)
     raise AssertionError(f"unknown command {args.cmd}")  # argparse allows only the commands above
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from p2pdiloco.core.choices import DEFAULT_OUTLIER_FACTOR, OUTLIER_POLICIES
 from p2pdiloco.core.inner import InnerConfig
 from p2pdiloco.errors import AddressError, ConfigError
+from p2pdiloco.formats import FORMATS, DataFormat
 from p2pdiloco.model_config import ModelConfig
 from p2pdiloco.net.precision import WIRE_PRECISIONS
 
@@ -172,9 +173,14 @@ class SwarmConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training text: the standard library's source by default, or the user's files."""
+    """Training text: the standard library's source by default, or the user's files
+    (docs/data.md)."""
 
     path: str = ""  # file or folder; "" = the Python standard library's .py files
+    format: DataFormat = "auto"  # text | jsonl | parquet | auto (by extension: .jsonl/.ndjson, .parquet, else text)
+    text_field: str = "text"  # the JSON Lines field / Parquet column holding the text
+    tokenizer: str = ""  # a tokenizers JSON file (this node's copy); "" = bytes (vocab 256)
+    tokenizer_sha256: str = ""  # the run's tokenizer (set from data.tokenizer; the manifest carries it)
     shard_index: int = -1  # -1: derived from the peer ID
     num_shards: int = 8
     batch_size: int = 16
@@ -191,6 +197,12 @@ class DataConfig:
             ("heldout_fraction", 0 < self.heldout_fraction < 1, "must be in (0, 1)"),
             ("eval_batches", 1 <= self.eval_batches <= 10**5, f"must be in 1..{10**5}"),
             ("path", not self.path or Path(self.path).exists(), f"{self.path!r} does not exist"),
+            ("format", self.format in FORMATS, f"must be one of {', '.join(FORMATS)}"),
+            ("text_field", 0 < len(self.text_field) <= 256, "must be a field name (1 to 256 characters)"),
+            ("tokenizer", not self.tokenizer or Path(self.tokenizer).expanduser().is_file(),
+             f"{self.tokenizer!r} is not a file"),
+            ("tokenizer_sha256", not self.tokenizer_sha256 or (len(self.tokenizer_sha256) == 64 and all(
+                c in "0123456789abcdef" for c in self.tokenizer_sha256)), "must be 64 lowercase hex digits"),
         )
 
 
@@ -495,6 +507,10 @@ def load_config(
     if not problems:
         try:  # checks across sections run on the whole config
             built = dataclasses.replace(node, **parts)
+            if built.data.tokenizer:  # digest and vocabulary from the file (p2pdiloco.tokenizer)
+                from p2pdiloco.tokenizer import resolve  # noqa: PLC0415
+
+                built = resolve(built, pinned=bool(run))
             if run:
                 _check_run(built, run, sources, run_source)
             return built

@@ -1,6 +1,8 @@
 """Real text as bytes: corpus discovery, disjoint per-node shards, batches and evaluation.
 
-Tokens are raw bytes (vocab 256). Files are cut into pieces of at most ``PIECE_BYTES``; each
+Tokens are raw bytes (vocab 256), or the IDs of a run's tokenizer (:mod:`p2pdiloco.tokenizer`)
+applied to the bytes a node reads. Files (text, JSON Lines, Parquet: :mod:`p2pdiloco.formats`,
+each standing for a stream of bytes) are cut into pieces of at most ``PIECE_BYTES``; each
 piece is keyed by its file's path relative to the corpus root plus its piece number, and a
 stable hash of that key decides, identically on every node, whether the piece is held out and
 which shard trains on it. So shards are disjoint and every node evaluates on the same bytes.
@@ -8,7 +10,6 @@ which shard trains on it. So shards are disjoint and every node evaluates on the
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import math
 import os
@@ -16,18 +17,20 @@ import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from p2pdiloco.formats import check_not_empty, collect_text_files, document_bytes, file_size, kind_of
+
 __all__ = ["PIECE_BYTES", "min_text_bytes", "default_corpus_files", "collect_text_files", "Corpus", "load_corpus",
            "BatchSampler", "heldout_batches", "evaluate", "bits_per_byte"]
 
 
 PIECE_BYTES = 1 << 16  # unit of the held-out / shard split, so one large file can feed many shards
-_SNIFF_BYTES = 1 << 16
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -45,41 +48,10 @@ def default_corpus_files() -> list[Path]:
     return sorted(files)
 
 
-def _is_text(path: Path) -> bool:
-    """True for a non-empty file whose first 64 KiB hold no NUL byte and decode as UTF-8."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(_SNIFF_BYTES)
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
-    except (OSError, UnicodeDecodeError):
-        return False
-    return bool(head) and b"\0" not in head
-
-
-def collect_text_files(path: Path) -> list[Path]:
-    """``path`` itself if it is a text file, else every non-hidden regular text file below the
-    folder (recursive, sorted); binary, non-UTF-8 and empty files are skipped.
-    Raises FileNotFoundError if path does not exist, ValueError if nothing usable is found."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"corpus path {path} does not exist")
-    if path.is_file():
-        if not _is_text(path):
-            raise ValueError(f"{path} is not a non-empty UTF-8 text file")
-        return [path]
-    files = []
-    for d, dirs, names in os.walk(path):
-        dirs[:] = [x for x in dirs if not x.startswith(".")]
-        files += [Path(d, n) for n in names if not n.startswith(".")]
-    usable = sorted(f for f in files if f.is_file() and not f.is_symlink() and _is_text(f))
-    if not usable:
-        raise ValueError(f"no usable UTF-8 text files under {path}")
-    return usable
-
-
 @dataclass(frozen=True)
 class Corpus:
-    """train: uint8 [N] bytes of this node's shard; heldout: uint8 [M] bytes common to all nodes."""
+    """train: [N] tokens of this node's shard; heldout: [M] tokens common to all nodes. uint8
+    bytes, or int32 token IDs with a tokenizer."""
 
     train: Tensor
     heldout: Tensor
@@ -89,17 +61,30 @@ def _unit_hash(salt: bytes, key: str) -> int:
     return int.from_bytes(hashlib.sha256(salt + b"\0" + key.encode()).digest()[:8], "little")
 
 
-def _read(pieces: Sequence[tuple[Path, int, int]], cap: int | None) -> Tensor:
-    """Concatenate pieces (path, offset, length), stopping after ``cap`` bytes. uint8 [N]."""
-    out, total = bytearray(), 0
+def _read(pieces: Sequence[tuple[Path, int, int]], cap: int | None, kinds: dict[Path, str] | None = None,
+          field: str = "text") -> Tensor:
+    """Concatenate pieces (path, offset, length), stopping after ``cap`` bytes. uint8 [N].
+    ``kinds``: the kind of each non-text file (:func:`p2pdiloco.formats.kind_of`); each such
+    file is decoded once, for all of its pieces read."""
+    trimmed, total = [], 0
     for path, off, n in pieces:
         if cap is not None and total >= cap:
             break
         n = n if cap is None else min(n, cap - total)
+        trimmed.append((path, off, n))
+        total += n
+    decoded: dict[tuple[Path, int], bytes] = {}
+    for path in dict.fromkeys(p for p, _, _ in trimmed if (kinds or {}).get(p, "text") != "text"):
+        whole = document_bytes(path, kinds[path], field)  # type: ignore[index]
+        decoded.update({(path, off): whole[off:off + n] for p, off, n in trimmed if p == path})
+    out = bytearray()
+    for path, off, n in trimmed:
+        if (path, off) in decoded:
+            out += decoded[(path, off)]
+            continue
         with open(path, "rb") as f:
             f.seek(off)
             out += f.read(n)
-        total = len(out)
     return torch.frombuffer(out, dtype=torch.uint8).clone() if out else torch.empty(0, dtype=torch.uint8)
 
 
@@ -121,7 +106,8 @@ class EmptyShard(ValueError):
 
 
 def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
-                heldout_fraction: float = 0.05, max_bytes: int | None = None) -> Corpus:
+                heldout_fraction: float = 0.05, max_bytes: int | None = None, *, fmt: str = "text",
+                text_field: str = "text", tokenizer: Any = None) -> Corpus:
     """Split ``files`` into a held-out set and ``num_shards`` disjoint training shards; read
     shard ``shard_index`` and the held-out set.
 
@@ -130,7 +116,12 @@ def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
     piece when the fraction is > 0 and there are two or more pieces); the rest, ordered by a
     second stable hash, go round-robin to the shards. Bytes are concatenated in hash order.
     max_bytes caps the bytes read for the shard and for the held-out set (for fast demos).
-    Raises EmptyShard (a ValueError) when the shard is empty, ValueError on bad arguments,
+    ``fmt`` (``data.format``) and ``text_field`` say how each file is read
+    (:func:`p2pdiloco.formats.kind_of`: JSON Lines and Parquet files stand for their documents'
+    bytes); ``tokenizer`` (a ``tokenizers.Tokenizer``, :func:`p2pdiloco.tokenizer.encode`)
+    turns the bytes read into int32 token IDs; None keeps bytes.
+    Raises EmptyShard (a ValueError) when the shard is empty, DataError (a ValueError) on a
+    file its format cannot read or a corpus of no text, ValueError on bad arguments,
     FileNotFoundError on a missing file.
     """
     if num_shards < 1 or not 0 <= shard_index < num_shards:
@@ -143,9 +134,13 @@ def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
         raise ValueError("no corpus files")
     paths = [Path(f).absolute() for f in files]
     root = Path(os.path.commonpath([p.parent for p in paths]))
+    kinds = {p: kind_of(p, fmt) for p in paths}
+    sizes = [file_size(p, kinds[p], text_field) for p in paths]
+    if fmt != "text":
+        check_not_empty(sizes, str(root))
     units = []  # (key, path, offset, length)
-    for p in paths:
-        size, rel = p.stat().st_size, p.relative_to(root).as_posix()
+    for p, size in zip(paths, sizes):
+        rel = p.relative_to(root).as_posix()
         units += [(f"{rel}#{i}", p, off, min(PIECE_BYTES, size - off))
                   for i, off in enumerate(range(0, size, PIECE_BYTES))]
     units.sort(key=lambda u: _unit_hash(b"heldout", u[0]))
@@ -159,11 +154,16 @@ def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
                  + (" (and data.shard_index below it)" if shard_index >= len(rest) else "") + " or ") if rest else ""
         raise EmptyShard(f"data shard {shard_index} of {num_shards} is empty: the corpus has {len(rest)} training "
                          f"piece(s) of up to {PIECE_BYTES} bytes; {fewer}give more text (data.path)", len(rest))
-    return Corpus(_read([u[1:] for u in mine], max_bytes), _read([u[1:] for u in held], max_bytes))
+    train, heldout = (_read([u[1:] for u in part], max_bytes, kinds, text_field) for part in (mine, held))
+    if tokenizer is not None:
+        from p2pdiloco.tokenizer import encode  # noqa: PLC0415
+
+        train, heldout = encode(tokenizer, train), encode(tokenizer, heldout)
+    return Corpus(train, heldout)
 
 
 class BatchSampler:
-    """Random training windows from ``data`` (uint8 [N]) with its own ``torch.Generator``
+    """Random training windows from ``data`` (uint8 bytes or int32 token IDs [N]) with its own ``torch.Generator``
     seeded by ``seed``. ``next()`` -> (inputs, targets), int64 [batch_size, block_size] each,
     targets shifted one byte ahead. Raises ValueError if N < block_size + 1 or sizes < 1."""
 
@@ -183,7 +183,7 @@ class BatchSampler:
 
 
 def heldout_batches(heldout: Tensor, batch_size: int, block_size: int, num_batches: int) -> list[tuple[Tensor, Tensor]]:
-    """``num_batches`` batches of evenly spaced windows over ``heldout`` (uint8 [M]), identical
+    """``num_batches`` batches of evenly spaced windows over ``heldout`` (uint8/int32 [M]), identical
     on every node: list of (inputs, targets), int64 [batch_size, block_size] each.
     Raises ValueError if M < block_size + 1 or any size < 1."""
     if min(batch_size, block_size, num_batches) < 1:
@@ -198,7 +198,8 @@ def heldout_batches(heldout: Tensor, batch_size: int, block_size: int, num_batch
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> float:
-    """Mean cross-entropy of ``model`` over all positions of ``batches``, in nats per byte.
+    """Mean cross-entropy of ``model`` over all positions of ``batches``, in nats per token
+    (per byte without a tokenizer).
     The model's train/eval mode is restored. Raises ValueError on an empty batch list."""
     if not batches:
         raise ValueError("no evaluation batches")

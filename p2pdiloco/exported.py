@@ -43,7 +43,9 @@ from p2pdiloco.atomic import write_bytes_atomic
 from p2pdiloco.config import NodeConfig, load_config
 from p2pdiloco.core.fragments import Fragment
 from p2pdiloco.core.outer import FragmentState
-from p2pdiloco.data import collect_text_files, default_corpus_files, heldout_batches, load_corpus
+from p2pdiloco.data import default_corpus_files, heldout_batches, load_corpus
+from p2pdiloco.formats import collect_files
+from p2pdiloco.tokenizer import load as load_tokenizer
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.model import build_model
 from p2pdiloco.model_config import ModelConfig
@@ -53,7 +55,8 @@ __all__ = ["MODEL_FILE", "CONFIG_FILE", "EXPORT_FILE", "FORMAT", "HF_DIR", "sett
 
 MODEL_FILE, CONFIG_FILE, EXPORT_FILE, HF_DIR = "model.safetensors", "config.json", "export.json", "hf"
 FORMAT = 1
-EVAL_FIELDS = ("heldout_fraction", "max_bytes", "batch_size", "eval_batches")  # the held-out batches' settings
+EVAL_FIELDS = ("heldout_fraction", "max_bytes", "batch_size", "eval_batches",  # the held-out batches' settings
+               "format", "text_field", "tokenizer", "tokenizer_sha256")  # and how the text is read (formats, tokenizer)
 MAX_JSON_BYTES = 1 << 20  # config.json, export.json, node-config.json
 
 
@@ -224,8 +227,10 @@ def heldout_of(cfg: NodeConfig, data_path: str) -> list[tuple[Tensor, Tensor]]:
         ConfigError: the path does not exist, holds no usable text, or too little held-out text.
     """
     try:
-        files = collect_text_files(Path(data_path)) if data_path else default_corpus_files()
-        corpus = load_corpus(files, 0, 1, cfg.data.heldout_fraction, cfg.data.max_bytes or None)
+        files = collect_files(Path(data_path), cfg.data.format) if data_path else default_corpus_files()
+        tok = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None  # as the node read its text
+        corpus = load_corpus(files, 0, 1, cfg.data.heldout_fraction, cfg.data.max_bytes or None,
+                             fmt=cfg.data.format, text_field=cfg.data.text_field, tokenizer=tok)
         return heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)
     except (ValueError, OSError) as e:
         raise ConfigError(f"--data: {e}") from None

@@ -2,9 +2,9 @@
 
 The run's owner makes it once (``p2pdiloco run init``): the run ID, every setting that must be
 equal on all nodes of the run (:data:`RUN_SETTINGS`: the seed, the model, the inner and outer
-optimizers, fragments, H, the wire codec, the batch size, the robust-merge policy, the private
-swarm's key), the initial peers to join through and an optional target, signed with the owner's
-Ed25519 identity key (purpose ``run.manifest``, :mod:`p2pdiloco.trust.signing`). It travels
+optimizers, fragments, H, the wire codec, the batch size, the tokenizer's sha256, the
+robust-merge policy, the private swarm's key), the initial peers to join through and an
+optional target, signed with the owner's Ed25519 identity key (purpose ``run.manifest``, :mod:`p2pdiloco.trust.signing`). It travels
 as a file or as one string (``p2pdiloco-run:`` + base64url(zlib(msgpack))), and every node
 that runs with it republishes it in the swarm's DHT.
 
@@ -46,7 +46,7 @@ _PURPOSE = "run.manifest"
 # Settings every node of one run must share: whole sections, then single fields.
 RUN_SECTIONS = ("model", "inner", "outer")
 RUN_FIELDS = ("seed", "data.batch_size", "data.num_shards", "data.max_bytes", "data.heldout_fraction",
-              "trust.swarm_key", "trust.outliers", "trust.outlier_factor")
+              "data.tokenizer_sha256", "trust.swarm_key", "trust.outliers", "trust.outlier_factor")
 
 
 def _fields(cfg: Any) -> list[str]:
