@@ -1,5 +1,5 @@
 """Catch-up bytes of real nodes: what a node that fell a few rounds behind downloads to catch
-up, at this commit (catch-ups from the rounds missed, ``net.deltas``) against a baseline commit
+up, at this commit (catch-ups from the rounds missed, ``net.state.deltas``) against a baseline commit
 (every catch-up a state download), in the same run.
 
     python bench/catchups.py --baseline 7193932 --repeats 2
@@ -88,7 +88,7 @@ def _journal(d: Path) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="catch-up bytes of a node that fell behind, this commit against a baseline")
-    p.add_argument("--baseline", default="7193932", help="the commit to compare with (default: before net.deltas)")
+    p.add_argument("--baseline", default="7193932", help="the commit to compare with (default: before net.state.deltas)")
     p.add_argument("--commit", default="HEAD")
     p.add_argument("--repeats", type=int, default=2, help="runs per commit (seeds 0, 1, ...)")
     p.add_argument("--freeze", type=float, default=8.0, help="seconds node2 is stopped")

@@ -21,7 +21,7 @@ Each configuration is ``codec[/k]@outer-momentum[,lr=X][,ef=B]``: outer lr X (0.
 given) and error-feedback decay B (a member sends Δ + B·e, ``core.outer.with_error_feedback``;
 1 unless given). SparseLoCo runs without outer momentum, its decayed error-feedback buffer
 taking that part (arXiv 2508.15706, section 3); ``topk2/k`` keeps k entries of a 4,096-element
-chunk instead of the codec's ``net.sparse.TOPK`` (224; 64 before wire version 13, 128 before
+chunk instead of the codec's ``net.codecs.sparse.TOPK`` (224; 64 before wire version 13, 128 before
 14). The default grid is fp32 and int4 at DiLoCo's momentum 0.9 and topk2 at the recipe the
 nodes document (momentum 0, lr 2, B = 0.65: docs/architecture.md). Every codec is compared
 with ``fp32@0.9`` of the same H and seed.
@@ -47,7 +47,7 @@ from p2pdiloco.config import TOPK2_RECIPE, OuterConfig, load_config
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import nesterov_outer_step, with_error_feedback
 from p2pdiloco.data import evaluate
-from p2pdiloco.net import sparse, wire
+from p2pdiloco.net.codecs import sparse, wire
 
 
 DEFAULT_TOPK = sparse.TOPK
@@ -56,7 +56,7 @@ RECIPE = "topk2@{momentum:g},lr={lr:g},ef={error_feedback_decay:g}".format(**TOP
 
 def parse_config(config: str) -> tuple[str, float, int | None, float, float]:
     """``codec[/k]@momentum[,lr=X][,ef=B]`` -> (codec, momentum, k, lr, ef): ``k``, for ``topk2``,
-    the entries kept of a 4096-element chunk (``net.sparse.TOPK``, 224, by default); ``lr`` the outer
+    the entries kept of a 4096-element chunk (``net.codecs.sparse.TOPK``, 224, by default); ``lr`` the outer
     learning rate (0.7); ``ef`` the error-feedback decay beta (1: the residual is carried whole;
     SparseLoCo's e <- beta e + delta, arXiv 2508.15706, section 3).
 

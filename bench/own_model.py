@@ -57,7 +57,7 @@ def fragment_sizes(values: dict[str, str]) -> tuple[int, list[dict]]:
     from p2pdiloco.config import load_config  # noqa: PLC0415
     from p2pdiloco.core.fragments import balanced_fragments  # noqa: PLC0415
     from p2pdiloco.model import build_model  # noqa: PLC0415
-    from p2pdiloco.net import wire  # noqa: PLC0415
+    from p2pdiloco.net.codecs import wire  # noqa: PLC0415
 
     cfg = load_config(env={}, overrides=values)
     model = build_model(cfg.model, cfg.seed)

@@ -3,7 +3,7 @@
     python bench/scale.py                                  # N = 8, 16, 32, 64, 128; 60 rounds each (about 20 minutes)
     python bench/scale.py --sizes 8 16 --rounds 3 --out /tmp/scale   # a quick look
 
-Each size runs on one ``MemoryNet`` (``p2pdiloco.net.memory``): every peer a real ``Swarm`` (the
+Each size runs on one ``MemoryNet`` (``p2pdiloco.net.transport.memory``): every peer a real ``Swarm`` (the
 framing, limits, deadlines and signed DHT records of production) with its ``Matchmaker`` and
 ``AllReducer``, over links of 25 ms one way (50 ms round trip) and 20 Mbit/s. One round is one
 outer round of one fragment at version v: every peer becomes ready at a random time within
@@ -56,9 +56,9 @@ import looptime  # noqa: E402
 import torch  # noqa: E402
 
 from p2pdiloco.core.fragments import Fragment, TensorSlot  # noqa: E402
-from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult  # noqa: E402
-from p2pdiloco.net.matchmaking import GroupKey, Matchmaker  # noqa: E402
-from p2pdiloco.net.memory import Link, MemoryNet  # noqa: E402
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, RoundResult  # noqa: E402
+from p2pdiloco.net.rounds.matchmaking import GroupKey, Matchmaker  # noqa: E402
+from p2pdiloco.net.transport.memory import Link, MemoryNet  # noqa: E402
 from p2pdiloco.trust.identity import Identity  # noqa: E402
 
 SHAPES = [(256, 128), (128, 384), (128, 128), (128, 64), (384,), (128,)]  # 107k parameters

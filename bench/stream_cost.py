@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.transport.swarm import Swarm
 
 LO = Path("/sys/class/net/lo/statistics")
 

@@ -46,9 +46,9 @@ from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
 from p2pdiloco.config import load_config  # noqa: E402
 from p2pdiloco.core.fragments import balanced_fragments  # noqa: E402
 from p2pdiloco.model import build_model  # noqa: E402
-from p2pdiloco.net.allreduce import AllReducer, Contribution  # noqa: E402
-from p2pdiloco.net.matchmaking import GroupKey, Matchmaker  # noqa: E402
-from p2pdiloco.net.transport import Swarm  # noqa: E402
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution  # noqa: E402
+from p2pdiloco.net.rounds.matchmaking import GroupKey, Matchmaker  # noqa: E402
+from p2pdiloco.net.transport.swarm import Swarm  # noqa: E402
 
 NODES = 3
 

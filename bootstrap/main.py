@@ -18,7 +18,7 @@ import signal
 from pathlib import Path
 
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.net.addresses import check_announce_maddr, check_any_reachable, check_listen_port, check_peer_maddr
+from p2pdiloco.net.transport.addresses import check_announce_maddr, check_any_reachable, check_listen_port, check_peer_maddr
 from p2pdiloco.trust.certificates import decode_swarm_key
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ async def serve(args: argparse.Namespace) -> int:
     check_arguments(args)
     check_listen_port(args.host, args.port)
     await asyncio.to_thread(check_any_reachable, args.initial_peers)
-    from p2pdiloco.net.transport import Swarm  # noqa: PLC0415  (imports hivemind: over a second)
+    from p2pdiloco.net.transport.swarm import Swarm  # noqa: PLC0415  (imports hivemind: over a second)
 
     # public: nodes must be able to dial a bootstrap peer, and p2pd serves relays only when public
     swarm = await Swarm.start(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],

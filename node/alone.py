@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from p2pdiloco.net.addresses import JOIN_HINT
+from p2pdiloco.net.transport.addresses import JOIN_HINT
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class Alone:
             nothing merged for ``NodeConfig.alone_after`` seconds: "other_settings" (nodes of
             the run seen, all with other settings: they can never merge with this one),
             "unreachable" (nodes of the run with our settings seen, yet no round with them, and
-            peers cannot dial this node: behind NAT with no relay slot; ``net.reachability``),
+            peers cannot dial this node: behind NAT with no relay slot; ``net.transport.reachability``),
             "no_rounds" (the same while this node is dialable or its reachability unknown).
         detail: one line for a person, naming what to check or pass.
         since: Unix time (s) of the last round merged with another node, or of the start of

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from p2pdiloco.net.records import HeadsRecord
+from p2pdiloco.net.records.parse import HeadsRecord
 
 NO_SHOWS_MAX = 3  # groups in a row a peer was expected in and missed before it is no longer waited for
 

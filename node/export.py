@@ -128,7 +128,7 @@ def swarm_settings(args: argparse.Namespace) -> tuple[NodeConfig, str]:
     ``--initial-peers``, ``--run-id`` and ``--config``/``--set``; ``--data`` else ``data.path``.
     Raises ConfigError (usage, settings, a manifest of another owner) or NetworkError (no
     initial peer reachable)."""
-    from p2pdiloco.net.addresses import check_any_reachable  # noqa: PLC0415
+    from p2pdiloco.net.transport.addresses import check_any_reachable  # noqa: PLC0415
 
     if not 1 <= args.candidates <= 64:
         raise ConfigError(f"--candidates: must be in 1..64, got {args.candidates}")

@@ -11,7 +11,7 @@ it instead of on log wording. Every line is ``{"t": unix seconds, "event": KIND,
   it: ``fragment``, ``from_version``, ``version``, ``digest``, ``ours`` (our contribution was
   inside it after all: overwritten, not rebased), ``bytes`` and ``rounds`` (the payload of its
   download: the state's, with rounds 0, or that of the rounds it was computed from,
-  ``net.deltas``), ``excluded`` (present, true, when it is the result of our own round that
+  ``net.state.deltas``), ``excluded`` (present, true, when it is the result of our own round that
   merged without our contribution, taken without a download);
 * ``download_failed``: ``fragment``, ``version``, ``donor`` (peer ID), ``reason``;
 * ``send``: a round of ``fragment`` starts with our progress, the ``n``-th of that fragment

@@ -25,8 +25,8 @@ from p2pdiloco.errors import ConfigError, NetworkError, P2PDilocoError
 from p2pdiloco.footprint import check_memory, rss_mib
 from p2pdiloco import owners
 from p2pdiloco.manifest import RunManifest, published, run_settings
-from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.records.parse import HeadsRecord
+from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.status import Status
 
 from node.alone import START_ALONE_HINT
@@ -350,7 +350,7 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
 async def start_swarm(sw: SwarmConfig, trust: NodeTrust) -> Swarm:
     """Start the node's transport (``swarm`` settings, the node's identity and membership). In
     reachability ``auto`` a node that its initial peers could not dial back starts p2pd again
-    forced private, to reserve a relay slot (``p2pdiloco.net.reachability``); the check's
+    forced private, to reserve a relay slot (``p2pdiloco.net.transport.reachability``); the check's
     verdict stays in ``swarm.reach``. Raises what :meth:`Swarm.start` raises."""
     args = dict(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"], announce_maddrs=sw.announce,
                 identity=trust.identity, membership=trust.membership, admission_key=f"{sw.run_id}/heads", relay=sw.relay)

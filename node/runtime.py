@@ -2,7 +2,7 @@
 
 Outer round of fragment p (Decoupled DiLoCo, arXiv 2604.21428, on a swarm: docs/architecture.md):
 the training thread hands over Δ_p, its counts and its anchor; the node forms a group at the same
-(version, digest) (net.matchmaking), all-reduces with the token-weighted merge, applies the
+(version, digest) (net.rounds.matchmaking), all-reduces with the token-weighted merge, applies the
 Nesterov outer step, commits version + 1 and delivers it to the training thread. A failed round
 commits nothing (I2). A node that finds the swarm ahead downloads the newer state, verifies it
 and rebases its unsent progress on it (I3): θ_p ← Θ_p(new) − (Θ_p(old) − θ_p).
@@ -24,16 +24,16 @@ from p2pdiloco.core.grace import GraceWindow
 from p2pdiloco.core.learner import lr_at
 from p2pdiloco.core.outer import FragmentState, apply_round, lone_step_size, run_tokens, with_error_feedback
 from p2pdiloco.errors import NetworkError, RoundFailed, StateSyncError
-from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
-from p2pdiloco.net.rounds import ResultRefused
-from p2pdiloco.net.bounded_moves import own_step
-from p2pdiloco.net.deltas import logged
-from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
-from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.revocation import RevocationWatch
-from p2pdiloco.net.heads import is_behind, newest_heads, runaway_heads
-from p2pdiloco.net.statesync import READ_EVERY_S, StateSync
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
+from p2pdiloco.net.rounds.results import ResultRefused
+from p2pdiloco.net.state.bounded_moves import own_step
+from p2pdiloco.net.state.deltas import logged
+from p2pdiloco.net.rounds.matchmaking import Group, GroupKey, Matchmaker
+from p2pdiloco.net.records.parse import HeadsRecord
+from p2pdiloco.net.state.revocation import RevocationWatch
+from p2pdiloco.net.state.heads import is_behind, newest_heads, runaway_heads
+from p2pdiloco.net.state.statesync import READ_EVERY_S, StateSync
+from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.trust.reputation import Reputation
 from p2pdiloco.data import evaluate
 
@@ -376,7 +376,7 @@ class Node:
                 self.reputation.merged(peer)
 
     def _log_round(self, p: int, anchor: FragmentState, new: FragmentState, merged: RoundResult, members: int) -> None:
-        """Keep a committed round to serve nodes behind (net.deltas); never fails the commit it follows."""
+        """Keep a committed round to serve nodes behind (net.state.deltas); never fails the commit it follows."""
         try:
             self.sync.deltas.log.add(p, logged(anchor, new, merged, members, self.cfg.outer.wire_precision))
         except Exception:  # MemoryError, say: the round is committed all the same
@@ -529,7 +529,7 @@ class Node:
             old = self.committed.install(p, state, made_by)
         self.stats.catchups += 1
         self.stats.resyncs += state.version == old.version
-        nbytes, rounds = self.sync.fetched.get(p, (0, 0))  # this download's, by the state or its rounds (net.deltas)
+        nbytes, rounds = self.sync.fetched.get(p, (0, 0))  # this download's, by the state or its rounds (net.state.deltas)
         self.journal.record("follow", fragment=p, from_version=old.version, version=state.version,
                             digest=state.short(), ours=ours, bytes=nbytes, rounds=rounds)
         log.info("followed fragment %d: v%d -> v%d (%s)%s", p, old.version, state.version, state.short(),
@@ -571,7 +571,7 @@ class Node:
 
     async def _gathering_step(self) -> None:
         """Join groups others are gathering at our version before our own schedule says so,
-        each time a peer pushes its announcement (``net.gatherings``)."""
+        each time a peer pushes its announcement (``net.rounds.gatherings``)."""
         await self.matchmaker.gatherings.watch()
         open_now = self.matchmaker.open_gatherings()
         for p, keys in open_now.items():
@@ -587,7 +587,7 @@ class Node:
                 self.training.request(p)
 
     async def _revocation_watch(self) -> None:
-        """Adopt newer revocation lists of a private swarm from the DHT (``net.revocation``);
+        """Adopt newer revocation lists of a private swarm from the DHT (``net.state.revocation``);
         leave when this node's own membership was revoked."""
         async def step() -> None:
             await self.revocations.poll_once()

@@ -165,7 +165,7 @@ def node_lines(s: dict[str, Any]) -> Table:
     g.add_row("uptime", f"{fmt_age(s.get('uptime_s'))}   pid {s.get('pid', '-')}   p2pd pid {s.get('p2pd_pid') or '-'}")
     clock = s.get("clock") or {}
     if clock and not clock.get("synced", True):
-        from p2pdiloco.net.clock import describe  # noqa: PLC0415
+        from p2pdiloco.net.transport.clock import describe  # noqa: PLC0415
 
         g.add_row("clock", Text(f"{describe(clock.get('measured_s', 0.0))} the swarm's ({clock.get('peers')} peers); "
                                 f"using the swarm's time; turn on time sync (timedatectl set-ntp true)",
@@ -275,15 +275,15 @@ def render_live(s: dict[str, Any]) -> RenderableType:
 # ---- swarm status ---------------------------------------------------------------------------
 def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = None) -> dict[str, Any]:
     """Every peer's record and the swarm's newest fragment versions, as one JSON-able dict.
-    Records are parsed at the one boundary (``p2pdiloco.net.records.parse_heads``); those that
+    Records are parsed at the one boundary (``p2pdiloco.net.records.parse.parse_heads``); those that
     do not parse, or list another fragment count than most, are counted as ``malformed``;
     those published more than ``STORE_EVERY_S`` + 60 seconds before ``now`` (Unix seconds of the
     swarm's time, ``Swarm.clock``; default this machine's clock) as ``gone``: a live node stores
     its record that often (on a publish, every 5 s), and the DHT keeps records for ``HEAD_TTL``
     and longer, for nodes whose clocks are ahead."""
-    from p2pdiloco.net.pushes import stale_after  # noqa: PLC0415
-    from p2pdiloco.net.records import parse_many, parse_heads  # noqa: PLC0415
-    from p2pdiloco.net.statesync import STORE_EVERY_S  # noqa: PLC0415
+    from p2pdiloco.net.records.pushes import stale_after  # noqa: PLC0415
+    from p2pdiloco.net.records.parse import parse_many, parse_heads  # noqa: PLC0415
+    from p2pdiloco.net.state.statesync import STORE_EVERY_S  # noqa: PLC0415
 
     from node.swarm_view import fragment_status, share  # noqa: PLC0415  (the rule `node status` uses)
 
@@ -354,9 +354,9 @@ async def _fresh_records(swarm: Any, run_id: str, stored: dict[str, Any]) -> dic
     record each of up to ``ASK_AT_MOST`` of those peers gives for itself now (``st.record``,
     ``node.main.serve_record``), where it parses and is newer; a peer that does not answer
     within ``ASK_TIMEOUT_S`` keeps its stored record. The answer is bounded by the transport's
-    reply limit and parsed at the one boundary (``net.records.parse_heads``)."""
+    reply limit and parsed at the one boundary (``net.records.parse.parse_heads``)."""
     from p2pdiloco.errors import P2PDilocoError, ProtocolError  # noqa: PLC0415
-    from p2pdiloco.net.records import parse_heads  # noqa: PLC0415
+    from p2pdiloco.net.records.parse import parse_heads  # noqa: PLC0415
     from p2pdiloco.trust.identity import is_peer_id  # noqa: PLC0415
 
     async def ask(peer: str) -> tuple[str, Any] | None:
@@ -390,7 +390,7 @@ async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.
     Raises:
         NetworkError: no initial peer answered, or the daemon did not start.
     """
-    from p2pdiloco.net.transport import Swarm  # noqa: PLC0415  (imports hivemind)
+    from p2pdiloco.net.transport.swarm import Swarm  # noqa: PLC0415  (imports hivemind)
 
     from p2pdiloco.manifest import published  # noqa: PLC0415
 

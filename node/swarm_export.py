@@ -1,8 +1,8 @@
 """``p2pdiloco model export --join MANIFEST`` (or ``--initial-peers MADDR --run-id ID``): the
 swarm's global model, taken out by someone who never trained.
 
-A short-lived swarm client (p2pd, :class:`p2pdiloco.net.transport.Swarm`, and a
-:class:`p2pdiloco.net.statesync.StateSync` holding the run's initial state, which every node
+A short-lived swarm client (p2pd, :class:`p2pdiloco.net.transport.swarm.Swarm`, and a
+:class:`p2pdiloco.net.state.statesync.StateSync` holding the run's initial state, which every node
 starts from: invariant I8) reads the run's signed records (``{run}/heads``), publishes none and
 trains nothing. Identities are free (docs/trust.md), so no count of peers claiming a state
 decides which one is exported. Each distinct global state claimed in full by some peer (its
@@ -39,7 +39,7 @@ from p2pdiloco.data import evaluate
 from p2pdiloco.errors import ConfigError, NetworkError, StateSyncError
 from p2pdiloco.exported import heldout_of, load_global, write_export
 from p2pdiloco.model import build_model
-from p2pdiloco.net.heads import Head
+from p2pdiloco.net.state.heads import Head
 
 from node.committed import global_digest
 from node.setup import protocol_tag
@@ -83,8 +83,8 @@ async def export_from_swarm(cfg: NodeConfig, data_path: str, out: Path, *, wait:
     def score(states: Sequence[FragmentState]) -> float:  # blocking: in a thread, one at a time
         return evaluate(load_global(model, fragments, states), heldout)
 
-    from p2pdiloco.net.statesync import StateSync  # noqa: PLC0415  (imports hivemind)
-    from p2pdiloco.net.transport import Swarm  # noqa: PLC0415
+    from p2pdiloco.net.state.statesync import StateSync  # noqa: PLC0415  (imports hivemind)
+    from p2pdiloco.net.transport.swarm import Swarm  # noqa: PLC0415
     from p2pdiloco.trust import load_node_trust  # noqa: PLC0415
 
     sw = cfg.swarm

@@ -13,9 +13,9 @@ import time
 from collections.abc import Mapping, Sequence
 
 from p2pdiloco.errors import NetworkError
-from p2pdiloco.net.heads import Head, newest_heads
-from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.statesync import StateSync
+from p2pdiloco.net.state.heads import Head, newest_heads
+from p2pdiloco.net.records.parse import HeadsRecord
+from p2pdiloco.net.state.statesync import StateSync
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def fragment_status(records: Mapping[str, HeadsRecord], me: str,
                     mine: Sequence[FragmentClaim]) -> tuple[list[Head | None], list[str]]:
     """Per fragment, the swarm's newest head as node ``me`` holding ``mine`` counts it, and the
     status of ``mine`` against it: "newest", "behind" (a newer version, or another digest at the
-    same one: ``net.heads.is_behind``), "ahead", "no record" (no head) or "unknown" (``mine``
-    None there). The heads rule is ``net.heads.newest_heads`` from ``me``'s seat: a claim counts
+    same one: ``net.state.heads.is_behind``), "ahead", "no record" (no head) or "unknown" (``mine``
+    None there). The heads rule is ``net.state.heads.newest_heads`` from ``me``'s seat: a claim counts
     up to ``heads.LEAD`` above the larger of ``me``'s own version and what two other peers hold,
     so a node ahead of stale records is not judged behind them. ``records``: the records the
     node counts ({peer ID: record}; a node passes those of the peers it trusts,

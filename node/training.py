@@ -20,7 +20,7 @@ from p2pdiloco.core.fragments import StaggeredSchedule
 from p2pdiloco.core.grace import Ema
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.data import BatchSampler, evaluate
-from p2pdiloco.net.allreduce import Contribution
+from p2pdiloco.net.rounds.allreduce import Contribution
 
 log = logging.getLogger(__name__)
 

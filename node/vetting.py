@@ -43,10 +43,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.errors import StateSyncError
-from p2pdiloco.net.heads import Head, is_behind
-from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.rounds import ResultRefused
-from p2pdiloco.net.statesync import StateSync
+from p2pdiloco.net.state.heads import Head, is_behind
+from p2pdiloco.net.records.parse import HeadsRecord
+from p2pdiloco.net.rounds.results import ResultRefused
+from p2pdiloco.net.state.statesync import StateSync
 from p2pdiloco.trust.reputation import Reputation
 
 __all__ = ["ROUND_TOLERANCE", "VET_CANDIDATES", "VET_TOLERANCE", "Vetting", "trusted_records"]

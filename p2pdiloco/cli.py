@@ -302,7 +302,7 @@ def _print_view(view: Any) -> None:
 
 def _swarm_status(args: argparse.Namespace) -> int:
     from p2pdiloco.config import load_config  # noqa: PLC0415
-    from p2pdiloco.net.addresses import check_any_reachable, check_peer_maddr  # noqa: PLC0415
+    from p2pdiloco.net.transport.addresses import check_any_reachable, check_peer_maddr  # noqa: PLC0415
 
     try:
         if args.config is not None:
@@ -339,7 +339,7 @@ def _swarm_status(args: argparse.Namespace) -> int:
 
 def _node_run(args: argparse.Namespace) -> int:
     from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
-    from p2pdiloco.net.addresses import JOIN_HINT, check_any_reachable, check_listen_port  # noqa: PLC0415
+    from p2pdiloco.net.transport.addresses import JOIN_HINT, check_any_reachable, check_listen_port  # noqa: PLC0415
 
     try:
         overrides: dict[str, Any] = parse_overrides(args.set)

@@ -25,7 +25,7 @@ from p2pdiloco.core.inner import InnerConfig
 from p2pdiloco.errors import AddressError, ConfigError
 from p2pdiloco.formats import FORMATS, DataFormat
 from p2pdiloco.model_config import ModelConfig
-from p2pdiloco.net.precision import WIRE_PRECISIONS
+from p2pdiloco.net.codecs.precision import WIRE_PRECISIONS
 
 
 class Invalid(ValueError):
@@ -38,9 +38,9 @@ class Invalid(ValueError):
 
 # Upper bounds: far above any real run, low enough that a signed run manifest or a typo cannot
 # make a node allocate, wait or loop without end (docs/operating.md "Start a node").
-MAX_FRAGMENTS = 1024  # what a heads record may list (net.records.MAX_FRAGMENTS; tests/test_config.py checks)
+MAX_FRAGMENTS = 1024  # what a heads record may list (net.records.parse.MAX_FRAGMENTS; tests/test_config.py checks)
 MAX_STEPS = 10**9  # inner steps (H, tau, warm-up, schedule length, budgets)
-MAX_QUORUM = 256  # members of one group (net.records.MAX_GROUP)
+MAX_QUORUM = 256  # members of one group (net.records.parse.MAX_GROUP)
 MAX_LOGITS = 2**32  # batch_size x block_size x vocab_size of the built-in GPT (16 GiB of fp32 logits per batch)
 MAX_WAIT_S = 3600.0  # seconds any one wait of a round may last
 MAX_DURATION_S = 10.0**8  # seconds (about 3 years)
@@ -152,13 +152,13 @@ class SwarmConfig:
     host: str = "0.0.0.0"
     port: int = 0  # 0: any free port
     announce: tuple[str, ...] = ()  # multiaddrs others should dial, when behind NAT
-    # auto: a dial-back check through the initial peers decides (net.reachability); public or
+    # auto: a dial-back check through the initial peers decides (net.transport.reachability); public or
     # private: no check. relay: reserve a circuit relay slot when behind NAT (docs/operating.md)
     reachability: ReachabilityMode = "auto"
     relay: bool = True
 
     def __post_init__(self) -> None:
-        from p2pdiloco.net.addresses import check_announce_maddr, check_peer_maddr  # noqa: PLC0415
+        from p2pdiloco.net.transport.addresses import check_announce_maddr, check_peer_maddr  # noqa: PLC0415
 
         _validate(
             ("run_id", bool(self.run_id) and not any(c == "/" or c.isspace() for c in self.run_id),

@@ -39,7 +39,7 @@ class PeerSilent(PeerTimeout):
 
 class ClockSkewError(NetworkError):
     """This machine's clock is too far from its peers' for the swarm's records to work
-    (``p2pdiloco.net.clock``); ``offset_s``: the swarm's time minus this machine's, seconds."""
+    (``p2pdiloco.net.transport.clock``); ``offset_s``: the swarm's time minus this machine's, seconds."""
 
     def __init__(self, message: str, offset_s: float):
         super().__init__(message)

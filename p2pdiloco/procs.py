@@ -104,7 +104,7 @@ class Processes:
               cwd: Path | None = None) -> Proc:
         """Start ``argv`` with stdout and stderr appended to ``log``. ``session``: the child leads
         a new session; else only a new process group, as a shell starts a job (a session leader
-        cannot move its p2pd out of its group: ``net.daemon``). Either way the group's ID is the PID."""
+        cannot move its p2pd out of its group: ``net.transport.daemon``). Either way the group's ID is the PID."""
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

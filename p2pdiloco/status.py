@@ -44,7 +44,7 @@ class Status(Starting):
     peer_id: Annotated[str, "this node's libp2p peer ID"]
     maddrs: Annotated[list[str], "multiaddrs it announces"]
     reachability: Annotated[str, "how peers can dial it: public, behind NAT, relayed, loopback only, ..."]
-    reach: Annotated[dict[str, Any], "reachability detail (net.reachability `status`): mode, relays, check, advice"]
+    reach: Annotated[dict[str, Any], "reachability detail (net.transport.reachability `status`): mode, relays, check, advice"]
     connections: Annotated[int | None, "libp2p connections now"]
     rejoins: Annotated[int, "times it lost every connection and dialled the initial peers again"]
     bytes_relayed: Annotated[int, "RPC bytes, both directions, with peers reached only through a relay"]
@@ -80,15 +80,15 @@ class Status(Starting):
     rpc_failed: Annotated[int, "of those, failed"]
     rpc_by_name: Annotated[dict[str, list[int]], "RPCs it made by name: [calls, bytes of their framed request and "
                                                  "reply headers]"]
-    sessions: Annotated[dict[str, int], "sessions, each one stream carrying many small calls (net.sessions): open "
+    sessions: Annotated[dict[str, int], "sessions, each one stream carrying many small calls (net.transport.sessions): open "
                                         "(ours to peers), opened (ours, since start), serving (peers' to us)"]
     dht_ops: Annotated[dict[str, int], "DHT reads and stores it made, by \"get:\" or \"store:\" and record kind "
                                        "(mm: matchmaking declarations, heads, ...)"]
-    gathering_pushes: Annotated[dict[str, int], "gathering announcements pushed (net.gatherings): sent, failed, "
+    gathering_pushes: Annotated[dict[str, int], "gathering announcements pushed (net.rounds.gatherings): sent, failed, "
                                                 "resent (a patch sent whole again: the receiver lacked its base, "
-                                                "net.patches), received, other_run (refused: another run's or other "
+                                                "net.records.patches), received, other_run (refused: another run's or other "
                                                 "settings')"]
-    record_pushes: Annotated[dict[str, int], "heads records pushed to the learners it knows (net.statesync, "
+    record_pushes: Annotated[dict[str, int], "heads records pushed to the learners it knows (net.state.statesync, "
                                              "st.heads): sent, failed, resent, received, other_run and ignored (refused)"]
     link_bytes_per_s: Annotated[int | None, "measured link rate (median of large replies), bytes/s"]
     rejected: Annotated[dict[str, int], "contributions refused, by reason"]
@@ -108,7 +108,7 @@ class Status(Starting):
     dropped_total: Annotated[int, "sum of dropped_reasons"]
     dropped_reasons: Annotated[dict[str, int], "messages dropped, by reason"]
     internal_errors: Annotated[int, "background steps that raised (logged, never fatal)"]
-    allreduce: Annotated[dict[str, int], "all-reduce counters (net.allreduce `AllReduceStats`)"]
+    allreduce: Annotated[dict[str, int], "all-reduce counters (net.rounds.allreduce `AllReduceStats`)"]
     fragments: Annotated[list[list[Any]], "per fragment [version, digest prefix] held"]
     fragment_status: Annotated[list[dict[str, Any]], "per fragment: fragment, version, digest, swarm_version, "
                                                      "holders, status (newest, behind, ahead, no record, unknown)"]
@@ -119,7 +119,7 @@ class Status(Starting):
     outer: Annotated[dict[str, Any], "the outer settings it runs (config.OuterConfig): fragments, sync_every, lr, "
                                      "momentum, wire_precision, error_feedback_decay, min_quorum"]
     progress: Annotated[dict[str, Any], "the run's progress: tokens, target_tokens, done, tokens_per_s, eta_s, share"]
-    clock: Annotated[dict[str, Any], "clock offset to the swarm (net.clock `status`): offset_s, synced, ..."]
+    clock: Annotated[dict[str, Any], "clock offset to the swarm (net.transport.clock `status`): offset_s, synced, ..."]
 
 
 class Report(Status):

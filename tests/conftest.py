@@ -133,7 +133,7 @@ class Harness:
     def spawn(self, args: list[str], log: Path, *, session: bool = True) -> Proc:
         """Start ``python args`` leading a new session (``session``), else only a new process
         group, as a shell starts a job (a session leader cannot move its p2pd out of its group:
-        ``net.daemon._spawn_group``). Either way the process group's ID is the PID."""
+        ``net.transport.daemon._spawn_group``). Either way the process group's ID is the PID."""
         return self.processes.start([sys.executable, *args], log, log.parent.name, session=session)
 
     def track_daemons(self) -> None:
@@ -232,7 +232,7 @@ async def swarms(n: int, memberships: list | None = None, identities: list | Non
     """``n`` in-process transports (one p2pd each) on 127.0.0.1, each joining the first; the
     i-th with ``memberships[i]`` and ``identities[i]`` (None: public swarm, new key). Every
     one is shut down on exit, its p2pd with it."""
-    from p2pdiloco.net.transport import Swarm  # noqa: PLC0415  (imports hivemind)
+    from p2pdiloco.net.transport.swarm import Swarm  # noqa: PLC0415  (imports hivemind)
 
     started: list[Swarm] = []
     try:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from p2pdiloco.errors import ClockSkewError, P2PDilocoError
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.transport.swarm import Swarm
 
 
 def _write(out: Path, line: dict) -> None:

@@ -3,7 +3,7 @@ compute bit for bit alike (invariant I1, docs/architecture.md): by hand on two n
 through the three paths that apply a round, on real nodes (TINY model) of the in-memory
 network: the commit of a member (``Node._commit``), the commit of a member the round left out
 (``Node._take_excluded``) and the catch-up of a node behind from the round's slices
-(``net.deltas``: ``Deltas.fetch`` of the rounds a real donor logged, ``replay_round``)."""
+(``net.state.deltas``: ``Deltas.fetch`` of the rounds a real donor logged, ``replay_round``)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from node.runtime import Node
 from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.outer import FRACTION_GRID, FragmentState, Ledger, apply_round, fragment_digest, lone_step_size
-from p2pdiloco.net import wire
-from p2pdiloco.net.allreduce import Contribution, RoundResult
-from p2pdiloco.net.bounded_moves import own_step
-from p2pdiloco.net.heads import Head
-from p2pdiloco.net.matchmaking import Group, GroupKey
-from p2pdiloco.net.memory import MemoryNet
+from p2pdiloco.net.codecs import wire
+from p2pdiloco.net.rounds.allreduce import Contribution, RoundResult
+from p2pdiloco.net.state.bounded_moves import own_step
+from p2pdiloco.net.state.heads import Head
+from p2pdiloco.net.rounds.matchmaking import Group, GroupKey
+from p2pdiloco.net.transport.memory import MemoryNet
 
 P = 1  # the fragment the rounds are for
 # dyadic numbers: every product and sum below is exact in fp32, so the hand values are the bytes

@@ -16,11 +16,11 @@ from test_trust_net import FRAGMENT, KEY, SHAPES, delta, expected_merge
 
 from p2pdiloco.core.fragments import assign_parts
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net import records as rec
-from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult
-from p2pdiloco.net.rounds import MAX_WAIT_FACTOR, round_wait
-from p2pdiloco.net.drops import RATE_MIN_BYTES, LinkMeter
-from p2pdiloco.net.matchmaking import Matchmaker, bandwidth_shares, max_share
+from p2pdiloco.net.records import parse as rec
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, RoundResult
+from p2pdiloco.net.rounds.results import MAX_WAIT_FACTOR, round_wait
+from p2pdiloco.net.transport.drops import RATE_MIN_BYTES, LinkMeter
+from p2pdiloco.net.rounds.matchmaking import Matchmaker, bandwidth_shares, max_share
 from p2pdiloco.trust.identity import Identity
 
 pytestmark = pytest.mark.usefixtures("no_daemon_left")

@@ -1,4 +1,4 @@
-"""Clock skew between volunteers (docs/operating.md, "Clocks"): the offset estimate (p2pdiloco.net.clock),
+"""Clock skew between volunteers (docs/operating.md, "Clocks"): the offset estimate (p2pdiloco.net.transport.clock),
 hand-computed; and peers whose Python process runs with a shifted clock (libfaketime,
 LD_PRELOAD; their p2pd keeps the true time, as on a real machine whose daemon would not) that
 join, share DHT records and merge, or are refused naming their clock."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.net import clock
-from p2pdiloco.net.clock import Sample, SwarmClock, peer_offset, swarm_offset
+from p2pdiloco.net.transport import clock
+from p2pdiloco.net.transport.clock import Sample, SwarmClock, peer_offset, swarm_offset
 
 from tests.conftest import TINY, read_report, swarms, until, wait_for
 
@@ -105,7 +105,7 @@ class _Swarm:
 def test_gathering_announcements_older_than_the_runs_gathering_window_are_left_out() -> None:
     import asyncio  # noqa: PLC0415
 
-    from p2pdiloco.net.matchmaking import JOIN_SLACK_S, Matchmaker  # noqa: PLC0415
+    from p2pdiloco.net.rounds.matchmaking import JOIN_SLACK_S, Matchmaker  # noqa: PLC0415
     from p2pdiloco.trust.identity import Identity  # noqa: PLC0415
 
     fresh, crashed = Identity.generate().peer_id, Identity.generate().peer_id
@@ -122,7 +122,7 @@ def test_gathering_announcements_older_than_the_runs_gathering_window_are_left_o
 
 def test_swarm_status_leaves_out_records_older_than_a_heartbeat() -> None:
     from node.status_view import summarize_swarm  # noqa: PLC0415
-    from p2pdiloco.net.statesync import STORE_EVERY_S  # noqa: PLC0415
+    from p2pdiloco.net.state.statesync import STORE_EVERY_S  # noqa: PLC0415
     from p2pdiloco.trust.identity import Identity  # noqa: PLC0415
 
     live, stored, dead = (Identity.generate().peer_id for _ in range(3))

@@ -19,9 +19,9 @@ from test_memory_net import memory_swarms
 from test_trust_net import FRAGMENT, KEY, delta, run_round
 
 from p2pdiloco.core.fragments import assign_parts
-from p2pdiloco.net.allreduce import AllReducer, Contribution, ResultRefused, RoundResult
-from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker, leader_rank
-from p2pdiloco.net.memory import Link, MemoryNet
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, ResultRefused, RoundResult
+from p2pdiloco.net.rounds.matchmaking import Group, GroupKey, Matchmaker, leader_rank
+from p2pdiloco.net.transport.memory import Link, MemoryNet
 from p2pdiloco.trust.reputation import Reputation
 
 

@@ -21,11 +21,11 @@ from node.runtime import Node
 from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction
-from p2pdiloco.net.allreduce import Contribution, RoundResult
-from p2pdiloco.net.heads import Head
-from p2pdiloco.net.matchmaking import Group, GroupKey
-from p2pdiloco.net.memory import MemoryNet
-from p2pdiloco.net.records import HeadsRecord
+from p2pdiloco.net.rounds.allreduce import Contribution, RoundResult
+from p2pdiloco.net.state.heads import Head
+from p2pdiloco.net.rounds.matchmaking import Group, GroupKey
+from p2pdiloco.net.transport.memory import MemoryNet
+from p2pdiloco.net.records.parse import HeadsRecord
 
 P = 1  # the fragment the round is for
 

@@ -189,7 +189,7 @@ def test_config_bounds_match_what_records_and_groups_can_carry() -> None:
     """A swarm with more fragments than a heads record may list, or a quorum larger than a
     group may be, would run isolated without an error: the config refuses both."""
     from p2pdiloco import config
-    from p2pdiloco.net import records
+    from p2pdiloco.net.records import parse as records
 
     assert config.MAX_FRAGMENTS == records.MAX_FRAGMENTS and config.MAX_QUORUM == records.MAX_GROUP
     with pytest.raises(ConfigError, match=r"data.batch_size: 4096 x model.block_size 131072 x model.vocab_size 256"):

@@ -1,4 +1,4 @@
-"""Catch-ups as deltas (p2pdiloco.net.deltas): a node a few rounds behind computes the swarm's
+"""Catch-ups as deltas (p2pdiloco.net.state.deltas): a node a few rounds behind computes the swarm's
 state from the rounds' merged slices, checked digest by digest, instead of downloading it.
 
 Hand-built rounds for the chain, parsing and tampering; real all-reduces of 4 learners on the
@@ -15,13 +15,14 @@ from test_trust_net import FRAGMENT, SHAPES, delta
 
 from p2pdiloco.core.outer import FRACTION_GRID, FragmentState, nesterov_outer_step, round_fraction
 from p2pdiloco.errors import ProtocolError, StateSyncError
-from p2pdiloco.net import deltas, wire
-from p2pdiloco.net.allreduce import AllReducer, Contribution, RoundResult
-from p2pdiloco.net.heads import Head
-from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
-from p2pdiloco.net.memory import Link, MemoryNet
-from p2pdiloco.net.records import parse_delta_answer, parse_delta_request
-from p2pdiloco.net.statesync import StateSync
+from p2pdiloco.net.state import deltas
+from p2pdiloco.net.codecs import wire
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, RoundResult
+from p2pdiloco.net.state.heads import Head
+from p2pdiloco.net.rounds.matchmaking import GroupKey, Matchmaker
+from p2pdiloco.net.transport.memory import Link, MemoryNet
+from p2pdiloco.net.records.parse import parse_delta_answer, parse_delta_request
+from p2pdiloco.net.state.statesync import StateSync
 
 PRECISIONS = frozenset({"int4", "fp32"})
 

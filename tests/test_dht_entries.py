@@ -19,10 +19,10 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2pdiloco.net.records import HeadsRecord, parse_heads
-from p2pdiloco.net.revocation import RevocationWatch, revocations_key
-from p2pdiloco.net.signed_records import MAX_LOOKUP_ENTRIES, SignedRecords
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.records.parse import HeadsRecord, parse_heads
+from p2pdiloco.net.state.revocation import RevocationWatch, revocations_key
+from p2pdiloco.net.records.signed import MAX_LOOKUP_ENTRIES, SignedRecords
+from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.certificates import Membership, SwarmKey
 from p2pdiloco.trust.identity import Identity

@@ -9,12 +9,12 @@ import hashlib
 
 import pytest
 
-from p2pdiloco.net.clock import SwarmClock
-from p2pdiloco.net.drops import TrafficStats
-from p2pdiloco.net.matchmaking import leader_rank
-from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.heads import LEAD, Head, newest_heads
-from p2pdiloco.net.statesync import IGNORE_S, StateSync
+from p2pdiloco.net.transport.clock import SwarmClock
+from p2pdiloco.net.transport.drops import TrafficStats
+from p2pdiloco.net.rounds.matchmaking import leader_rank
+from p2pdiloco.net.records.parse import HeadsRecord
+from p2pdiloco.net.state.heads import LEAD, Head, newest_heads
+from p2pdiloco.net.state.statesync import IGNORE_S, StateSync
 
 A, B, C, X = "A", "B", "C", "X"  # newest_heads takes any keys; the DHT only yields peer IDs
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
@@ -82,7 +82,7 @@ class _Swarm:
 
 def test_strikes_ignore_a_holder_for_a_doubling_while_and_delivery_clears_them(monkeypatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
+    monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])
     sync = StateSync(_Swarm(), "run", [], lambda: [])
     sync.strikes.strike(X, "no answer", hard=True)
     assert sync.strikes.ignoring() == {X: "no answer"}
@@ -114,7 +114,7 @@ def test_a_node_ahead_alone_falls_back_to_the_state_two_others_hold() -> None:
     import torch
 
     from p2pdiloco.core.outer import FragmentState
-    from p2pdiloco.net.heads import ROLLBACK_MAX, runaway_heads
+    from p2pdiloco.net.state.heads import ROLLBACK_MAX, runaway_heads
 
     zeros = (torch.zeros(2),)
 
@@ -133,10 +133,10 @@ def test_a_node_ahead_alone_falls_back_to_the_state_two_others_hold() -> None:
 
 
 def test_a_record_left_unchanged_for_stale_s_drops_out_so_a_dead_peer_corroborates_nothing(monkeypatch) -> None:
-    from p2pdiloco.net.statesync import STALE_S
+    from p2pdiloco.net.state.statesync import STALE_S
 
     now = [1000.0]
-    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
+    monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])
     sync = StateSync(_Swarm(), "run", [], lambda: [])
 
     def heads(t_b: float, t_dead: float) -> dict[str, HeadsRecord]:
@@ -165,8 +165,8 @@ def test_a_node_with_many_peers_beats_less_often_and_its_readers_wait_longer(mon
     next comes SKIP_S + 5 s later). A longer period is pushed at once, not as a heartbeat: a
     reader holding the shorter one would count the author gone before its next heartbeat."""
     from p2pdiloco.errors import ProtocolError
-    from p2pdiloco.net.pushes import STALE_S, beat_period, stale_after
-    from p2pdiloco.net.records import MAX_BEAT_S, parse_heads
+    from p2pdiloco.net.records.pushes import STALE_S, beat_period, stale_after
+    from p2pdiloco.net.records.parse import MAX_BEAT_S, parse_heads
 
     assert [beat_period(n) for n in (0, 3, 8, 9, 15, 63, 64, 1000)] == [20, 20, 20, 23, 38, 158, 160, 160]
     assert MAX_BEAT_S == 160  # the parser refuses what no honest node states
@@ -179,7 +179,7 @@ def test_a_node_with_many_peers_beats_less_often_and_its_readers_wait_longer(mon
             parse_heads({**wire, "b": bad}, 1)
 
     now = [1000.0]
-    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
+    monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])
     sync = StateSync(_Swarm(), "run", [], lambda: [])
     records = {"me": HeadsRecord(((48, D1),), t=5.0), B: HeadsRecord(((48, D1),), t=1.0),
                C: HeadsRecord(((48, D1),), t=1.0, beat=38)}
@@ -205,10 +205,10 @@ def test_a_dht_record_older_than_a_store_period_counts_as_unchanged_that_much_lo
     """A DHT record whose author last stored it more than STORE_EVERY_S (300 s) ago missed a
     store: the excess counts as time unchanged, so a node that died long ago is not live for
     another STALE_S to a reader seeing it for the first time (the DHT keeps it HEAD_TTL)."""
-    from p2pdiloco.net.statesync import STALE_S, STORE_EVERY_S
+    from p2pdiloco.net.state.statesync import STALE_S, STORE_EVERY_S
 
     now = [1000.0]
-    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
+    monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])
     sync = StateSync(_Swarm(), "run", [], lambda: [])  # the swarm's clock reads 10 s
     records = {B: HeadsRecord(((48, D1),), t=10.0 - STORE_EVERY_S - 60.0),  # 60 s past its next store
                C: HeadsRecord(((48, D1),), t=10.0 - STORE_EVERY_S)}  # due to store now: live for STALE_S
@@ -220,7 +220,7 @@ def test_a_dht_record_older_than_a_store_period_counts_as_unchanged_that_much_lo
 
 
 def test_the_first_reply_deadline_follows_recent_transfers_within_its_bounds() -> None:
-    from p2pdiloco.net.statesync import FIRST_REPLY_FACTOR, FIRST_REPLY_MIN_S, FIRST_REPLY_S, STATE_TIMEOUT_S
+    from p2pdiloco.net.state.statesync import FIRST_REPLY_FACTOR, FIRST_REPLY_MIN_S, FIRST_REPLY_S, STATE_TIMEOUT_S
 
     sync = StateSync(_Swarm(), "run", [], lambda: [])
     assert sync.first_reply_s() == FIRST_REPLY_S == 1.0  # nothing measured yet
@@ -265,10 +265,10 @@ async def test_a_dead_peer_ignored_for_a_while_is_still_stale_when_its_ignore_en
 
     from p2pdiloco.core.fragments import Fragment, TensorSlot
     from p2pdiloco.core.outer import FragmentState
-    from p2pdiloco.net.statesync import STALE_S
+    from p2pdiloco.net.state.statesync import STALE_S
 
     now = [1000.0]
-    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
+    monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])
     ours = FragmentState.create(0, 48, (torch.zeros(2),), (torch.zeros(2),))
 
     from p2pdiloco.trust.identity import Identity
@@ -301,10 +301,10 @@ def test_a_new_life_cycle_state_is_stored_restore_s_after_the_last_store(monkeyp
     a node's new state (joining -> training) is stored once it has lasted RESTORE_S (30 s), so
     the table does not show a training node as joining for 5 minutes; a state that lasts less
     (a catch-up's few seconds of "catching up") costs no store."""
-    from p2pdiloco.net.statesync import RESTORE_S, STORE_EVERY_S
+    from p2pdiloco.net.state.statesync import RESTORE_S, STORE_EVERY_S
 
     now = [1000.0]
-    monkeypatch.setattr("p2pdiloco.net.clock.monotonic", lambda: now[0])
+    monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])
     swarm = _Swarm()
     sync = StateSync(swarm, "run", [], lambda: [])
     sync.pusher.audience = lambda: ["p0"]  # a peer: the store period is STORE_EVERY_S, not STORE_ALONE_S

@@ -22,8 +22,9 @@ import msgpack
 import pytest
 
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net import records as rec, reduce_messages as rm
-from p2pdiloco.net import wire
+from p2pdiloco.net.records import parse as rec
+from p2pdiloco.net.rounds import reduce_messages as rm
+from p2pdiloco.net.codecs import wire
 from p2pdiloco.trust.certificates import Certificate, RevocationList, SwarmKey
 from p2pdiloco.trust.errors import CertificateError
 from p2pdiloco.trust.identity import Identity

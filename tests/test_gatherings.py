@@ -1,4 +1,4 @@
-"""Gathering announcements pushed to the audience (``p2pdiloco.net.gatherings``), on the
+"""Gathering announcements pushed to the audience (``p2pdiloco.net.rounds.gatherings``), on the
 in-memory network and virtual time: a learner hears of another's gathering, and of its end,
 without the DHT; a malformed push is dropped and its author banned."""
 
@@ -12,8 +12,8 @@ from test_memory_net import memory_swarms
 from test_trust_net import KEY
 
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net.matchmaking import GroupKey, Matchmaker, leader_rank
-from p2pdiloco.net.memory import Link, MemoryNet
+from p2pdiloco.net.rounds.matchmaking import GroupKey, Matchmaker, leader_rank
+from p2pdiloco.net.transport.memory import Link, MemoryNet
 
 pytestmark = pytest.mark.looptime(end=3600)
 AB, CD, ZERO, KEY_D = (bytes.fromhex(d) for d in ("ab" * 32, "cd" * 32, "00" * 32, KEY.digest))  # digests as sent
@@ -133,7 +133,7 @@ async def test_a_peer_that_fails_a_push_is_skipped_for_a_while():
     """A peer in the audience that does not serve ``mm.gather`` fails one push and then gets
     none for SKIP_S, so a peer that stalls delays the others' pushes once in that time; once it
     pushes to us itself (it restarted), it gets ours again at once."""
-    from p2pdiloco.net.pushes import SKIP_S
+    from p2pdiloco.net.records.pushes import SKIP_S
 
     async with memory_swarms(3, MemoryNet(default=Link(latency=0.01))) as (net, (a, b, mute)):
         mm_a, mm_b = Matchmaker(a, "run", 1), Matchmaker(b, "run", 1)

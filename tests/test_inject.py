@@ -18,11 +18,11 @@ from test_trust_net import FRAGMENT, KEY, delta, expected_merge
 
 from p2pdiloco.chaos import inject
 from p2pdiloco.errors import RoundFailed
-from p2pdiloco.net.allreduce import AllReducer, Contribution
-from p2pdiloco.net.matchmaking import Group
-from p2pdiloco.net.memory import MemoryNet
-from p2pdiloco.net import serving, sessions
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution
+from p2pdiloco.net.rounds.matchmaking import Group
+from p2pdiloco.net.transport.memory import MemoryNet
+from p2pdiloco.net.transport import serving, sessions
+from p2pdiloco.net.transport.swarm import Swarm
 
 pytestmark = pytest.mark.looptime(end=600)
 

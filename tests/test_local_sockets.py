@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.transport.swarm import Swarm
 
 pytestmark = pytest.mark.integration
 

@@ -305,7 +305,7 @@ async def test_sybil_manifests_do_not_change_what_swarm_status_shows(harness):
     """Nine strangers store manifests of the run (target 1e15) under its DHT key before a node
     republishes the owner's: `swarm status` shows the pinned owner's target only, and with no
     owner pinned it trusts none."""
-    from p2pdiloco.net.transport import Swarm
+    from p2pdiloco.net.transport.swarm import Swarm
 
     maddr = harness.bootstrap()
     ours = manifest.load(str(_init(harness.tmp, "ours", "sybil")))

@@ -13,7 +13,7 @@ import pytest
 from conftest import swarms, until
 from test_trust_net import KEY
 
-from p2pdiloco.net.matchmaking import Matchmaker
+from p2pdiloco.net.rounds.matchmaking import Matchmaker
 
 pytestmark = pytest.mark.usefixtures("no_daemon_left")
 

@@ -1,4 +1,4 @@
-"""The in-memory network (``p2pdiloco.net.memory``): ``Swarm`` over in-memory streams and DHT
+"""The in-memory network (``p2pdiloco.net.transport.memory``): ``Swarm`` over in-memory streams and DHT
 replicas, and the protocol (matchmaking, all-reduce) on 16 peers in one process.
 
 Protocol tests beside the integration tests over real p2pd (tests/test_trust_net.py and the
@@ -18,10 +18,10 @@ from conftest import until
 from test_trust_net import FRAGMENT, KEY, delta, expected_merge
 
 from p2pdiloco.errors import PeerTimeout, ProtocolError, RoundFailed
-from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
-from p2pdiloco.net.matchmaking import FAILED_GROUP_WAIT_S, Group, GroupKey, Matchmaker, leader_rank
-from p2pdiloco.net.memory import Link, MemoryNet
-from p2pdiloco.net.rounds import GROUP_WAIT_S
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
+from p2pdiloco.net.rounds.matchmaking import FAILED_GROUP_WAIT_S, Group, GroupKey, Matchmaker, leader_rank
+from p2pdiloco.net.transport.memory import Link, MemoryNet
+from p2pdiloco.net.rounds.results import GROUP_WAIT_S
 
 # virtual time (looptime: the loop's clock jumps to the next timer whenever every task waits, as
 # trio's MockClock with autojump); pytest-timeout still bounds each test in real seconds
@@ -88,7 +88,7 @@ async def test_the_first_bytes_of_a_large_write_arrive_before_its_last():
     link delivers its first segment (SEGMENT bytes) after 10 ms + 64 KiB / 1 MiB/s = 72.5 ms,
     and the whole after 10 ms + 1 s: a reader's deadline for the header (a reply's first
     bytes within 1 s) holds while the payload is still crossing."""
-    from p2pdiloco.net.memory import SEGMENT
+    from p2pdiloco.net.transport.memory import SEGMENT
 
     async with memory_swarms(2, MemoryNet(default=Link(latency=0.01, rate=2**20))) as (net, (a, b)):
         (_, writer), (reader, _) = net.stream_pair(a.peer_id, b.peer_id)

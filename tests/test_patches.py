@@ -1,4 +1,4 @@
-"""Pushed values as patches (``p2pdiloco.net.patches``): hand-computed patches, the checks at
+"""Pushed values as patches (``p2pdiloco.net.records.patches``): hand-computed patches, the checks at
 the receiving boundary, and over real sockets a heads record pushed whole once, then as
 patches, and whole again to a receiver that lost its base."""
 
@@ -15,10 +15,10 @@ from conftest import swarms, until
 from p2pdiloco.core.fragments import Fragment, TensorSlot
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net import patches
-from p2pdiloco.net.patches import Received, apply_patch, patch_of
-from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.statesync import StateSync
+from p2pdiloco.net.records import patches
+from p2pdiloco.net.records.patches import Received, apply_patch, patch_of
+from p2pdiloco.net.records.parse import HeadsRecord
+from p2pdiloco.net.state.statesync import StateSync
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -78,7 +78,7 @@ def test_a_base_takes_the_memory_of_its_bytes_on_the_wire():
     100 MB; a patch still applies to it."""
     import tracemalloc  # noqa: PLC0415
 
-    from p2pdiloco.net import framing  # noqa: PLC0415
+    from p2pdiloco.net.transport import framing  # noqa: PLC0415
 
     got = Received(lambda *a: None)
     sent = framing.pack({"_v": 1, "junk": [{}] * 8100, "run": "x"})

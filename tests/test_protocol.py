@@ -1,8 +1,8 @@
 """Protocol tests: matchmaking, the all-reduce, the outer step and state transfer among 4 to 64
-learners in one process, on the in-memory network (``p2pdiloco.net.memory``: every peer a real
+learners in one process, on the in-memory network (``p2pdiloco.net.transport.memory``: every peer a real
 ``Swarm`` with its framing, limits, signatures and bans) and virtual time (``looptime``: the
 loop's clock jumps to the next timer whenever every task waits, as trio's ``MockClock`` with
-autojump; protocol code reads time only through the loop, ``net.clock.monotonic``).
+autojump; protocol code reads time only through the loop, ``net.transport.clock.monotonic``).
 
 Beside the integration tests over real p2pd (tests/test_trust_net.py, test_swarm_integration.py
 and the others), not instead of them. Peer identities come from seeds (``Identity.from_seed``),
@@ -26,11 +26,11 @@ from test_trust_net import FRAGMENT, SHAPES, Resigned, delta
 from p2pdiloco.core.fragments import assign_parts
 from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction
 from p2pdiloco.errors import StateSyncError
-from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
-from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker
-from p2pdiloco.net.memory import Link, MemoryNet
-from p2pdiloco.net.heads import Head
-from p2pdiloco.net.statesync import StateSync
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
+from p2pdiloco.net.rounds.matchmaking import Group, GroupKey, Matchmaker
+from p2pdiloco.net.transport.memory import Link, MemoryNet
+from p2pdiloco.net.state.heads import Head
+from p2pdiloco.net.state.statesync import StateSync
 from p2pdiloco.trust.identity import Identity
 
 pytestmark = pytest.mark.timeout(120)  # real seconds; the scenarios run in virtual ones

@@ -1,4 +1,4 @@
-"""Reachability (``p2pdiloco.net.reachability``): the rules by hand, and the dial-back check
+"""Reachability (``p2pdiloco.net.transport.reachability``): the rules by hand, and the dial-back check
 between real peers over loopback. Behind-NAT cases run in network namespaces:
 tests/internet/test_nat.py."""
 
@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net import reachability as reach
-from p2pdiloco.net.matchmaking import GroupKey, Matchmaker
-from p2pdiloco.net.reachability import Reachability, daemon_options, listen_ports, observed_ip, relays_in
+from p2pdiloco.net.transport import reachability as reach
+from p2pdiloco.net.rounds.matchmaking import GroupKey, Matchmaker
+from p2pdiloco.net.transport.reachability import Reachability, daemon_options, listen_ports, observed_ip, relays_in
 
 from tests.conftest import swarms
 

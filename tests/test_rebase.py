@@ -19,9 +19,9 @@ from node.runtime import Node
 from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.outer import FragmentState
-from p2pdiloco.net.heads import Head
-from p2pdiloco.net.memory import Link, MemoryNet
-from p2pdiloco.net.records import HeadsRecord
+from p2pdiloco.net.state.heads import Head
+from p2pdiloco.net.transport.memory import Link, MemoryNet
+from p2pdiloco.net.records.parse import HeadsRecord
 
 P = 1  # the fragment of the round
 

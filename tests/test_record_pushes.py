@@ -1,4 +1,4 @@
-"""Heads records pushed to the learners a node knows (``st.heads``, net.statesync) over real
+"""Heads records pushed to the learners a node knows (``st.heads``, net.state.statesync) over real
 sockets: pushes carry every publish, the DHT gets a store every ``STORE_EVERY_S`` only, a
 reader reuses a DHT read with the newer pushes merged in (longer while it receives pushes), and a hostile push is refused at the
 parsing boundary. Every swarm started here is shut down in ``finally`` (its p2pd with it)."""
@@ -14,12 +14,12 @@ from conftest import swarms, until
 from p2pdiloco.core.fragments import Fragment, TensorSlot
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net import clock as swarm_clock
-from p2pdiloco.net.patches import Received
-from p2pdiloco.net.pushes import Pusher
-from p2pdiloco.net.records import HeadsRecord
-from p2pdiloco.net.statesync import READ_EVERY_S, READ_QUIET_S, STORE_ALONE_S, STORE_EVERY_S, StateSync
-from p2pdiloco.net.transport import NARROW_BEAM, Swarm
+from p2pdiloco.net.transport import clock as swarm_clock
+from p2pdiloco.net.records.patches import Received
+from p2pdiloco.net.records.pushes import Pusher
+from p2pdiloco.net.records.parse import HeadsRecord
+from p2pdiloco.net.state.statesync import READ_EVERY_S, READ_QUIET_S, STORE_ALONE_S, STORE_EVERY_S, StateSync
+from p2pdiloco.net.transport.swarm import NARROW_BEAM, Swarm
 from p2pdiloco.trust.identity import Identity
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_daemon_left")]
@@ -302,7 +302,7 @@ async def test_nine_nodes_find_every_record_with_narrow_dht_searches_and_beat_by
     them: over real sockets with 9 nodes (more than the beam), a node's narrow read still finds
     all 9 records, as its first, full read did, and so does a node that joins after the stores
     and searches only 5 peers. A node that pushes to 15 peers beats every 38 s
-    and says so in its record (net.pushes.beat_period)."""
+    and says so in its record (net.records.pushes.beat_period)."""
     async with swarms(9) as peers:
         held, syncs = await started_syncs(*peers)
         for i, sync in enumerate(syncs):

@@ -16,9 +16,9 @@ import pytest
 from tests.conftest import until
 
 from p2pdiloco.cli import main as cli_main
-from p2pdiloco.net.revocation import (MAX_LIST_BYTES, RevocationWatch, parse_entry, publish_revocations,
+from p2pdiloco.net.state.revocation import (MAX_LIST_BYTES, RevocationWatch, parse_entry, publish_revocations,
                                       revocations_key)
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.trust.certificates import Membership, RevocationList, SwarmKey
 from p2pdiloco.trust.errors import AccessDenied, CertificateError
 from p2pdiloco.trust.identity import Identity

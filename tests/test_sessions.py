@@ -1,4 +1,4 @@
-"""Sessions (``p2pdiloco.net.sessions``): small calls to a peer share one long-lived stream.
+"""Sessions (``p2pdiloco.net.transport.sessions``): small calls to a peer share one long-lived stream.
 
 Over real sockets (in-process swarms, one p2pd each, on 127.0.0.1): calls reuse one session and
 their replies come in any order; a hostile caller speaking the session's framing wrongly is
@@ -20,10 +20,10 @@ from conftest import swarms, until
 from hivemind.p2p import PeerID
 
 from p2pdiloco.errors import PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
-from p2pdiloco.net import serving, sessions
-from p2pdiloco.net.framing import frame, read_header, read_payload
-from p2pdiloco.net.memory import Link, MemoryNet
-from p2pdiloco.net.transport import Header, Swarm
+from p2pdiloco.net.transport import serving, sessions
+from p2pdiloco.net.transport.framing import frame, read_header, read_payload
+from p2pdiloco.net.transport.memory import Link, MemoryNet
+from p2pdiloco.net.transport.swarm import Header, Swarm
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_daemon_left")]
 

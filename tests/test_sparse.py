@@ -1,4 +1,4 @@
-"""The topk2 wire codec (p2pdiloco.net.sparse): bytes computed by hand, hostile bytes refused,
+"""The topk2 wire codec (p2pdiloco.net.codecs.sparse): bytes computed by hand, hostile bytes refused,
 and error feedback carrying what a contribution leaves out into the next one."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2pdiloco.errors import ProtocolError
-from p2pdiloco.net import sparse, wire
+from p2pdiloco.net.codecs import sparse, wire
 
 
 def bits(values: list[int], width: int) -> bytes:

@@ -30,8 +30,8 @@ from node.status_view import progress, render_node, summarize_swarm, swarm_rate
 from p2pdiloco.cli import main
 from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError, NetworkError
-from p2pdiloco.net.reachability import Reachability
-from p2pdiloco.net.records import parse_heads
+from p2pdiloco.net.transport.reachability import Reachability
+from p2pdiloco.net.records.parse import parse_heads
 from p2pdiloco.status import Status, conforms, keys
 from p2pdiloco.trust.identity import Identity
 

@@ -36,14 +36,14 @@ def _status(d: Path) -> dict:
 async def test_sigterm_to_a_training_nodes_process_group_mid_round_is_a_clean_leave(no_daemon_left, harness):
     """SIGTERM to the whole process group of a node that leads its group (a shell's job;
     ``kill -- -PGID``, ``timeout``) while one of its rounds is in flight: its p2pd, started
-    in a process group of its own (``net.daemon._spawn_group``), is not signalled, so the node
+    in a process group of its own (``net.transport.daemon._spawn_group``), is not signalled, so the node
     finishes that round or abandons it (``runtime.LEAVE_S``), publishes its record marked
     done, ends its daemon and exits 0. Within 5 s of the signal the swarm's DHT holds the
     record marked done and the process has exited; no traceback in its output; the round in
     flight is in its journal as committed or abandoned."""
     from node.control import ControlUnreachable, query  # noqa: PLC0415
     from node.status_view import summarize_swarm  # noqa: PLC0415
-    from p2pdiloco.net.transport import Swarm  # noqa: PLC0415
+    from p2pdiloco.net.transport.swarm import Swarm  # noqa: PLC0415
 
     maddr = harness.bootstrap()
     settings = {**TINY, "data.num_shards": "2"}

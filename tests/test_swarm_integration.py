@@ -46,7 +46,7 @@ def test_three_nodes_merge_like_one_process(harness):
     # gathering announcements travel as pushes between the nodes, never through the DHT
     assert all(r["gathering_pushes"].get("sent", 0) > 0 and r["gathering_pushes"].get("received", 0) > 0
                for r in reports), [r["gathering_pushes"] for r in reports]
-    # ... and so do matchmaking declarations once a node knows the others (net.matchmaking): most
+    # ... and so do matchmaking declarations once a node knows the others (net.rounds.matchmaking): most
     # rounds, if not all, read and store nothing in the DHT for matchmaking
     assert all(r["dht_ops"].get("store:mm", 0) + r["dht_ops"].get("get:mm", 0) < r["rounds_committed"]
                and not any(k.endswith(":gathering") for k in r["dht_ops"]) for r in reports), \
@@ -57,7 +57,7 @@ def test_three_nodes_merge_like_one_process(harness):
                for r in reports), [r["record_pushes"] for r in reports]
     assert all(r["record_pushes"]["sent"] > 2 * r["dht_ops"]["store:heads"] for r in reports), \
         [(r["record_pushes"], r["dht_ops"]) for r in reports]  # two peers a push: more publishes than stores
-    # small calls travel in sessions (net.sessions): a few streams opened per peer for many calls
+    # small calls travel in sessions (net.transport.sessions): a few streams opened per peer for many calls
     assert all(0 < r["sessions"]["opened"] <= 3 * 3 < r["rpc_calls"] and r["sessions"]["serving"] <= 2 * 3
                for r in reports), [(r["sessions"], r["rpc_calls"]) for r in reports]
 
@@ -117,11 +117,11 @@ def test_a_node_frozen_for_a_few_rounds_catches_up_from_the_rounds_it_missed(har
     """Three nodes with int4 on the wire and a quorum of 2 (no lone rounds, whose fp32 Δ would
     cost half a state); n2's process is stopped (SIGSTOP: its p2pd stays up, it answers
     nothing) while the others commit two more rounds each without it. Thawed, it computes the
-    states it missed from their rounds' merged slices (net.deltas: about a sixteenth of a
+    states it missed from their rounds' merged slices (net.state.deltas: about a sixteenth of a
     state's bytes a round, digest checked) rather than downloading them, and every node ends at
     the same global state."""
     maddr = harness.bootstrap()
-    # H = 200: a version of a fragment every few seconds, so the freeze costs a few (net.deltas.MAX_STEPS: 8)
+    # H = 200: a version of a fragment every few seconds, so the freeze costs a few (net.state.deltas.MAX_STEPS: 8)
     # error feedback decayed (beta 0.9): a member's own choice, which leaves the merge every node applies alike
     settings = {**TINY, "data.num_shards": "3", "outer.wire_precision": "int4", "outer.min_quorum": "2",
                 "outer.sync_every": "200", "outer.error_feedback_decay": "0.9"}

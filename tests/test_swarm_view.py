@@ -62,7 +62,7 @@ def test_node_status_and_swarm_status_judge_a_node_alike() -> None:
     from node.main import SwarmView as NodeView
     from node.status_view import progress, summarize_swarm
     from p2pdiloco.core.outer import FragmentState
-    from p2pdiloco.net.records import HeadsRecord
+    from p2pdiloco.net.records.parse import HeadsRecord
     from p2pdiloco.trust.identity import Identity
 
     now = time.time()

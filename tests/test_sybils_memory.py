@@ -1,4 +1,4 @@
-"""Sybil heads at scale, on the in-memory network (``p2pdiloco.net.memory.MemoryNet``, virtual
+"""Sybil heads at scale, on the in-memory network (``p2pdiloco.net.transport.memory.MemoryNet``, virtual
 time): 32 free identities against 8 honest nodes (docs/trust.md, threat table).
 
 Each sybil is a peer of its own on the in-memory network: it stores a signed heads record
@@ -30,9 +30,9 @@ from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.outer import FragmentState, Ledger, nesterov_outer_step
 from p2pdiloco.data import evaluate
-from p2pdiloco.net import records as rec
-from p2pdiloco.net import wire
-from p2pdiloco.net.memory import MemoryNet
+from p2pdiloco.net.records import parse as rec
+from p2pdiloco.net.codecs import wire
+from p2pdiloco.net.transport.memory import MemoryNet
 from conftest import TINY
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.looptime(end=3600)]

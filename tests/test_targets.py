@@ -20,8 +20,8 @@ from node.runtime import Node
 from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.outer import FragmentState
-from p2pdiloco.net.memory import MemoryNet
-from p2pdiloco.net.records import HeadsRecord
+from p2pdiloco.net.transport.memory import MemoryNet
+from p2pdiloco.net.records.parse import HeadsRecord
 
 P = 1
 

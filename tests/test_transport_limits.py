@@ -3,7 +3,7 @@
 per peer, drops and counts malformed requests, and keeps serving; the caller bounds replies.
 
 Raw streams (``Swarm._p2p.call_binary_stream_handler``) play the hostile peer: they speak the
-framing of :mod:`p2pdiloco.net.transport` wrongly on purpose. Every swarm started here is shut
+framing of :mod:`p2pdiloco.net.transport.swarm` wrongly on purpose. Every swarm started here is shut
 down in ``finally`` (its p2pd with it).
 """
 
@@ -25,8 +25,8 @@ from conftest import until as _until
 from hivemind.p2p import PeerID
 
 from p2pdiloco.errors import PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
-from p2pdiloco.net import drops, framing, serving, transport
-from p2pdiloco.net.transport import Header, Swarm, frame, read_header, read_payload
+from p2pdiloco.net.transport import drops, framing, serving, swarm as transport
+from p2pdiloco.net.transport.swarm import Header, Swarm, frame, read_header, read_payload
 from p2pdiloco.trust.certificates import Membership, SwarmKey
 from p2pdiloco.trust.errors import AccessDenied
 from p2pdiloco.trust.identity import Identity
@@ -378,7 +378,7 @@ async def test_blocked_peer_is_held_unanswered_then_closed_and_others_are_served
 SERVER = r"""
 import asyncio, sys
 from p2pdiloco.chaos.inject import kill_midway
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.transport.swarm import Swarm
 
 async def main():
     swarm = await Swarm.start()

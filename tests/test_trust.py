@@ -17,7 +17,7 @@ from p2pdiloco.cli import main as cli_main
 from p2pdiloco.config import load_config
 from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients, robust_merge
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.net.clock import SwarmClock
+from p2pdiloco.net.transport.clock import SwarmClock
 from p2pdiloco.trust import load_node_trust, signing
 from p2pdiloco.trust.certificates import Certificate, Membership, RevocationList, SwarmKey, parse_public_key
 from p2pdiloco.trust.errors import AccessDenied, CertificateError, IdentityError
@@ -316,7 +316,7 @@ def test_state_sync_refuses_a_state_whose_momentum_would_wreck_the_next_step() -
     from p2pdiloco.core.fragments import Fragment, TensorSlot
     from p2pdiloco.core.outer import FragmentState
     from p2pdiloco.errors import StateSyncError
-    from p2pdiloco.net.statesync import StateSync
+    from p2pdiloco.net.state.statesync import StateSync
 
     frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
     zeros = (torch.zeros(4),)
@@ -342,9 +342,9 @@ def test_state_sync_refuses_implausible_successors_and_hides_them_from_the_heads
     from p2pdiloco.core.fragments import Fragment, TensorSlot
     from p2pdiloco.core.outer import FragmentState
     from p2pdiloco.errors import StateSyncError
-    from p2pdiloco.net.heads import newest_heads
-    from p2pdiloco.net.bounded_moves import FOLLOW_FACTOR
-    from p2pdiloco.net.statesync import StateSync
+    from p2pdiloco.net.state.heads import newest_heads
+    from p2pdiloco.net.state.bounded_moves import FOLLOW_FACTOR
+    from p2pdiloco.net.state.statesync import StateSync
 
     frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
     zeros = (torch.zeros(4),)
@@ -420,7 +420,7 @@ def test_a_lone_peers_step_after_group_rounds_is_followed_within_ten_own_steps()
     from p2pdiloco.core.fragments import Fragment, TensorSlot
     from p2pdiloco.core.outer import FragmentState
     from p2pdiloco.errors import StateSyncError
-    from p2pdiloco.net.statesync import StateSync
+    from p2pdiloco.net.state.statesync import StateSync
 
     frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
     zeros = (torch.zeros(4),)
@@ -445,7 +445,7 @@ def test_a_version_may_hold_the_progress_of_a_whole_grace_window() -> None:
     and a 3 s grace window, one lone version may hold 1 + 3 / 0.17 = 18.6 periods of progress;
     with a 40 s period (DiLoCo's regime) 1.075; never over 1 + SPAN_PERIODS; 1 while the step
     time is unknown (a CI run's restarted node refused 5.4 against 10 x 0.298 and forked)."""
-    from p2pdiloco.net.bounded_moves import SPAN_PERIODS, periods_per_version
+    from p2pdiloco.net.state.bounded_moves import SPAN_PERIODS, periods_per_version
 
     assert periods_per_version(3.0, 20, 0.0085) == pytest.approx(1 + 3.0 / 0.17)  # 18.65
     assert periods_per_version(3.0, 100, 0.4) == pytest.approx(1.075)
@@ -461,7 +461,7 @@ def test_a_nodes_own_step_is_per_period_of_progress_times_the_periods_a_version_
     import dataclasses
 
     from p2pdiloco.config import OuterConfig
-    from p2pdiloco.net.bounded_moves import own_step
+    from p2pdiloco.net.state.bounded_moves import own_step
 
     outer = dataclasses.replace(OuterConfig(), lr=0.7, momentum=0.9, sync_every=20, grace_max=3.0)
     delta = (torch.full((4,), 0.5),)  # norm 1.0
@@ -478,8 +478,8 @@ def test_two_lone_runs_are_as_far_apart_as_both_together() -> None:
     from p2pdiloco.core.fragments import Fragment, TensorSlot
     from p2pdiloco.core.outer import FragmentState
     from p2pdiloco.errors import StateSyncError
-    from p2pdiloco.net.bounded_moves import FOLLOW_FACTOR
-    from p2pdiloco.net.statesync import StateSync
+    from p2pdiloco.net.state.bounded_moves import FOLLOW_FACTOR
+    from p2pdiloco.net.state.statesync import StateSync
 
     frag = Fragment(0, (TensorSlot("w", (4,), 4, False),))
     zeros = (torch.zeros(4),)

@@ -22,11 +22,11 @@ from p2pdiloco.core.fragments import Fragment, TensorSlot, assign_parts
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import FragmentState, span_fraction
 from p2pdiloco.errors import ProtocolError, RoundFailed
-from p2pdiloco.net import records as rec
-from p2pdiloco.net.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
-from p2pdiloco.net.matchmaking import Group, GroupKey, Matchmaker, leader_rank
-from p2pdiloco.net.statesync import StateSync
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.records import parse as rec
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
+from p2pdiloco.net.rounds.matchmaking import Group, GroupKey, Matchmaker, leader_rank
+from p2pdiloco.net.state.statesync import StateSync
+from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.certificates import Membership, SwarmKey, fingerprint
 from p2pdiloco.trust.errors import AccessDenied, IdentityError
@@ -455,7 +455,7 @@ async def test_lossy_rounds_return_each_members_quantisation_residual_for_error_
     reducers decoded from its slices (its own slice too), and both get the same merge: the
     robust merge of those decoded slices, through the precision's merged-slice coding. With
     fp32 on the wire nothing is lost and no residual comes back."""
-    from p2pdiloco.net import wire
+    from p2pdiloco.net.codecs import wire
 
     for precision in ("int4", "topk2", "fp32"):
         async with swarms(2) as sw:
@@ -522,7 +522,7 @@ async def test_a_lone_round_returns_the_contribution_unquantised_and_refuses_a_n
     """A group of one member with int4 on the wire: the merged Δ is the contribution itself, bit
     for bit in fp32 (a wire round trip would round 4-bit), and a NaN Δ fails the round."""
     from p2pdiloco.errors import RoundFailed
-    from p2pdiloco.net import wire
+    from p2pdiloco.net.codecs import wire
 
     async with swarms(1) as (s,):
         reducer = AllReducer(s, [FRAGMENT], "int4", 4.0, sync_every=10, run_id="run")

@@ -22,8 +22,8 @@ from node.vetting import ROUND_TOLERANCE, trusted_records
 from p2pdiloco.config import load_config
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.data import evaluate
-from p2pdiloco.net.memory import MemoryNet
-from p2pdiloco.net.rounds import ResultRefused
+from p2pdiloco.net.transport.memory import MemoryNet
+from p2pdiloco.net.rounds.results import ResultRefused
 from p2pdiloco.trust.reputation import REFUTED_HOLD, TRUSTED, Reputation
 
 

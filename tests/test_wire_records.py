@@ -11,14 +11,14 @@ import torch
 from p2pdiloco.core.grace import Ema, GraceWindow
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.errors import AddressError, NetworkError, ProtocolError
-from p2pdiloco.net import wire
-from p2pdiloco.net.addresses import (
+from p2pdiloco.net.codecs import wire
+from p2pdiloco.net.transport.addresses import (
     check_announce_maddr,
     check_any_reachable,
     check_listen_port,
     check_peer_maddr,
 )
-from p2pdiloco.net.heads import Head, is_behind, newest_heads
+from p2pdiloco.net.state.heads import Head, is_behind, newest_heads
 
 # A valid peer ID: base58 of the sha2-256 multihash of b"p2pdiloco-test".
 PID = "QmV6bPa3xB8gg5YhjHnmHBCvVpymShB3aaPJmsvxWoq5LB"

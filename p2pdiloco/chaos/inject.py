@@ -42,9 +42,9 @@ from typing import Any
 import torch
 
 from p2pdiloco.errors import RoundFailed
-from p2pdiloco.net.allreduce import AllReducer, Contribution
-from p2pdiloco.net import serving, sessions
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution
+from p2pdiloco.net.transport import serving, sessions
+from p2pdiloco.net.transport.swarm import Swarm
 
 FAULTS = ("kill-in-allreduce", "fail-last-stage", "kill-in-state-transfer")
 POISONS = ("scale", "flip", "nan", "mix")

@@ -1,7 +1,7 @@
 """A member's check of the merged parts its reducers return (docs/trust.md, "Reducer parts").
 
 In the butterfly all-reduce each reducer merges one part of the fragment alone
-(``net.allreduce``): its signature makes a wrong merge attributable, not impossible. A
+(``net.rounds.allreduce``): its signature makes a wrong merge attributable, not impossible. A
 reducer that merges against a poisoned reference (its own flipped Δ) or simply returns what it
 likes could replace its part of every member's update. Counting reducers cannot help: two
 colluders of four are half of them. So each member judges every other reducer's merged part

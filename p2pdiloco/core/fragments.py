@@ -116,7 +116,7 @@ def assign_parts(slots_numel: Sequence[int], num_members: int,
     slot index); reducer r owns the sorted slot indices of tuple r, which may be empty when
     there are fewer tensors than members. ``shares``: one non-negative integer per member, the
     part of the fragment each should reduce (bandwidth-aware rounds: the group leader's
-    ``net.shares.bandwidth_shares``, after hivemind's load balancing); each tensor goes to the
+    ``net.rounds.shares.bandwidth_shares``, after hivemind's load balancing); each tensor goes to the
     reducer whose load per share is then smallest, a member of share 0 reduces nothing (only
     sends and receives, as hivemind's client mode). Empty: equal shares. Integers and exact
     rationals only, so every member computes the same split.

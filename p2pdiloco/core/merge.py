@@ -220,7 +220,7 @@ def robust_merge(
     6. Merge the kept members slot by slot with :func:`merge_tensor`.
 
     Why the own reference: each reducer is a member and merges its part of the fragment alone
-    (``net.allreduce``); its own Δ is the one contribution it can trust, whereas a median
+    (``net.rounds.allreduce``); its own Δ is the one contribution it can trust, whereas a median
     direction is steered by colluders that make up half of a group of 4. The score is a
     Δ's share of FLTrust's ReLU-cosine trust; ``full_trust_cosine`` (0.2) lies below the
     cosines honest learners' Δ of this project's model have with each other (measured, per

@@ -33,7 +33,7 @@ FRACTION_GRID = 1024  # a round's fraction is a multiple of 1/FRACTION_GRID (exa
 MAX_SPAN = 64  # a contribution is counted as spread over at most this many rounds
 RATE_DECAY = 0.5  # weight of the previous estimate when a period completes (Ledger.rate)
 RATE_GROWTH = 4.0  # a completed period counts at most this many times the previous rate
-MAX_TOKENS = 2**53  # a ledger's token counts saturate here (what a state answer may carry: net.records.MAX_COUNT)
+MAX_TOKENS = 2**53  # a ledger's token counts saturate here (what a state answer may carry: net.records.parse.MAX_COUNT)
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,7 @@ def apply_round(state: FragmentState, merged: Sequence[Tensor], tokens: int, pos
     """The state a merged round makes from ``state`` (its anchor), and the fraction of a period
     it applied: the one rule every member that commits the round, every member it left out
     (``node.runtime.Node._take_excluded``) and every node that replays it later
-    (``net.deltas.replay_round``) computes, so all hold the same version + 1, bit for bit (same
+    (``net.state.deltas.replay_round``) computes, so all hold the same version + 1, bit for bit (same
     digest; invariant I1, docs/architecture.md).
 
     First the round's fraction f of a period and the ledger it carries, from the anchor's
@@ -356,7 +356,7 @@ def lone_step_size(lr: float, momentum: float, delta_norm: float) -> float:
     """How far (L2 distance of Θ) one full outer step (f = 1) from a zero momentum buffer moves
     the parameters with a merged Δ of L2 norm ``delta_norm``: lr·(1 + μ)·‖Δ‖ (b ← Δ; Θ ← Θ −
     lr·(Δ + μ·Δ), :func:`nesterov_outer_step`). The size of the step a node's own progress
-    would make alone, which bounds the states it follows (``net.bounded_moves``;
+    would make alone, which bounds the states it follows (``net.state.bounded_moves``;
     docs/trust.md, "Earned claims"). Source: DiLoCo (arXiv 2311.08105) outer Nesterov, as in
     Decoupled DiLoCo (arXiv 2604.21428). Floats in, a float out (units of Θ); no checks."""
     return lr * (1 + momentum) * delta_norm

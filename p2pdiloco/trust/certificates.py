@@ -4,7 +4,7 @@ A private swarm is an Ed25519 key pair (``p2pdiloco swarm init``). Its owner adm
 offline by signing a certificate for the node's public key with an expiry
 (``p2pdiloco swarm admit PUBLIC_KEY``) and may revoke members with a signed list
 (``p2pdiloco swarm revoke``), handed out as a file or published in the DHT, where members
-pick it up while they run (:mod:`p2pdiloco.net.revocation`, :meth:`Membership.adopt_revocations`).
+pick it up while they run (:mod:`p2pdiloco.net.state.revocation`, :meth:`Membership.adopt_revocations`).
 Members present their certificate with every DHT record and RPC; a member accepts a peer
 only when :meth:`Membership.check` passes. The owner's private key never has to be online.
 

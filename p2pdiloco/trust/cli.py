@@ -4,7 +4,7 @@ The owner runs ``init`` once (a swarm key pair), every node shows its public key
 ``identity``, the owner signs a certificate for it with ``admit`` and hands the file over,
 and may later revoke members with ``revoke``. None of these needs the network, except
 ``revoke --publish``, which also stores the new list in the swarm's DHT, where running members
-pick it up (:mod:`p2pdiloco.net.revocation`).
+pick it up (:mod:`p2pdiloco.net.state.revocation`).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _revoke(args: argparse.Namespace) -> int:
         print("p2pdiloco: --wait must be > 0", file=sys.stderr)
         return 2
     if args.publish:
-        from p2pdiloco.net.addresses import check_any_reachable, check_peer_maddr  # noqa: PLC0415
+        from p2pdiloco.net.transport.addresses import check_any_reachable, check_peer_maddr  # noqa: PLC0415
 
         for m in args.initial_peers:  # AddressError (2), NetworkError (1): before anything is written
             check_peer_maddr(m)
@@ -130,7 +130,7 @@ def _revoke(args: argparse.Namespace) -> int:
 
 
 def _publish(revocations: RevocationList, key: SwarmKey, initial_peers: list[str], wait: float) -> int:
-    from p2pdiloco.net.revocation import PUBLISH_TTL, publish_revocations  # noqa: PLC0415  (hivemind)
+    from p2pdiloco.net.state.revocation import PUBLISH_TTL, publish_revocations  # noqa: PLC0415  (hivemind)
 
     try:
         done = asyncio.run(publish_revocations(revocations, key, initial_peers, wait=wait))

@@ -7,7 +7,7 @@ starts at zero for every identity and grows only with work this node verified it
 
 * **A merged round** (:meth:`Reputation.merged`): the peer's signed contribution was merged in a
   round this node committed as a member (its slices passed the reducers' checks and the robust
-  merge; ``net.allreduce``): +1.
+  merge; ``net.rounds.allreduce``): +1.
 * **A vetted state** (:meth:`Reputation.vetted`): a node that trusts nobody yet (it is joining)
   downloaded the state the peer holds and found that it lowers this node's own held-out loss
   (``node.vetting``), as Templar's Gauntlet scores a peer by the loss before and after its
@@ -16,12 +16,12 @@ starts at zero for every identity and grows only with work this node verified it
   token weight is multiplied by a factor from ``FRESH_WEIGHT`` (no points) to 1.0
   (``FULL_WEIGHT_AT`` points).
 * **A refuted claim** (:meth:`Reputation.refuted`): a state it claimed was refused (not a
-  plausible successor, ``net.bounded_moves``; or it raised the held-out loss): the score falls
+  plausible successor, ``net.state.bounded_moves``; or it raised the held-out loss): the score falls
   to zero and ``REFUTED_HOLD`` rounds of credit must be earned again before it counts.
 
 A peer is *trusted* (:meth:`Reputation.trusted`) from ``TRUSTED`` points: only trusted peers'
 records move this node's state (``node.vetting.trusted_records``). A trusted peer that turns
-hostile still moves Θ by no more than this node's own rounds allow (``net.bounded_moves``).
+hostile still moves Θ by no more than this node's own rounds allow (``net.state.bounded_moves``).
 
 Limits: an attacker that contributes within the merge's bounds for a few rounds earns trust
 like an honest peer; what it can do with it is bounded by the merge and by the plausible-move

@@ -21,7 +21,7 @@ Purposes and fields (``sha256`` is the 32-byte digest of exactly the payload byt
                    a reducer's merged slice and the contributor set it used.
 ``dht.record``     [DHT key id (20 bytes), subkey (msgpack bytes), value (msgpack bytes),
                    expiration time (float64, DHT time)]: a DHT record (heads, matchmaking
-                   declarations, gatherings), see ``p2pdiloco.net.transport``.
+                   declarations, gatherings), see ``p2pdiloco.net.transport.swarm``.
 ``cert``           certificate body, see :mod:`p2pdiloco.trust.certificates`.
 ``revocations``    revocation-list body, see :mod:`p2pdiloco.trust.certificates`.
 ``run.manifest``   [format, run ID, [[setting, value]...], initial peers, target tokens,
@@ -90,7 +90,7 @@ def contribution_fields(run: str, fragment: int, version: int, digest: str, roun
 def join_fields(run: str, fragment: int, version: int, digest: str, leader: str) -> list[Any]:
     """Fields of an ``mm.join`` signature, in order: a learner asks to merge fragment
     ``fragment`` at (``version``, ``digest``) in ``run`` in the group ``leader`` (a peer ID)
-    gathers (net.matchmaking); the leader signs the same with itself as leader."""
+    gathers (net.rounds.matchmaking); the leader signs the same with itself as leader."""
     return [run, fragment, version, digest, leader]
 
 

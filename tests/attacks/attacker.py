@@ -1,16 +1,16 @@
 """An attacker peer built on the project's own library, and the attacks it runs.
 
-The attacker is an ordinary :class:`p2pdiloco.net.transport.Swarm` (its own p2pd, an
+The attacker is an ordinary :class:`p2pdiloco.net.transport.swarm.Swarm` (its own p2pd, an
 in-process DHT node, a fresh :class:`~p2pdiloco.trust.identity.Identity`) that joins the
 honest swarm through its bootstrap peer. It computes every DHT key exactly as the nodes do
 (from the same ``--set`` settings, :func:`p2pdiloco.config.load_config`,
-:func:`node.runtime.protocol_tag`, :class:`p2pdiloco.net.matchmaking.GroupKey`), reads the
+:func:`node.runtime.protocol_tag`, :class:`p2pdiloco.net.rounds.matchmaking.GroupKey`), reads the
 honest nodes' records to learn their versions and digests, and then publishes hostile records
 (signed by itself: the DHT accepts them) and answers RPCs with hostile replies.
 
 Attacks below the RPC layer write the transport's framing by hand on a raw libp2p stream
 (``P2P.call_binary_stream_handler``): a 4-byte big-endian header length, a msgpack map header
-whose ``_n`` is the payload length, then ``_n`` payload bytes (p2pdiloco/net/transport.py).
+whose ``_n`` is the payload length, then ``_n`` payload bytes (p2pdiloco/net/transport/swarm.py).
 
 Every attack is a coroutine ``attack(atk, targets, until)`` that runs until the monotonic
 deadline ``until`` and counts what it did in ``atk.stats``; the version claims and digests it
@@ -40,12 +40,13 @@ from p2pdiloco.core.fragments import assign_parts, balanced_fragments
 from p2pdiloco.core.outer import FragmentState, Ledger, fragment_digest
 from p2pdiloco.errors import NetworkError, P2PDilocoError, ProtocolError
 from p2pdiloco.model import build_model
-from p2pdiloco.net import records as rec
-from p2pdiloco.net import transport, wire
-from p2pdiloco.net.matchmaking import Group, GroupKey
-from p2pdiloco.net.patches import Received
-from p2pdiloco.net.rounds import group_fingerprint
-from p2pdiloco.net.transport import Swarm
+from p2pdiloco.net.records import parse as rec
+from p2pdiloco.net.transport import swarm as transport
+from p2pdiloco.net.codecs import wire
+from p2pdiloco.net.rounds.matchmaking import Group, GroupKey
+from p2pdiloco.net.records.patches import Received
+from p2pdiloco.net.rounds.results import group_fingerprint
+from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.identity import Identity, is_peer_id, public_key_of
 
@@ -97,7 +98,7 @@ class World:
 
     @property
     def gathering_run(self) -> str:
-        """The run's name as gathering pushes carry it (``net.gatherings``)."""
+        """The run's name as gathering pushes carry it (``net.rounds.gatherings``)."""
         return self.run
 
     def mm_key(self, p: int, version: int, digest: str) -> str:
@@ -180,7 +181,7 @@ class Attacker:
         swarm = await Swarm.start(initial_peers=[world.maddr], identity=identity or Identity.generate(),
                                   membership=membership)
         atk = cls(world, swarm)
-        bases = Received(swarm.drop)  # honest pushes are patches of the last record it took (net.patches)
+        bases = Received(swarm.drop)  # honest pushes are patches of the last record it took (net.records.patches)
 
         async def on_heads(peer: str, header: dict, payload: bytes) -> tuple[dict, bytes]:
             if (header := bases.expand(peer, header)) is None:

@@ -1,0 +1,597 @@
+"""DHT-matched group formation for one fragment's outer round.
+
+Only learners at the same fragment version *and* the same global-state digest can be
+grouped (invariant I3, docs/architecture.md): the key they gather at contains both.
+Among the learners open at a key, the one whose peer ID hashes lowest with the key
+(``leader_rank``: sha256 of the key and the peer ID) leads: the others send it a
+long-poll ``mm.join`` request; the leader closes the group once the
+minimum quorum K is reached and the grace window has passed (or everyone declared has
+joined), then answers every joiner with the same member list, round ID and all-reduce
+shares (Decoupled DiLoCo, arXiv 2604.21428, sec. 3: minimum quorum and grace window).
+
+Declarations travel two ways (docs/benchmarks/control_plane.md: every DHT read is a Kademlia
+traversal whose answers carry every declaration, about 9 kB among 5 peers):
+
+* **pushed**, when the node knows other learners (its records name some: the audience of
+  ``Gatherings``): a learner that leads a gathering announces the key (``mm.gather``), and
+  when it closes a group there it announces that key as closed, with the time
+  (``LEFT_KEEP_S``), to the group's members with its next announcement only; joiners announce
+  nothing, the DHT is neither read nor written. A learner is open to the others while its
+  announcement names the key, in a group once its closed keys do (``Gatherings.declarations``).
+  A learner that outranks every leader it has heard of leads and announces, so the lowest-ranked
+  ready learner leads; an outranked leader's withdrawal travels with its next announcement
+  (the new leader outranks it wherever both are heard).
+* **in the DHT**, by a node that knows no other learner yet: a record under the key (subkey:
+  its peer ID) while open, and another when it leaves, saying whether in a group; a leader
+  reads them at a wake-up (a join, a push, or ``POLL_SECONDS``) at most every
+  ``POLL_SECONDS``, a joiner once per leader it tries; pushed announcements count too.
+
+Bandwidth-aware shares (:func:`bandwidth_shares`): every joiner reports its measured link
+rate (``drops.LinkMeter``, KiB/s) in its ``mm.join``; the leader splits the fragment among
+the members with hivemind's load balancing (``hivemind.averaging.load_balancing``: the split
+that minimises the slowest member's traffic over its rate, as hivemind's butterfly
+all-reduce does), so a member on a slow link reduces less or nothing and only sends its
+slices and receives the result. Rates count at most at the group's lower median, so with an
+honest majority a report can lower its author's share but not raise it above a median
+member's; and a joiner refuses (and bans) a leader whose shares give any member more than
+``max_share`` (about 2/n of the fragment), more than an honest split ever does.
+
+A learner that arrives after a group already closed at its version does not form a
+competing group (that would split the swarm's history); it reports ``late`` and the caller
+catches up with the group's result instead (unless it cannot fetch their state at all: a node
+behind NAT without a relay slot, ``Matchmaker.undeliverable``; it then goes on with its own).
+
+Trust (docs/trust.md): declarations are pushed by their authors (``net.rounds.gatherings``, the
+transport authenticates the pusher) or are DHT records under the declaring peer's own ID, so
+only that peer can write or overwrite them
+(``transport.SignedRecords``); entries under any other subkey, and values that do not parse
+(:mod:`p2pdiloco.net.records.parse`), are ignored and counted. No single peer can capture groups:
+
+* the leader of a key is the open peer with the lowest sha256(DHT key, peer ID): the key
+  holds the fragment's version and state digest, which change every round, so no identity
+  leads more often than chance, and grinding one that would needs a fresh identity per round;
+* every ``mm.join`` carries the joiner's Ed25519 signature over (run, fragment, version,
+  digest, leader) (``signing.join_fields``); a leader admits only joiners whose signature
+  verifies against their peer ID (a bad one is dropped, counted, and bans its sender), and
+  answers with every member's signature; a joiner accepts a group only if the leader and the
+  joiner are in its member list and every other member's signature verifies, with no DHT
+  read; a leader that sends anything else is banned (provable: a leader cannot make up a
+  member's signature, nor use one given to another leader; honest leaders list only peers
+  that asked them and themselves). What is not excluded: a leader that gathers twice at one
+  key (a retry) may list a peer that joined it the first time;
+* a leader that keeps a joiner waiting past the grace window (when the joiner and the
+  leader already make a quorum) is passed over for that round, and that counts as a failed
+  group; a leader whose groups failed ``LEADER_FAILURES`` times in a row (rounds reported
+  by the node through :meth:`Matchmaker.group_failed`, and such waits) is passed over as a
+  leader for ``PASS_OVER_S`` seconds, doubling with every further failure (at most
+  ``PASS_OVER_MAX_S``); a committed group clears its leader. This is not a ban: a stopped
+  (SIGSTOP) or overloaded honest leader fails the same way and must be able to come back;
+* ``mm.join`` holds at most ``MAX_GROUP`` joiners per gathering.
+
+Peers on the swarm's ban list (``Swarm.bans``), and peers avoided for a while after this node
+refused a merged part they signed (:meth:`Matchmaker.avoid`), are neither followed as leaders
+nor admitted by ``mm.join``, and a group that lists one is declined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+from collections import Counter
+from collections.abc import Callable, Collection, Container
+from dataclasses import dataclass, field
+from typing import Literal
+
+from p2pdiloco.net.transport import clock as swarm_clock
+from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
+from p2pdiloco.net.records import parse as rec
+from p2pdiloco.net.rounds.gatherings import FUTURE_SLACK_S, Gatherings
+from p2pdiloco.net.rounds.groups import Group, GroupKey, leader_rank  # noqa: F401  (importers take them from here too)
+from p2pdiloco.net.rounds.shares import bandwidth_shares, max_share
+from p2pdiloco.net.transport.swarm import Header, Swarm
+from p2pdiloco.trust import signing
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2  # seconds between a leader's checks of its gathering (and DHT reads, without an audience)
+JOIN_SLACK_S = 3.0  # seconds past the grace window a joiner waits for a leader that has its quorum
+JOIN_HOLD_S = 120.0  # seconds a leader holds a joiner's long poll at most
+LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
+PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
+PASS_OVER_MAX_S = 900.0
+AVOID_S = 120.0  # seconds a peer this node refused a merged part of is not grouped with (doubling)
+AVOID_MAX_S = 3600.0
+FAILED_GROUP_WAIT_S = 10.0  # seconds a failed group's members still make us late (they may have committed)
+LEFT_KEEP_S = 120.0  # seconds a leader keeps announcing a key where it closed a group
+Outcome = Literal["group", "late", "no_quorum"]
+
+
+@dataclass
+class _Gathering:
+    key: GroupKey
+    joiners: dict[str, asyncio.Future] = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)  # joiner -> its reported link rate (bytes/s)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+    following: str | None = None  # the leader this peer is joining now: joins sent to us are redirected
+    leading: bool = False  # we lead it now: announced to the audience (net.rounds.gatherings)
+    signatures: dict[str, bytes] = field(default_factory=dict)  # joiner -> its mm.join signature (ours too)
+    member_signatures: tuple[bytes, ...] = ()  # the closed group's, in member order
+    members: tuple[str, ...] = ()  # the closed group's
+
+
+class Matchmaker:
+    """Forms groups for fragment rounds. One per node; serves ``mm.join``.
+
+    Args:
+        swarm: the transport.
+        run_id: the run's name, part of every DHT key.
+        min_quorum: K, the smallest group that may merge (K = 1: a lone learner merges alone).
+        num_fragments: P, the run's fragment count (bounds what a peer may name).
+    """
+
+    def __init__(self, swarm: Swarm, run_id: str, min_quorum: int, num_fragments: int = rec.MAX_FRAGMENTS):
+        if min_quorum < 1:
+            raise ValueError(f"min_quorum must be >= 1, got {min_quorum}")
+        self.swarm, self.run_id, self.min_quorum, self.num_fragments = swarm, run_id, min_quorum, num_fragments
+        self._gatherings: dict[int, _Gathering] = {}
+        # key -> {peer: (swarm time, from when: monotonic s)}: from then on, its "in a group"
+        # declarations at the key stamped no later than that time do not count (a group of its
+        # there failed, or delivered nothing to us)
+        self._set_aside: dict[GroupKey, dict[str, tuple[float, float]]] = {}
+        # key -> ({peer: its declaration's t}, when we were first late there: monotonic s)
+        self._deferred: dict[GroupKey, tuple[dict[str, float], float]] = {}
+        self._exhausted: dict[GroupKey, None] = {}  # keys where we were late for round_time already
+        self.empty_groups: Counter[str] = Counter()  # peer -> groups we deferred to that delivered nothing, in a row
+        self.ignored_groups: dict[str, float] = {}  # peer -> its "left in a group" ignored until (monotonic s)
+        self.gatherings = Gatherings(swarm, run_id, num_fragments)  # the run's gathering announcements
+        self.gatherings.on_push = self.on_push
+        self._left: dict[int, tuple[GroupKey, float]] = {}  # fragment -> (key, swarm time) of our last group closed
+        self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
+        self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
+        self.avoided: dict[str, float] = {}  # peer -> not grouped with until (monotonic s): see avoid
+        self.avoidances: Counter[str] = Counter()  # peer -> times avoided
+        # peers whose states this node cannot fetch now (the node sets it: StateSync.ignoring while
+        # it is behind NAT without a relay slot): a group of theirs at our version does not make us "late"
+        self.undeliverable: Callable[[], Container[str]] = frozenset
+        # called with every group a leader (or we) listed us in, also one we decline: the node
+        # passes AllReducer.expect, so that our reducer part serves the other members
+        self.listed_in: Callable[[Group], object] = lambda group: None
+
+    async def start(self) -> None:
+        await self.swarm.add_handler("mm.join", self._on_join, max_payload=0)
+        await self.gatherings.start()
+
+    def open_gatherings(self) -> dict[int, set[GroupKey]]:
+        """Fragments other learners are gathering a group for right now (fragment -> every key
+        announced for it), from their pushed announcements (``Gatherings.open``)."""
+        return {p: {GroupKey(p, v, d) for v, d in keys} for p, keys in self.gatherings.open().items()}
+
+    def _announce(self, later: Collection[str] = (), *, quiet: bool = False) -> None:
+        """Announce the fragments this learner leads an open gathering for, and the keys where
+        it closed its last group of each fragment, ``LEFT_KEEP_S`` at most
+        (``Gatherings.announce``; ``later``, ``quiet``: who hears of it with our next change)."""
+        now = self.swarm.clock.now()
+        self._left = {p: (k, t) for p, (k, t) in self._left.items() if now - t <= LEFT_KEEP_S}
+        self.gatherings.announce([[g.key.fragment, g.key.version, g.key.digest] for g in self._gatherings.values()
+                                  if g.leading and not g.closed],
+                                 [[k.fragment, k.version, k.digest, t] for k, t in self._left.values()], later,
+                                 quiet=quiet)
+
+    def avoid(self, peer: str, why: str) -> None:
+        """Form no group with ``peer`` for ``AVOID_S`` seconds, doubling with every further
+        call (at most ``AVOID_MAX_S``): this node refused a merged part it signed
+        (``core.audit``). Its declarations are not read (neither followed as a leader nor
+        making us late), its joins are refused, and a group that lists it is declined. Not a
+        ban: the check is evidence against this node's own Δ, not proof to others."""
+        n = self.avoidances[peer] = self.avoidances[peer] + 1
+        seconds = min(AVOID_MAX_S, AVOID_S * 2 ** (n - 1))
+        self.avoided[peer] = swarm_clock.monotonic() + seconds
+        log.info("not grouping with %s for %.0f s: %s", peer[-8:], seconds, why)
+        if len(self.avoidances) > 4096:  # bounded: keep the worst offenders
+            self.avoidances = Counter(dict(self.avoidances.most_common(1024)))
+            self.avoided = {p: t for p, t in self.avoided.items() if p in self.avoidances}
+
+    def avoiding(self) -> dict[str, float]:
+        """Peers this node forms no group with now (:meth:`avoid`), {peer ID: seconds left}."""
+        now = swarm_clock.monotonic()
+        self.avoided = {p: t for p, t in self.avoided.items() if t > now}
+        return {p: round(t - now, 1) for p, t in self.avoided.items()}
+
+    def _shunned(self, peer: str) -> bool:
+        """Banned, or avoided now."""
+        return peer in self.swarm.bans or self.avoided.get(peer, -math.inf) > swarm_clock.monotonic()
+
+    async def _declarations(self, dht_key: str) -> dict[str, rec.Declaration]:
+        """The parsed declarations under ``dht_key`` of peers not banned nor avoided, by author."""
+        values = {p: v for p, v in (await self.swarm.get(dht_key)).items() if not self._shunned(p)}
+        good, bad = rec.parse_many(values, rec.parse_declaration)
+        for peer in bad:
+            self.swarm.drop(peer, "declaration")
+            self.swarm.ban(peer, "signed a malformed matchmaking declaration")
+        return good
+
+    def group_failed(self, group: Group) -> None:
+        """The node reports that ``group``'s round failed (module docstring: leaders whose
+        groups fail repeatedly are passed over). ``FAILED_GROUP_WAIT_S`` later, its members'
+        declarations of that group no longer make us late at its key (the survivors retry
+        there); until then they do: the others may have committed the round (a failure seen by
+        one member only), and their state, published as they commit, is the one to follow."""
+        self._leader_failed(group.leader, f"round {group.round_id} failed")
+        now = self.swarm.clock.now()
+        self._put_aside(group.key, {m: now for m in group.members}, after=FAILED_GROUP_WAIT_S)
+
+    def _put_aside(self, key: GroupKey, peers: dict[str, float], after: float = 0.0) -> None:
+        """Set ``peers``' "in a group" declarations at ``key`` stamped up to their time aside,
+        ``after`` seconds from now (bounded: 64 keys, the oldest go first; 256 peers a key)."""
+        aside, start = self._set_aside.setdefault(key, {}), swarm_clock.monotonic() + after
+        for peer, t in list(peers.items())[:256]:
+            old_t, old_start = aside.get(peer, (t, start))
+            aside[peer] = (max(t, old_t), min(start, old_start))
+        while len(aside) > 256:
+            del aside[next(iter(aside))]
+        while len(self._set_aside) > 64:
+            del self._set_aside[next(iter(self._set_aside))]
+
+    def _leader_failed(self, leader: str, why: str) -> None:
+        if not leader or leader == self.swarm.peer_id:
+            return
+        n = self.leader_failures[leader] = self.leader_failures[leader] + 1
+        if n >= LEADER_FAILURES:
+            seconds = min(PASS_OVER_MAX_S, PASS_OVER_S * 2 ** (n - LEADER_FAILURES))
+            self.passed_over[leader] = swarm_clock.monotonic() + seconds
+            log.info("passing over %s as a leader for %.0f s: %d failed groups in a row (last: %s)",
+                     leader[-8:], seconds, n, why)
+        if len(self.leader_failures) > 4096:  # bounded: keep the worst offenders
+            self.leader_failures = Counter(dict(self.leader_failures.most_common(1024)))
+
+    def _settle_deferrals(self, key: GroupKey, round_time: float) -> None:
+        """Before gathering at ``key``: a deferral (we were late) at another key of the fragment
+        is settled (we moved on); one at this key ``round_time`` seconds old or more is not:
+        nothing we deferred to moved us, so we are late at the key no more (``_exhausted``: a
+        bound on what fresh forged identities can cost at one key) and strike its peers
+        (``_struck``)."""
+        now = swarm_clock.monotonic()
+        for k in [k for k in self._deferred if k.fragment == key.fragment and k != key]:
+            del self._deferred[k]
+        if key in self._deferred and now - self._deferred[key][1] >= round_time:
+            self._exhausted[key] = None
+            while len(self._exhausted) > 64:
+                del self._exhausted[next(iter(self._exhausted))]
+            self._struck(key)
+        self.ignored_groups = {p: t for p, t in self.ignored_groups.items() if t > now}
+
+    def _struck(self, key: GroupKey) -> None:
+        """The peers we deferred to at ``key`` delivered nothing (we formed our own group there,
+        or waited ``round_time``): set aside at the key, and a peer in ``LEADER_FAILURES`` such
+        groups with no group merged with it in between has its "in a group" declarations
+        ignored everywhere for ``PASS_OVER_S`` seconds, doubling (as a failing leader's;
+        ``group_succeeded`` clears both)."""
+        peers, _ = self._deferred.pop(key, ({}, 0.0))
+        self._put_aside(key, peers)
+        now = swarm_clock.monotonic()
+        for peer in peers:
+            n = self.empty_groups[peer] = self.empty_groups[peer] + 1
+            if n >= LEADER_FAILURES:
+                self.ignored_groups[peer] = now + min(PASS_OVER_MAX_S, PASS_OVER_S * 2 ** (n - LEADER_FAILURES))
+        if len(self.empty_groups) > 4096:  # bounded: keep the worst offenders
+            self.empty_groups = Counter(dict(self.empty_groups.most_common(1024)))
+
+    def _late(self, key: GroupKey, grouped: dict[str, float]) -> tuple[Outcome, None]:
+        """Return "late", remembering whose group we deferred to (``_settle_deferrals``)."""
+        peers, since = self._deferred.pop(key, ({}, swarm_clock.monotonic()))
+        self._deferred[key] = ({**peers, **dict(list(grouped.items())[:max(0, 256 - len(peers))])}, since)
+        while len(self._deferred) > 64:
+            del self._deferred[next(iter(self._deferred))]
+        return "late", None
+
+    def ignoring_groups(self) -> dict[str, float]:
+        """Peers whose declarations of being in a group are ignored now, {peer ID: seconds left}."""
+        now = swarm_clock.monotonic()
+        return {p: round(t - now, 1) for p, t in self.ignored_groups.items() if t > now}
+
+    def passing_over(self) -> dict[str, float]:
+        """Leaders passed over now, {peer ID: seconds left}."""
+        now = swarm_clock.monotonic()
+        self.passed_over = {p: t for p, t in self.passed_over.items() if t > now}
+        return {p: round(t - now, 1) for p, t in self.passed_over.items()}
+
+    def group_succeeded(self, group: Group) -> None:
+        """The node reports that ``group``'s round committed: its leader's failures are cleared."""
+        self.leader_failures.pop(group.leader, None)
+        self.passed_over.pop(group.leader, None)
+        for member in group.members:  # a peer we merged with is a real group member
+            self.empty_groups.pop(member, None), self.ignored_groups.pop(member, None)
+
+    async def form_group(self, key: GroupKey, *, grace: float, quorum_timeout: float, expected: int = 0,
+                         max_grace: float | None = None, lone_wait: bool = True,
+                         round_time: float | None = None) -> tuple[Outcome, Group | None]:
+        """Declare readiness under ``key`` and return the group this learner ends up in.
+
+        Waits at most ``quorum_timeout`` seconds for K members, then at most ``grace`` more
+        seconds for others, closing early once ``expected`` members (the live learners this
+        node knows of; 0 = unknown) have joined. Returns ("group", Group), ("late", None) when a group at this
+        version closed without us, or ("no_quorum", None). ``max_grace`` (seconds; default
+        ``grace``): the longest grace window any leader of the run may use; a leader that has
+        its quorum and keeps us waiting longer than that (plus ``JOIN_SLACK_S``) is passed over.
+
+        A leader still alone while other learners are expected waits up to ``max_grace``
+        instead of ``grace`` (and at least ``grace`` after its first joiner, within that
+        bound): the paper's synchronizer folds a lone learner's late update into the one global
+        state (arXiv 2604.21428, sec. 3), but here a lone round makes a version that any other
+        group at the same version forks, and the loser downloads its state again (invariant
+        I7). Training goes on meanwhile (the round is in flight), so the wait costs staleness,
+        not compute; a peer expected but absent stops being expected after a few groups
+        (``node.expected.NO_SHOWS_MAX``). ``lone_wait`` False: no longer wait (a node's
+        end-of-budget flush, when the peers it expects are finishing too and may leave before
+        a late result reaches them).
+
+        Late: a learner, leader or joiner, that sees a peer which already left in a group at
+        its key (a declaration that says so, stamped within ``round_time`` seconds, default the
+        declarations' lifetime: ``_grouped``) returns ("late", None) at once, whatever its own
+        group's size, and a leader's joiners are sent away to find the same: a second group at
+        one version is a fork that one side loses with the progress merged into it (invariant
+        I7), whereas a late learner follows the group's state with its progress rebased and
+        contributes it to the next round. Declarations of peers that left without a group
+        (late, no quorum) do not count, nor those of a group this node saw fail, stamped before
+        it failed. Forged declarations (a group that does not exist) cost a learner at most
+        ``round_time`` at a key, whoever makes them: after that it is not late there again, and
+        the peers it deferred to are struck (``_settle_deferrals``, ``_struck``, docs/trust.md).
+
+        Raises:
+            NetworkError: the DHT could not be reached.
+        """
+        me, t0 = self.swarm.peer_id, swarm_clock.monotonic()
+        deadline = t0 + quorum_timeout
+        # one lifetime whatever this round's grace: a DHT keeps the value that expires last, so a
+        # retry at this key with a shorter lifetime would not replace our closed declaration
+        dht_key, ttl = key.dht_key(self.run_id), quorum_timeout + max(grace, max_grace or 0.0) + 30
+        self.gatherings.max_age = quorum_timeout + max(grace, max_grace or 0.0) + JOIN_SLACK_S
+        pushed = any(True for _ in self.gatherings.audience())  # other learners known: declarations are pushed
+        if not pushed:
+            await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
+        gathering = _Gathering(key)
+        gathering.signatures[me] = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key, me))
+        self._gatherings[key.fragment] = gathering
+        excluded: set[str] = set()
+        quorum_at: float | None = None
+        first_joiner_at: float | None = None
+        lone_grace = max(grace, max_grace or 0.0) if expected > 1 and lone_wait else grace
+        fresh_for = ttl if round_time is None else round_time
+        self._settle_deferrals(key, fresh_for)
+        grouped = False  # whether we leave in a group (our last declaration says so)
+        stored: dict[str, rec.Declaration] = {}
+        read_at = -math.inf
+        try:
+            while True:
+                if not pushed and swarm_clock.monotonic() - read_at >= POLL_SECONDS:  # no learner known to push
+                    read_at = swarm_clock.monotonic()  # to us: the DHT, at a wake-up POLL_SECONDS after the last
+                    stored = await self._declarations(dht_key)
+                entries = {**stored, **self.gatherings.declarations(key.fragment, key.version, key.digest)}
+                open_peers = {p for p, d in entries.items() if d.open}
+                open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
+                grouped_peers = self._grouped(key, entries, fresh_for)
+                if grouped_peers:  # a group at this version exists: don't fork it (leaders and joiners alike)
+                    return self._late(key, grouped_peers)
+                leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
+                if (leader == me) != gathering.leading:  # leaders announce, joiners do not: about two
+                    gathering.leading = leader == me  # pushes a round for each node, whatever the swarm's size
+                    self._announce(quiet=not gathering.leading)  # withdrawn: the new leader outranks us anyway
+                now = swarm_clock.monotonic()
+                if leader != me:
+                    gathering.following = leader
+                    self._abdicate(gathering)
+                    wait = max(0.5, deadline + grace + 2 - now)
+                    if self.min_quorum <= 2:  # the leader and we make a quorum: it owes us a group soon
+                        wait = min(wait, max(grace, max_grace or 0.0) + JOIN_SLACK_S)
+                    outcome = await self._join(leader, key, timeout=wait)
+                    gathering.following = None
+                    if isinstance(outcome, Group):
+                        grouped = True
+                        return "group", self._formed(key, outcome)
+                    if outcome in ("gone", "held"):
+                        excluded.add(leader)
+                    elif swarm_clock.monotonic() > deadline:
+                        return "no_quorum", None
+                    continue
+                # every joiner signed its join at the key (_on_join), which the other members check
+                joined = [j for j in gathering.joiners if j in gathering.signatures]
+                size = 1 + len(joined)
+                if size >= self.min_quorum and quorum_at is None:
+                    quorum_at = now
+                if size > 1 and first_joiner_at is None:
+                    first_joiner_at = now
+                everyone = size >= max(expected, 2)  # a lone learner still waits its grace
+                if quorum_at is not None and (everyone or now >= self._closes_at(quorum_at, first_joiner_at, grace, lone_grace)):
+                    grouped = True
+                    return "group", self._formed(key, self._close(gathering, t0, joined))
+                if quorum_at is None and now > deadline:
+                    return "no_quorum", None
+                gathering.arrived.clear()
+                try:
+                    async with asyncio.timeout(POLL_SECONDS):
+                        await gathering.arrived.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            self._abdicate(gathering)
+            if self._gatherings.get(key.fragment) is gathering:
+                del self._gatherings[key.fragment]
+            if gathering.leading and grouped:  # learners arriving at the key later are late
+                self._left[key.fragment] = (key, self.swarm.clock.now())
+            if gathering.leading:  # withdrawn; the group's members need not hear of it until our next change
+                self._announce(gathering.members if grouped else ())
+            if not pushed:
+                try:
+                    await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now(), "g": grouped},
+                                           ttl)
+                except NetworkError as e:
+                    log.debug("could not mark %s closed: %s", dht_key, e)
+
+    def _grouped(self, key: GroupKey, entries: dict[str, rec.Declaration], fresh_for: float) -> dict[str, float]:
+        """{peer: t} of the declarations at ``key`` that make us late (``form_group``): "in a
+        group", stamped within ``fresh_for`` seconds of now (and not ahead of it by more than
+        the clock slack), not set aside, not by an ignored peer nor one whose state we cannot
+        fetch; none once we have been late at the key for ``round_time``."""
+        if key in self._exhausted:
+            return {}
+        now, cannot_fetch, mono = self.swarm.clock.now(), self.undeliverable(), swarm_clock.monotonic()
+        aside = {p: t for p, (t, start) in self._set_aside.get(key, {}).items() if mono >= start}
+        return {p: d.t for p, d in entries.items()
+                if d.grouped and p != self.swarm.peer_id and -FUTURE_SLACK_S <= now - d.t <= fresh_for
+                and d.t > aside.get(p, -math.inf) and p not in self.ignored_groups and p not in cannot_fetch}
+
+    def _formed(self, key: GroupKey, group: Group) -> Group:
+        """We are in ``group`` at ``key``: whoever we deferred to there delivered nothing."""
+        self.listed_in(group)
+        if key in self._deferred:
+            self._struck(key)
+        return group
+
+    @staticmethod
+    def _closes_at(quorum_at: float, first_joiner_at: float | None, grace: float, lone_grace: float) -> float:
+        """When a leader with its quorum since ``quorum_at`` closes (monotonic seconds): after
+        ``grace``; a leader that expects others (``lone_grace`` > ``grace``) waits alone up to
+        ``lone_grace``, and ``grace`` after its first joiner, never past ``lone_grace``."""
+        if first_joiner_at is None:
+            return quorum_at + lone_grace
+        return min(quorum_at + lone_grace, max(quorum_at, first_joiner_at) + grace)
+
+    def _close(self, gathering: _Gathering, t0: float, joined: list[str]) -> Group:
+        """Close ``gathering`` with this leader and the ``joined`` peers (declared joiners); the
+        other joiners are redirected when the gathering ends (``_abdicate``)."""
+        gathering.closed = True
+        members = tuple(sorted({self.swarm.peer_id, *joined}))
+        me, own = self.swarm.peer_id, self.swarm.stats.link.estimate()
+        rates = [own if m == me else gathering.rates.get(m) for m in members]
+        kib = tuple(min(rec.MAX_RATE_KIB, round(r / 1024)) if r else 0 for r in rates)
+        group = Group(secrets.token_hex(8), gathering.key, members, swarm_clock.monotonic() - t0, me,
+                      bandwidth_shares(rates), kib if any(kib) else ())
+        gathering.member_signatures = tuple(gathering.signatures[m] for m in members)
+        gathering.members = members
+        for peer in joined:
+            fut = gathering.joiners[peer]
+            if not fut.done():
+                fut.set_result(group)
+        return group
+
+    @staticmethod
+    def _abdicate(gathering: _Gathering) -> None:
+        """Send every waiting joiner elsewhere (another peer leads, or we stopped)."""
+        for fut in gathering.joiners.values():
+            if not fut.done():
+                fut.set_result("redirect")
+        gathering.joiners.clear()
+
+    def _join_fields(self, key: GroupKey, leader: str) -> list:
+        return signing.join_fields(self.run_id, key.fragment, key.version, key.digest, leader)
+
+    def on_push(self, keys: list[tuple[int, int, str]]) -> None:
+        """A gathering announcement naming ``keys`` (fragment, version, digest) arrived
+        (``Gatherings``): a gathering of ours at one of them looks at the declarations now
+        (another learner leads there, or closed a group there), not at its next poll."""
+        for p, v, d in keys:
+            gathering = self._gatherings.get(p)
+            if gathering is not None and (gathering.key.version, gathering.key.digest) == (v, d):
+                gathering.arrived.set()
+
+    async def _join(self, leader: str, key: GroupKey, timeout: float) -> Group | str:
+        rate = self.swarm.stats.link.estimate()
+        signature = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key, leader))
+        request = {"f": key.fragment, "v": key.version, "d": rec.wire_digest(key.digest), "sig": signature,
+                   "bw": min(rec.MAX_RATE_KIB, round(rate / 1024)) if rate else 0}
+        try:
+            reply, _ = await self.swarm.call(leader, "mm.join", request, timeout=timeout)
+        except ProtocolError as e:
+            log.debug("join refused by %s: %s", leader[-8:], e)
+            return "gone"
+        except NetworkError as e:
+            log.debug("leader %s unreachable: %s", leader[-8:], e)
+            if isinstance(e, PeerTimeout):  # it held us past the grace window without a group
+                self._leader_failed(leader, "held a joiner past the grace window")
+                return "held"
+            return "gone"
+        try:
+            answer = rec.parse_join_answer(reply)
+        except ProtocolError as e:  # it answered, authenticated, with what no honest leader sends
+            self.swarm.drop(leader, "join_answer")
+            self.swarm.ban(leader, f"answered a join with a malformed group: {e}")
+            return "gone"
+        if answer.status == "group":
+            members, me = answer.members, self.swarm.peer_id
+            if me not in members or leader not in members:
+                self.swarm.ban(leader, "led a group without itself or without the joiner")
+                return "gone"
+            if answer.shares and max(answer.shares) > max_share(len(members)):
+                self.swarm.ban(leader, f"gave one member {max(answer.shares)} of {rec.SHARE_GRID} of the all-reduce")
+                return "gone"
+            group = Group(answer.round, key, members, answer.formed_in, leader, answer.shares, answer.rates)
+            self.listed_in(group)  # now: the others' slices may come while we check it (our reducer part serves them)
+            if any(m not in self.swarm.bans and self._shunned(m) for m in members):
+                return "gone"  # one whose merged part we refused: the leader may not know (not its failure)
+            if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that reached us
+                self._leader_failed(leader, "led a group with a member we excluded")  # first): not a ban, but
+                return "gone"  # a leader that keeps doing it is passed over; we do not merge with that member
+            fields = self._join_fields(key, leader)  # every member asked this leader: it cannot make one up
+            ghosts = [m for m, sig in zip(members, answer.signatures)
+                      if m != me and not signing.verify_by_peer(m, "mm.join", fields, sig)]
+            if ghosts:
+                self.swarm.ban(leader, f"led a group with {len(ghosts)} member(s) that never asked to join at its key")
+                return "gone"
+            return group
+        if answer.status == "redirect":
+            await asyncio.sleep(POLL_SECONDS)  # let the DHT show the other leader
+            return "redirect"
+        return "gone"  # closed, or not gathering at this key
+
+    async def _on_join(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
+        try:
+            request = rec.parse_join_request(header, self.num_fragments)
+        except ProtocolError:
+            self.swarm.drop(peer, "join_request")
+            raise
+        key = GroupKey(request.fragment, request.version, request.digest)
+        if peer in self.swarm.bans:
+            raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
+        if self._shunned(peer):
+            raise ProtocolError("not grouping with this peer now: its merged part was refused")
+        if not signing.verify_by_peer(peer, "mm.join", self._join_fields(key, self.swarm.peer_id), request.signature):
+            self.swarm.drop(peer, "join_signature")  # an honest node signs its own joins
+            self.swarm.ban(peer, "sent a join with a bad signature")
+            raise ProtocolError("join signature does not verify")
+        gathering = self._gatherings.get(key.fragment)
+        if gathering is None or gathering.closed or gathering.key != key:
+            return {"status": "closed"}, b""
+        if gathering.following is not None:
+            # we are joining another leader: a joiner held here until that join ends (the
+            # grace window) would miss the group and, with another one held the same way,
+            # form a second group at this version afterwards (a fork, found in tests/test_memory_net.py)
+            return {"status": "redirect"}, b""
+        if peer not in gathering.joiners and len(gathering.joiners) >= rec.MAX_GROUP - 1:
+            return {"status": "closed"}, b""
+        fut = asyncio.get_running_loop().create_future()
+        old = gathering.joiners.pop(peer, None)
+        if old is not None and not old.done():
+            old.set_result("redirect")
+        gathering.joiners[peer] = fut
+        gathering.signatures[peer] = request.signature  # as many as joiners (MAX_GROUP - 1) and ours
+        if request.bandwidth and (peer in gathering.rates or len(gathering.rates) < 4 * rec.MAX_GROUP):
+            gathering.rates[peer] = request.bandwidth * 1024.0
+        gathering.arrived.set()
+        try:
+            async with asyncio.timeout(JOIN_HOLD_S):
+                result = await fut
+        except TimeoutError:
+            return {"status": "closed"}, b""
+        finally:
+            if gathering.joiners.get(peer) is fut:
+                del gathering.joiners[peer]
+                if not gathering.closed:  # left before the group closed: its signature goes too
+                    gathering.signatures.pop(peer, None)
+        if isinstance(result, Group):
+            return {"members": rec.wire_members(result.members), "round": result.round_id, "t": result.formed_in,
+                    "s": list(result.shares), "bw": list(result.rates),  # not the joiner's own signature:
+                    "js": [b"" if m == peer else s for m, s in zip(result.members, gathering.member_signatures)]}, b""
+        return {"status": "redirect"}, b""

@@ -1,0 +1,362 @@
+"""Starting one peer's libp2p daemon (p2pd) and its in-process DHT node, through hivemind's
+public API, with our errors; and the check that an identity is not already running.
+
+Lifecycle (measured with hivemind 1.1.12): hivemind's ``DHT`` class runs its node in a child
+process that keeps the daemon alive after its parent is SIGKILLed. We run ``DHTNode`` inside
+the caller's event loop instead, so the only child is p2pd, which exits as soon as its owner's
+control connection closes, including on SIGKILL. :class:`~p2pdiloco.net.transport.swarm.Swarm`
+owns both once started.
+
+Local sockets (docs/trust.md, "local users"): hivemind talks to p2pd over two unix sockets,
+p2pd's control socket and the client's socket for incoming streams; whoever can connect to
+the first drives the node's libp2p identity, to the second feeds it streams as any peer.
+hivemind 1.1.12 puts both at ``/tmp/hivemind-p2pd-RANDOM.sock`` and
+``/tmp/hivemind-p2pclient-RANDOM.sock`` (the prefix is the private ``P2P._UNIX_SOCKET_PREFIX``;
+``P2P.create`` takes no socket path), created with the process umask: 0777 under umask 000.
+:func:`private_sockets` holds the umask at 077 while they are created, so each is created
+owner-only (``bind`` applies the umask, no window where another user can connect); hivemind's
+``shutdown`` removes both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+from pathlib import Path
+
+import psutil
+from hivemind.dht import DHTNode
+from hivemind.p2p import P2P, PeerID
+
+from p2pdiloco.errors import NetworkError
+from p2pdiloco.net.transport.framing import close_stream, short_error
+from p2pdiloco.net.records.signed import SignedRecords
+from p2pdiloco.trust.identity import Identity
+
+log = logging.getLogger(__name__)
+
+
+async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_maddrs: Sequence[str],
+                       announce_maddrs: Sequence[str], startup_timeout: float,
+                       options: Mapping[str, Any] | None = None) -> tuple[P2P, int | None]:
+    """Start p2pd with ``identity``'s key (a key held only in memory is written to a temporary
+    file for p2pd to read, then removed); returns the daemon's handle and its PID (None if it
+    could not be found among our children). ``options``: more keyword arguments of
+    ``P2P.create`` (reachability and relays: ``net.transport.reachability.daemon_options``). p2pd's
+    control socket is owner-only (:func:`private_sockets`); hold that block also over the first
+    ``add_binary_stream_handler``, which binds hivemind's client socket (``Swarm.start`` does).
+
+    Raises:
+        NetworkError: the daemon did not start (port in use...), its bootstrap through
+            ``initial_peers`` failed, or its socket is open to other users (:func:`check_owner_only`).
+    """
+    key_file = identity.path if identity.path is not None else identity.write_temporary()
+    known = {c.pid for c in psutil.Process().children()}
+    try:
+        with private_sockets():
+            p2p = await _create_shielded(
+                known,
+                initial_peers=list(initial_peers) or None,
+                host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) or None,
+                identity_path=str(key_file),
+                check_if_identity_free=False,  # identity_in_use instead: hivemind's check reads RSA keys only
+                startup_timeout=startup_timeout,
+                idle_timeout=365 * 24 * 3600,  # quiet inner phases must not kill the daemon
+                **(options or {}),
+            )
+    except Exception as e:
+        if initial_peers and "bootstrap" in str(e):
+            raise NetworkError(_no_peers_message(initial_peers)) from None
+        raise NetworkError(f"the libp2p daemon did not start: {short_error(e)}") from None
+    finally:
+        if identity.path is None:  # p2pd has read the temporary key file
+            shutil.rmtree(Path(key_file).parent, ignore_errors=True)
+    try:
+        check_owner_only(p2p)
+    except BaseException:
+        await p2p.shutdown()
+        raise
+    daemon = _new_daemons(known)
+    return p2p, daemon[0] if daemon else None
+
+
+OWNER_ONLY = 0o077  # umask while the sockets are created: no permission for group and others
+
+
+@contextlib.contextmanager
+def private_sockets() -> Iterator[None]:
+    """Hold the process umask at (its value | 077) for the block: p2pd, forked meanwhile,
+    inherits it and creates its control socket owner-only (srwx------), and so does hivemind's
+    client socket, bound when the first stream handler is added (``P2P.add_binary_stream_handler``
+    starts its listener): connect(2) to a unix socket needs write permission on it (unix(7)),
+    so no other local user can open either. The umask is per process: nested and concurrent
+    blocks (several swarms in one process) share one hold, restored when the last one ends;
+    files this process creates meanwhile get no group or other permission either, never more."""
+    global _umask_holds, _umask_saved
+    with _umask_lock:
+        if _umask_holds == 0:
+            _umask_saved = os.umask(OWNER_ONLY)
+            os.umask(_umask_saved | OWNER_ONLY)
+        _umask_holds += 1
+    try:
+        yield
+    finally:
+        with _umask_lock:
+            _umask_holds -= 1
+            if _umask_holds == 0:
+                os.umask(_umask_saved)
+
+
+_umask_lock = threading.Lock()
+_umask_holds, _umask_saved = 0, 0o022  # blocks inside private_sockets; the umask they replaced
+
+
+def check_owner_only(p2p: P2P) -> None:
+    """Check that ``p2p``'s control socket (``P2P.daemon_listen_maddr``) gives group and others
+    no permission.
+
+    Raises:
+        NetworkError: it does (p2pd was not started inside :func:`private_sockets`)."""
+    path = str(p2p.daemon_listen_maddr).removeprefix("/unix")
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & OWNER_ONLY:
+        raise NetworkError(f"the libp2p daemon's socket {path} is open to other local users (mode {mode:o})")
+
+
+async def _create_shielded(known: set[int], **kwargs) -> P2P:
+    """``P2P.create(**kwargs)`` with p2pd started in a process group of its own, so that a
+    signal to the node's whole process group (Ctrl+C in a terminal, ``kill -- -PGID``,
+    coreutils ``timeout``, which signals its child and then its group) reaches only the node:
+    it finishes or abandons its round, tells the swarm it is done and ends p2pd itself,
+    instead of losing its daemon at once with the round in flight.
+
+    Why a process group (measured with hivemind 1.1.12, uvloop 0.23, p2pd built with Go
+    1.20): hivemind gives no hook to start p2pd differently (``P2P.create`` spawns it with
+    ``asyncio.create_subprocess_exec``), and signal dispositions cannot shield it. p2pd's
+    ``trapSignals`` (go-libp2p-daemon ``daemon.go``, started by ``NewDaemon``) calls
+    ``signal.Notify`` for SIGINT and SIGTERM and exits on either; ``Notify`` replaces an
+    inherited SIG_IGN (Go ``os/signal`` docs), uvloop's libuv resets every disposition to
+    SIG_DFL in the child before exec anyway (a child's ``SigIgn`` in /proc is 0), and a
+    blocked SIGTERM is unblocked by the Go runtime on every thread (``blockableSig`` in
+    runtime/signal_unix.go: signals marked ``_SigKill`` are never blocked in a Go program;
+    measured: SigBlk 0, killed by SIGTERM). p2pd's ``main`` ignores SIGINT itself
+    (``signal.Ignore(os.Interrupt)`` in p2pd/main.go), but only after it bootstrapped and
+    racing with ``trapSignals``; SIGTERM it always obeys.
+
+    A process group is inherited through fork and exec, so the node moves into another
+    group while p2pd is forked, and back as soon as p2pd's process appears (polled every
+    5 ms): a signal to the node's group within that moment is lost. See
+    :func:`_spawn_group` for who can move. p2pd still exits when its owner's control
+    connection closes, so it never outlives the node, even on SIGKILL. Off the main thread
+    (other threads may write to a terminal while we are out of its foreground group) this is
+    plain ``P2P.create``."""
+    if threading.current_thread() is not threading.main_thread():
+        return await P2P.create(**kwargs)
+    with _spawn_group():
+        task = asyncio.ensure_future(P2P.create(**kwargs))
+        try:
+            while not task.done() and not _new_daemons(known):
+                await asyncio.sleep(0.005)
+        except BaseException:  # cancelled while the daemon starts: it must not start on its own
+            task.cancel()
+            _kill(_new_daemons(known))
+            raise
+    try:
+        return await task
+    except BaseException:  # failed or cancelled (Ctrl+C) before hivemind's control connection
+        # exists: p2pd would not notice its owner's exit, and in a group of its own no signal
+        # to ours reaches it
+        task.cancel()
+        _kill(_new_daemons(known))
+        raise
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+
+
+@contextlib.contextmanager
+def _spawn_group() -> Iterator[bool]:
+    """Move this process into another process group for the duration of the block (children
+    forked meanwhile stay there), then back into its own; yields whether it moved.
+
+    setpgid(2) rules (Linux man page): a session leader cannot change its group; a process can
+    make a new group led by itself, or join a group of its own session. So: a process in
+    someone else's group (under ``timeout``, a shell script, a pipeline it does not lead)
+    makes a group of its own and then rejoins the old one; a group leader (a shell's job,
+    ``setpgid``/``process_group=0``) joins the group of a helper it starts for the purpose
+    and then makes its own group again, with the same ID (its PID), which is still the
+    terminal's foreground group if it was. A session leader (``setsid``, systemd's main
+    process) stays: its p2pd shares its group; send SIGTERM to its PID only (systemd:
+    ``KillMode=mixed``). SIGTTOU is ignored meanwhile: outside the terminal's foreground
+    group, a write to it would otherwise stop the process when ``stty tostop`` is set."""
+    global _moving
+    pid, home = os.getpid(), os.getpgrp()
+    if os.getsid(0) == pid or _moving:  # (two daemons starting at once: the first one moves)
+        yield False
+        return
+    _moving, moved, helper = True, False, None
+    ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        try:
+            if home == pid:
+                helper = subprocess.Popen([sys.executable, "-I", "-S", "-c", "import time; time.sleep(60)"],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, process_group=0)
+                os.setpgid(0, helper.pid)  # its group lives on while we (then p2pd) are in it
+            else:
+                os.setpgid(0, 0)
+            moved = True
+        except OSError as e:
+            log.debug("p2pd shares the node's process group: %s", e)
+        yield moved
+    finally:
+        if moved:
+            try:
+                os.setpgid(0, home)
+            except OSError as e:  # every other member of our old group has gone
+                log.warning("could not return to process group %d: %s", home, e)
+        if helper is not None:  # reaped only now: until then its group exists, even if it died
+            helper.kill()
+            helper.wait()
+        signal.signal(signal.SIGTTOU, ttou)
+        _moving = False
+
+
+_moving = False  # whether _spawn_group has moved this process (it does not nest)
+
+
+def _new_daemons(known: set[int]) -> list[int]:
+    """PIDs of our p2pd children that are not in ``known``."""
+    out = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.pid not in known and child.name() == "p2pd":
+                out.append(child.pid)
+    return out
+
+
+async def start_dht(p2p: P2P, initial_peers: Sequence[str], bootstrap_timeout: float,
+                    records: SignedRecords, strict: bool = True) -> DHTNode:
+    """Start the DHT node on ``p2p``, joining through ``initial_peers``, every record checked by
+    ``records``. The daemon is shut down if this fails. ``strict``: hivemind's bootstrap
+    validation (the initial peer dials us back, and its clock is within 3 s of ours); False
+    when ``p2pdiloco.net.transport.clock`` measured an initial peer's clock more than 2 s off ours, so
+    that a skew it corrects for does not fail the join (hivemind then only logs both checks).
+
+    Raises:
+        NetworkError: none of the initial peers answered within ``bootstrap_timeout`` seconds,
+            or the node did not start.
+    """
+    try:
+        dht = await DHTNode.create(
+            p2p=p2p,
+            initial_peers=list(initial_peers) or None,
+            bootstrap_timeout=bootstrap_timeout,
+            wait_timeout=3,
+            record_validator=records,
+            strict=strict,
+            cache_refresh_before_expiry=0,  # no hidden re-reads: the node reads the DHT when it needs to
+            # lookups are validated per entry by SignedRecords.lookup (docs/trust.md, "Signed records"),
+            # which lets hivemind merge unchecked entries: its merged answer must neither be cached
+            # (and served to others) nor handed to a concurrent lookup of the same key
+            cache_locally=False,
+            cache_nearest=0,
+            reuse_get_requests=False,
+        )
+    except Exception as e:
+        await p2p.shutdown()
+        if initial_peers:
+            raise NetworkError(_no_peers_message(initial_peers)) from None
+        raise NetworkError(f"the DHT did not start: {short_error(e)}") from None
+    return dht
+
+
+async def rejoin_dht(dht: DHTNode, initial_peers: Sequence[str]) -> int:
+    """Ping the peers of ``initial_peers`` (multiaddrs with /p2p/) from ``dht`` with hivemind's
+    ``DHTProtocol.call_ping``, as ``DHTNode.create`` does to join: p2pd dials each again from
+    its peerstore, and each that answers is back in the routing table. For a node that lost
+    every connection (a router that reset them, a link down a while): in tests/internet neither
+    the DHT nor p2pd reconnected within 5 minutes. Returns how many answered; never raises."""
+    peers = {m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m}
+    try:
+        answers = await asyncio.gather(*(dht.protocol.call_ping(PeerID.from_base58(p)) for p in peers),
+                                       return_exceptions=True)
+    except Exception as e:  # a malformed peer ID: the node's own settings, checked at start
+        log.debug("rejoining the DHT: %s", e)
+        return 0
+    return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
+
+
+async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: float = 8.0) -> bool:
+    """Whether a running peer reachable through ``initial_peers`` already has ``peer_id``.
+
+    Starts a throwaway daemon with a random identity and asks libp2p's routing for the peer:
+    a connection that fails only at protocol negotiation means the peer is up ("routing:
+    not found" or a dial failure means it is not; see :func:`probe_verdict`). While the
+    throwaway daemon has no peer in its routing table yet, the answer says nothing, so it asks
+    again until ``timeout`` seconds. The throwaway daemon is always shut down. Any failure of
+    the check itself counts as "not in use" (logged).
+    """
+    probe = None
+    try:
+        with private_sockets():
+            probe = await P2P.create(initial_peers=list(initial_peers), dht_mode="client", startup_timeout=15,
+                                     check_if_identity_free=False)
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        _, _, writer = await probe.call_binary_stream_handler(PeerID.from_base58(peer_id),
+                                                                              "p2pdiloco.identity-probe")
+                        close_stream(writer)
+                        return True  # nobody serves this name, but an answer means someone is there
+                    except Exception as e:
+                        verdict = probe_verdict(str(e))
+                        if verdict is not None:
+                            return verdict
+                    await asyncio.sleep(0.2)
+        except TimeoutError:
+            log.info("could not check whether identity %s is in use: no answer within %g s", peer_id[-8:], timeout)
+            return False
+    except Exception as e:
+        log.info("could not check whether identity %s is in use: %s", peer_id[-8:], short_error(e))
+        return False
+    finally:
+        if probe is not None:
+            try:
+                await asyncio.wait_for(probe.shutdown(), 10)
+            except Exception as e:
+                log.debug("probe shutdown: %s", e)
+
+
+def probe_verdict(error: str) -> bool | None:
+    """What a failed dial of the identity probe says: True (the peer is up: only the protocol
+    was refused), False (it is not: "routing: not found", or every dial failed), None (nothing
+    yet: the probe's routing table is still empty, seen when the check ran right after the
+    probe daemon started on a loaded machine)."""
+    text = error.lower()
+    if "protocol" in text and "not supported" in text:
+        return True
+    if "failed to find any peer in table" in text:
+        return None
+    return False
+
+
+def _no_peers_message(initial_peers: Sequence[str]) -> str:
+    return (f"none of the initial peers answered ({', '.join(initial_peers)}); check the addresses, "
+            "or start a new swarm with `p2pdiloco bootstrap` and join its printed multiaddr")
+

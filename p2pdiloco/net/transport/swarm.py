@@ -1,0 +1,543 @@
+"""The swarm transport: one libp2p daemon (p2pd) and one in-process DHT node per peer.
+
+This package (``p2pdiloco.net``) is the only place that imports hivemind. Everything here
+wraps hivemind's public API (``hivemind.p2p.P2P``, ``hivemind.dht.DHTNode``) and translates
+its errors into :mod:`p2pdiloco.errors`.
+
+Lifecycle: :mod:`p2pdiloco.net.transport.daemon` starts p2pd and an in-process ``DHTNode`` (p2pd is the
+only child and exits with its owner, SIGKILL included); :meth:`Swarm.rejoin` dials the initial
+peers again after every connection was lost; :meth:`Swarm.shutdown` stops both.
+
+RPCs (:meth:`Swarm.call`, :meth:`Swarm.add_handler`) run on hivemind's raw libp2p streams
+(``P2P.call_binary_stream_handler`` / ``P2P.add_binary_stream_handler``): small calls to a peer
+on one long-lived stream, our session to it (:mod:`p2pdiloco.net.transport.sessions`), bigger ones on a
+stream each; every message framed as :mod:`p2pdiloco.net.transport.framing` says (length-prefixed
+msgpack header with the payload length ``_n``, then the payload). Reserved header keys: ``_n``,
+``_cert`` (membership certificate, bin, in a private swarm), in sessions ``_id`` and ``_rpc``; a
+reply with ``error`` (str) is a refusal, with ``denied`` (str) a membership refusal. The server
+half, with its limits and deadlines, is :mod:`p2pdiloco.net.transport.serving`. A caller reads the reply
+while it still writes (a refusal arrives before the request is fully sent) and checks the
+reply's ``_n`` against its ``max_reply``. Every call has a deadline.
+
+Time (:mod:`p2pdiloco.net.transport.clock`): a node more than ``clock.TOLERANCE_S`` seconds off its
+initial peers' clocks is refused; a smaller offset is corrected (:attr:`Swarm.clock`, the
+swarm's time; record expiries get ``clock.TOLERANCE_S`` of slack for readers ahead).
+
+Trust (docs/trust.md): the daemon runs with the node's Ed25519 identity (``trust.identity``),
+so the peer ID libp2p authenticates on every connection is the key that signs. Every DHT record is wrapped in a signed envelope (:class:`SignedRecords`,
+a hivemind ``RecordValidatorBase``) and a record whose subkey is a peer ID can be written only
+by that peer. In a private swarm every request and reply carries the sender's membership
+certificate in the header field ``_cert``, and records carry it in their envelope;
+non-members are refused with :class:`~p2pdiloco.trust.errors.AccessDenied`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+from hivemind.dht import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+
+from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
+from p2pdiloco.net.transport.framing import (  # noqa: F401  (frame, read_header, read_payload: re-exported)
+    Header,
+    close_stream,
+    frame,
+    read_header,
+    read_payload,
+    write_message,
+)
+from p2pdiloco.net.transport import clock as swarm_clock
+from p2pdiloco.net.transport import sessions
+from p2pdiloco.net.transport.daemon import identity_in_use, private_sockets, rejoin_dht, start_daemon, start_dht
+from p2pdiloco.net.transport.drops import DropLedger, TrafficStats, record_kind
+from p2pdiloco.net.transport.framing import short_error as _short
+from p2pdiloco.net.transport.reachability import RPC as DIALBACK
+from p2pdiloco.net.transport.reachability import DialbackServer, Reachability, ReachabilityMode, daemon_options
+from p2pdiloco.net.transport.serving import Handler, Server
+from p2pdiloco.net.records.signed import SignedRecords
+from p2pdiloco.trust.certificates import Membership
+from p2pdiloco.trust.errors import AccessDenied, IdentityError
+from p2pdiloco.trust.identity import Identity, is_peer_id
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_REPLY = sessions.MAX_MESSAGE  # bytes: reply payload a call accepts unless told otherwise (64 KiB: in a session)
+NARROW_BEAM = 5  # DHT peers a search keeps (hivemind's num_replicas: those that hold a value), instead of the
+# bucket size, 20, which at 16 nodes visits all of them, each answer carrying every record under the key
+
+class Swarm:
+    """A peer's transport: daemon, DHT and framed RPCs. Create with :meth:`start`.
+
+    Attributes:
+        peer_id: this peer's libp2p peer ID (base58 string), the identity's public key.
+        identity: the Ed25519 key pair behind ``peer_id``; signs records and contributions.
+        membership: who may talk to us (public swarm, or a private swarm's members).
+        bans: peer ID -> reason, peers excluded for the rest of the run (a contribution
+            of theirs failed verification); consulted by matchmaking and the all-reduce.
+        refused: requests refused because the caller is not a member, by reason.
+        drops: the :class:`~p2pdiloco.net.transport.drops.DropLedger` of inbound messages not served;
+            ``dropped`` (by peer), ``drop_reasons`` and ``blocked`` are its counters. Reasons
+            here: ``busy``, ``header_timeout``, ``bad_header``, ``bad_cert``, ``too_large``,
+            ``payload_timeout``, ``truncated``, ``closed``, ``reply_timeout``, ``reply_broken``;
+            for our calls ``bad_reply``, ``reply_too_large``; ``blocked`` for streams of
+            blocked or banned peers closed unread; other modules add the records they drop.
+        stats: traffic counters (RPC payload bytes, both directions).
+    """
+
+    def __init__(self, p2p: P2P, dht: DHTNode, daemon_pid: int | None, identity: Identity,
+                 membership: Membership, records: SignedRecords, clock: swarm_clock.SwarmClock | None = None):
+        self._p2p, self._dht = p2p, dht
+        self.clock = clock if clock is not None else swarm_clock.SwarmClock()
+        self._clock_task: asyncio.Task | None = None
+        self.peer_id: str = p2p.peer_id.to_base58()
+        self.daemon_pid = daemon_pid
+        self.identity, self.membership, self.records = identity, membership, records
+        self.bans: dict[str, str] = {}
+        self.refused: Counter[str] = Counter()
+        self.drops = DropLedger(self.peer_id)
+        # the ledger's own counters, under the names status and the other modules read
+        self.dropped, self.drop_reasons, self.blocked = self.drops.dropped, self.drops.reasons, self.drops.blocked
+        self.server = Server(self, p2p)
+        self._sessions: dict[str, sessions.Session] = {}  # our session to each peer (one at a time)
+        self._opening: dict[str, asyncio.Task] = {}  # peer -> the opening of our session to it ...
+        self._waiting: Counter[str] = Counter()  # ... and how many calls wait for it
+        self._closing = False  # shutdown() began: no session opens
+        self.admitted = False  # a member of the swarm accepted us (check_admission)
+        self.stats = TrafficStats()
+        self.reach = Reachability()  # how peers can dial us (start() sets its mode and checks)
+        self.started_at, self.initial_peers = time.time(), []  # start() sets the peers it joined through
+
+    def ban(self, peer: str, reason: str) -> None:
+        """Exclude ``peer`` for the rest of the run (logged once)."""
+        if peer != self.peer_id and peer not in self.bans:
+            self.bans[peer] = reason
+            log.warning("excluding peer %s for the rest of the run: %s", peer[-8:], reason)
+
+    @classmethod
+    async def start(
+        cls,
+        *,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        announce_maddrs: Sequence[str] = (),
+        identity_path: str | None = None,
+        identity: Identity | None = None,
+        membership: Membership | None = None,
+        admission_key: str | None = None,
+        bootstrap_timeout: float = 10.0,
+        startup_timeout: float = 20.0,
+        reachability: ReachabilityMode | None = None,
+        relay: bool = True,
+        record_swarm: bytes | None = None,
+    ) -> Swarm:
+        """Start p2pd and join the DHT through ``initial_peers`` (multiaddr strings).
+
+        Args:
+            identity: the node's key pair; else loaded from (or created at) ``identity_path``;
+                else a new key held in memory (a new peer ID every start).
+            membership: the private swarm this node belongs to; default: public swarm.
+            admission_key: a DHT key of records under peer IDs (``{run}/heads``): when given,
+                :meth:`check_admission` runs before returning.
+            reachability, relay: ``p2pdiloco.net.transport.reachability`` (None: p2pd decides, no
+                dial-back check; ``auto``: :attr:`reach` holds the check's verdict).
+            record_swarm: for a node of a public ``membership`` (a bootstrap peer): the raw
+                32-byte public key of a private swarm whose members alone may store DHT
+                records here (their certificates are checked as a member checks them; the
+                node's RPCs stay open to everybody, as it holds no certificate of its own).
+
+        Raises:
+            IdentityError: the identity file is unusable, or a running peer of the swarm
+                already uses this identity (checked through ``initial_peers`` before the
+                daemon starts, for an identity loaded from an existing file).
+            ClockSkewError: this machine's clock is more than ``clock.TOLERANCE_S`` seconds
+                off the initial peers' (the median of their offsets); the daemon is shut down.
+            NetworkError: the daemon did not start (port in use...) or none of the initial
+                peers answered within ``bootstrap_timeout`` seconds.
+            AccessDenied: ``admission_key`` given and the swarm refuses this node; the daemon
+                is shut down.
+        """
+        if identity is None:
+            identity = Identity.load_or_create(identity_path)[0] if identity_path else Identity.generate()
+        membership = membership if membership is not None else Membership()
+        if identity.path is not None and not identity.created and initial_peers:
+            if await identity_in_use(identity.peer_id, initial_peers):
+                raise IdentityError(
+                    f"identity {identity.path} (peer ID {identity.peer_id}) is already used by a running node of "
+                    "this swarm; a second node with the same identity would steal its connections. Stop the "
+                    "other node, or give this one its own --data-dir (or trust.identity) to get a new identity")
+        with private_sockets():  # p2pd's socket, and hivemind's, bound by the first handler: owner-only
+            p2p, daemon_pid = await start_daemon(identity, initial_peers, host_maddrs, announce_maddrs,
+                                                 startup_timeout, daemon_options(reachability, relay, initial_peers))
+            clock = swarm_clock.SwarmClock()
+            try:
+                strict = await swarm_clock.check_initial(clock, p2p, initial_peers)
+            except BaseException:
+                await p2p.shutdown()
+                raise
+            if record_swarm is not None and membership.private and record_swarm != membership.swarm:
+                await p2p.shutdown()
+                raise ValueError("record_swarm names another swarm than membership")
+            records = SignedRecords(identity, Membership(record_swarm) if record_swarm is not None else membership)
+            dht = await start_dht(p2p, initial_peers, bootstrap_timeout, records, strict=strict)
+            swarm = cls(p2p, dht, daemon_pid, identity, membership, records, clock)
+            if swarm.peer_id != identity.peer_id:  # p2pd must run with exactly our key
+                await swarm.shutdown()
+                raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
+            swarm._clock_task = asyncio.create_task(swarm_clock.watch(swarm.clock, p2p))
+            await swarm.server.start()
+            await swarm.add_handler("trust.hello", swarm._on_hello)
+            await swarm.add_handler(DIALBACK, DialbackServer(swarm))
+        swarm.reach, swarm.initial_peers = Reachability(reachability or "auto", relay), list(initial_peers)
+        log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
+        try:  # on any failure, also cancellation (Ctrl+C), the daemon must not outlive us
+            if admission_key is not None:
+                await swarm.check_admission(admission_key)
+            if reachability == "auto":
+                await swarm.reach.check(swarm, initial_peers)
+        except BaseException:
+            await swarm.shutdown()
+            raise
+        return swarm
+
+    async def rejoin(self) -> int:
+        """Dial the initial peers again, back into the DHT (``daemon.rejoin_dht``); how many answered."""
+        return await rejoin_dht(self._dht, self.initial_peers)
+
+    async def measure_clock(self) -> int:
+        """Measure the clock offset to up to ``clock.MAX_PEERS`` random connected peers now and
+        update :attr:`clock` (the median counts this node too: ``p2pdiloco.net.transport.clock``);
+        returns how many answered."""
+        return await swarm_clock.measure_connected(self.clock, self._p2p)
+
+    async def _on_hello(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
+        return {"swarm": self.membership.name}, b""
+
+    async def check_admission(self, key: str, tries: int = 3) -> None:
+        """Ask up to ``tries`` owners of records under ``key`` (random order) whether they
+        accept this node (``trust.hello``). Returns at the first acceptance, when nobody
+        published a record or answered, or at once when an earlier check passed.
+
+        Raises:
+            AccessDenied: every peer that answered refused us (for instance: this node has no
+                valid certificate of the private swarm those peers belong to).
+        """
+        if self.admitted:
+            return
+        try:
+            peers = [p for p in await self.get(key) if is_peer_id(p) and p != self.peer_id]
+        except NetworkError:
+            return
+        random.shuffle(peers)
+        refusal: AccessDenied | None = None
+        for peer in peers[:tries]:
+            try:
+                await self.hello(peer)
+                self.admitted = True
+                return
+            except AccessDenied as e:
+                refusal = e
+            except NetworkError as e:
+                log.debug("hello to %s: %s", peer[-8:], e)
+        if refusal is not None:
+            raise AccessDenied(f"the swarm refused this node ({self.peer_id}): {refusal}", refusal.reason)
+
+    async def hello(self, peer: str, timeout: float = 5.0) -> str:
+        """Ask ``peer`` whether it accepts us; returns its swarm's name. Raises AccessDenied
+        (``peer`` refused us: not a member of its private swarm) or NetworkError (no answer)."""
+        reply, _ = await self.call(peer, "trust.hello", {}, timeout=timeout)
+        return str(reply.get("swarm", "?"))
+
+    async def visible_maddrs(self, latest: bool = False) -> list[str]:
+        """Multiaddrs (with /p2p/ID) that peers can dial (``latest``: ask p2pd again)."""
+        return [str(m) for m in await self._p2p.get_visible_maddrs(latest=latest)]
+
+    async def connections(self) -> dict[str, list[str]]:
+        """Peer ID -> remote multiaddrs of the daemon's open connections to it."""
+        out: dict[str, list[str]] = {}
+        for info in await self._p2p.list_peers():  # one entry per connection
+            out.setdefault(info.peer_id.to_base58(), []).extend(str(a) for a in info.addrs)
+        return out
+
+    # ---- DHT ----------------------------------------------------------------------------
+    async def store(self, key: str, subkey: str, value: Any, ttl: float, *, beam: int | None = None) -> bool:
+        """Store ``value`` (msgpack-able) under ``key``/``subkey`` for ``ttl`` seconds of the
+        swarm's time (:attr:`clock`), plus ``clock.TOLERANCE_S`` seconds of slack: every node
+        drops a record by its own clock, and one whose clock is up to that far ahead must still
+        see it. Readers that need a record's age read its ``t`` field (swarm time), not the
+        DHT's expiry. ``beam``: the search for the peers nearest the key keeps this many
+        candidates (hivemind's ``beam_size``; None: its bucket size, 20; ``NARROW_BEAM``)."""
+        expiration = self.clock.now() + ttl + swarm_clock.TOLERANCE_S
+        self.stats.dht[f"store:{record_kind(key)}"] += 1
+        narrow = {} if beam is None else {"beam_size": beam}
+        try:
+            return bool(await self._dht.store(key, value, expiration, subkey=subkey, **narrow))
+        except Exception as e:
+            raise NetworkError(f"DHT store of {key!r} failed: {_short(e)}") from None
+
+    async def get(self, key: str, *, beam: int | None = None) -> dict[str, Any]:
+        """Latest non-expired values under ``key`` as {subkey: value}, merged from this node's
+        own share of the DHT and every peer the search visits; {} when none. ``beam`` as in
+        :meth:`store`.
+
+        Every entry is validated on its own (:meth:`SignedRecords.lookup`): a bad entry in a
+        peer's answer is dropped and counted (``records.read_dropped``), the rest of that
+        answer kept; of the valid entries under one subkey the one that expires last wins."""
+        self.stats.dht[f"get:{record_kind(key)}"] += 1
+        narrow = {} if beam is None else {"beam_size": beam}
+        key_id = DHTID.generate(source=key)
+        with self.records.lookup(key_id.to_bytes(), get_dht_time()) as entries:
+            for record in self._held_records(key_id):  # hivemind adds these unchecked: checked here
+                entries.offer(record)
+            try:
+                await self._dht.get(key, latest=True, **narrow)  # its merged answer is ignored (lookup())
+            except Exception as e:
+                raise NetworkError(f"DHT get of {key!r} failed: {_short(e)}") from None
+        return {str(sub): value for sub, value in entries.values().items()}
+
+    def _held_records(self, key_id: DHTID) -> list[DHTRecord]:
+        """The entries of ``key_id`` this node stores for the DHT, as stored (signed envelopes);
+        read through hivemind's public ``DHTNode.protocol.storage`` ([] for a DHT without one: the
+        in-memory network's ``MemoryDHT`` answers its own replica through ``get``)."""
+        protocol = getattr(self._dht, "protocol", None)
+        if protocol is None:
+            return []
+        found = protocol.storage.get(key_id)
+        if found is None or not hasattr(found.value, "items"):  # none, or a plain value (we store none)
+            return []
+        return [DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(sub), item.value, item.expiration_time)
+                for sub, item in found.value.items()]
+
+    def held(self, key: str) -> dict[str, bytes]:
+        """What this node itself stores for the DHT under ``key``: {subkey: signed envelope},
+        unchecked (what it would answer a lookup with); for tests and diagnostics."""
+        return {str(MSGPackSerializer.loads(r.subkey)): r.value for r in self._held_records(DHTID.generate(source=key))}
+
+    # ---- RPC ----------------------------------------------------------------------------
+    def drop(self, peer: str, reason: str) -> None:
+        """Count an inbound message from ``peer`` that was not served (malformed, oversized,
+        over a limit, too slow), and block the peer past its budget (:class:`DropLedger`)."""
+        self.drops.drop(peer, reason)
+
+    def blocking(self) -> dict[str, float]:
+        """Peers whose streams are closed unread now, {peer ID: seconds left}."""
+        return self.drops.blocking()
+
+    def sessions(self) -> list[str]:
+        """Peers we hold an open session to (:mod:`p2pdiloco.net.transport.sessions`)."""
+        return [peer for peer, session in self._sessions.items() if not session.closed]
+
+    def open_streams(self, peer: str | None = None) -> int:
+        """Inbound requests being served now: from ``peer``, or from everybody."""
+        return self.server.open_streams(peer)
+
+    async def add_handler(self, name: str, handler: Handler, *, max_payload: int = 0) -> None:
+        """Serve RPC ``name``: ``handler(peer_id, header, payload) -> (header, payload)``, on
+        streams of its own and in sessions (:meth:`serving.Server.add_handler` has the rules).
+
+        Args:
+            max_payload: largest request payload accepted (bytes); a request declaring more is
+                refused before any of its payload is read.
+
+        Raises:
+            ValueError: ``max_payload`` < 0.
+        """
+        await self.server.add_handler(name, handler, max_payload=max_payload)
+
+    async def _session(self, peer: str) -> sessions.Session | None:
+        """Our session to ``peer``: the open one, or a new one (concurrent callers share its
+        opening); None while ``sessions.MAX_SESSIONS`` of ours are open (a stream of its own)."""
+        session = self._sessions.get(peer)
+        if session is not None and not session.stale():
+            return session
+        opening = self._opening.get(peer)
+        if opening is None:
+            if self._closing:
+                raise PeerUnreachable("the transport is shutting down")
+            if session is not None:
+                session.close()  # unused for IDLE_S: the server may be closing it
+            if len(self._sessions) >= sessions.MAX_SESSIONS:
+                return None
+            opening = self._opening[peer] = asyncio.create_task(self._open_session(peer))
+            opening.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
+        self._waiting[peer] += 1
+        try:
+            return await asyncio.shield(opening)  # one caller giving up does not cancel the others' opening
+        except asyncio.CancelledError:
+            if opening.cancelled() and not asyncio.current_task().cancelling():  # shutdown, not us
+                raise PeerUnreachable(f"session to {peer[-8:]} not opened: shutting down") from None
+            raise
+        finally:
+            self._waiting[peer] -= 1
+            if self._waiting[peer] <= 0:  # nobody waits for it any more (a dial into a black hole)
+                del self._waiting[peer]
+                if not opening.done():
+                    opening.cancel()
+                    if self._opening.get(peer) is opening:
+                        del self._opening[peer]
+
+    async def _open_session(self, peer: str) -> sessions.Session:
+        try:
+            async with asyncio.timeout(sessions.OPEN_TIMEOUT_S):
+                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), sessions.RPC)
+        except Exception as e:
+            raise PeerUnreachable(f"session to {peer[-8:]} not opened: {_short(e)}") from None
+        finally:
+            if self._opening.get(peer) is asyncio.current_task():
+                del self._opening[peer]
+        if self._closing:
+            close_stream(writer)
+            raise PeerUnreachable("the transport is shutting down")
+        self.stats.sessions += 1
+        session = self._sessions[peer] = sessions.Session(peer, reader, writer, self.drop, self._session_closed,
+                                                          self.stats)
+        return session
+
+    def _session_closed(self, session: sessions.Session) -> None:
+        if self._sessions.get(session.peer) is session:
+            del self._sessions[session.peer]
+
+    async def call(
+        self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float,
+        max_reply: int = DEFAULT_MAX_REPLY, first_reply: float | None = None,
+    ) -> tuple[Header, bytes]:
+        """Call RPC ``name`` on ``peer_id`` and return its (header, payload).
+
+        A call whose ``payload`` and ``max_reply`` are both at most ``sessions.MAX_MESSAGE``
+        bytes takes our session to the peer (:mod:`p2pdiloco.net.transport.sessions`); any other a stream
+        of its own, on which the request is written while the reply is awaited (a refusal
+        arrives before a large request is fully sent), closed in every case.
+
+        Args:
+            timeout: seconds for the whole call (connect, request, reply).
+            max_reply: largest reply payload accepted (bytes); a reply declaring more is
+                refused before its payload is read (counted by :meth:`drop`).
+            first_reply: seconds (within ``timeout``) from the stream's opening (dialing and
+                protocol negotiation count against ``timeout`` only), or from the request's
+                writing on a session, to the reply's header; None: no separate limit. A handler
+                that answers from memory answers its header about one round trip after the
+                request, so a staller is caught well before a large payload's deadline.
+
+        Raises:
+            PeerSilent: no reply header within ``first_reply`` seconds (a PeerTimeout).
+            PeerTimeout: no full answer within ``timeout`` seconds (a PeerUnreachable).
+            PeerUnreachable: the stream could not be opened or broke.
+            AccessDenied: the peer refused us (not a member of its private swarm), or its
+                answer is dropped (it is not a member of ours).
+            ProtocolError: the peer answered with an error (``busy``, too large...), or a
+                malformed reply, or one over ``max_reply``.
+        """
+        self.stats.calls_out += 1
+        self.stats.calls_by[name] += 1
+        if self.membership.private:
+            header = dict(header, _cert=self.membership.own_certificate)
+        try:
+            self.stats.header_bytes[name] += len(frame(header, len(payload)))
+        except (ProtocolError, TypeError, ValueError) as e:
+            self.stats.calls_failed += 1
+            raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
+        try:
+            async with asyncio.timeout(timeout):
+                small = len(payload) <= sessions.MAX_MESSAGE and max_reply <= sessions.MAX_MESSAGE
+                if small and (session := await self._session(peer_id)) is not None:
+                    reply, body, received = await session.call(name, header, payload, max_reply=max_reply,
+                                                               first_reply=first_reply)
+                else:
+                    reply, body, received = await self._stream_call(peer_id, name, header, payload, max_reply,
+                                                                    first_reply)
+        except (ProtocolError, PeerUnreachable):
+            self.stats.calls_failed += 1
+            raise
+        except TimeoutError:
+            self.stats.calls_failed += 1
+            raise PeerTimeout(f"{name} to {peer_id[-8:]} failed: timeout after {timeout:g} s") from None
+        except Exception as e:
+            self.stats.calls_failed += 1
+            raise PeerUnreachable(f"{name} to {peer_id[-8:]} failed: {_short(e)}") from None
+        n = len(body)
+        self.stats.add(peer_id, n_in=n, seconds=received)
+        self.stats.header_bytes[name] += len(frame(reply, n))  # as received (re-encoded: same size)
+        if "error" in reply:
+            if "denied" in reply:
+                raise AccessDenied(f"{peer_id[-8:]} refused {name}: {reply['error']}", str(reply["denied"]))
+            raise ProtocolError(f"{peer_id[-8:]} refused {name}: {reply['error']}")
+        cert = reply.pop("_cert", None)
+        try:
+            if cert is not None and not isinstance(cert, bytes):
+                raise AccessDenied("its _cert is not bytes", "malformed")
+            self.membership.check(peer_id, cert)
+        except AccessDenied as e:
+            self.refused[e.reason] += 1
+            raise AccessDenied(f"answer of {peer_id[-8:]} to {name} dropped: {e}", e.reason) from None
+        return reply, body
+
+    async def _stream_call(self, peer_id: str, name: str, header: Header, payload: bytes, max_reply: int,
+                           first_reply: float | None) -> tuple[Header, bytes, float]:
+        """A call on a stream of its own: (reply header, reply payload, seconds the payload took)."""
+        writer: asyncio.StreamWriter | None = None
+        sending: asyncio.Task | None = None
+        try:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+            sending = asyncio.create_task(write_message(writer, header, payload))
+            try:
+                async with asyncio.timeout(first_reply):
+                    reply, n = await read_header(reader)
+            except TimeoutError:
+                raise PeerSilent(f"{name} to {peer_id[-8:]} failed: no answer within {first_reply:.3g} s") from None
+            except ProtocolError as e:
+                self.drop(peer_id, "bad_reply")
+                raise ProtocolError(f"{peer_id[-8:]} answered {name} with a malformed reply: {e}") from None
+            if n > max_reply:
+                self.drop(peer_id, "reply_too_large")
+                raise ReplyTooLarge(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of {max_reply}")
+            # a short duration, not a deadline: perf_counter (the loop's clock has 1 ms steps on uvloop)
+            t0, body = time.perf_counter(), await read_payload(reader, n)
+            return reply, body, time.perf_counter() - t0
+        finally:
+            if sending is not None:
+                sending.cancel()  # done: no-op; still writing: the reply came first (a refusal)
+                sent = await asyncio.gather(sending, return_exceptions=True)
+                if sent[0] is None:
+                    self.stats.add(peer_id, n_out=len(payload))
+            if writer is not None:
+                close_stream(writer)
+
+    def daemon_running(self) -> bool:
+        """Whether p2pd still runs (True when its PID is unknown)."""
+        with contextlib.suppress(psutil.Error):
+            return self.daemon_pid is None or psutil.Process(self.daemon_pid).status() != psutil.STATUS_ZOMBIE
+        return False
+
+    async def shutdown(self) -> None:
+        """Stop the DHT node and the daemon; waits for p2pd to exit."""
+        if self._clock_task is not None:
+            self._clock_task.cancel()
+        self._closing = True
+        for task in list(self._opening.values()):
+            task.cancel()
+        await self.server.close()
+        await asyncio.gather(*(s.wait_closed() for s in list(self._sessions.values())), *self._opening.values(),
+                             return_exceptions=True)
+        try:  # a daemon answers in milliseconds; one that is exiting too (SIGTERM to the group) never does
+            await asyncio.wait_for(self._dht.shutdown(), 1.0 if self.daemon_running() else 0.5)
+        except Exception as e:
+            log.debug("DHT shutdown: %s", e)
+        try:
+            await asyncio.wait_for(self._p2p.shutdown(), 10)
+        except Exception as e:
+            log.debug("p2p shutdown: %s", e)
+        if self.daemon_pid is not None and psutil.pid_exists(self.daemon_pid):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(self.daemon_pid).kill()
