@@ -523,6 +523,9 @@ class Node:
             except StateSyncError as e:
                 log.info("catch-up of fragment %d failed: %s", p, e)
                 return None
+            if state.version > self.committed[p].version and not initial and not await self.vetting.weigh_follow(
+                    list(self.committed), state, head.holders):  # a newer state that raises our held-out loss
+                return None
             made_by = next((r.rounds[p] for peer, r in records.items() if peer in head.holders), "")
             failed = self.committed.pop_lost(p)
             ours = bool(made_by) and failed == made_by

@@ -26,6 +26,11 @@ committed only if the model with the suspect parts has a held-out loss no higher
 outer step with those parts left out; else it is refused, and its suspect reducers distrusted
 and avoided.
 
+A node with trusted peers checks every newer state it follows the same way
+(:meth:`Vetting.weigh_follow`): one that raises its held-out loss by more than ``VET_TOLERANCE``
+is refused and its holders distrusted, so a peer that earned trust and then turns (colluders
+after honest work) cannot move it by serving reversed states between two rounds.
+
 Limits: a state that is worse than the honest swarm's but better than the joiner's own (a
 trained model slightly shrunk) passes when no honest holder is among the candidates asked; the
 joiner then trains on a lineage that no established node follows (they do not trust it), and
@@ -149,6 +154,21 @@ class Vetting:
         raise ResultRefused(f"round {round_id}: the merged parts of {names}, which point against our own Δ, raise "
                             f"the held-out loss to {with_parts:.4f} from {without_parts:.4f} without them",
                             dict.fromkeys(suspects, "misaligned_result"))
+
+    async def weigh_follow(self, states: Sequence[FragmentState], state: FragmentState, holders: Sequence[str]) -> bool:
+        """Whether to install ``state``, a newer state of one fragment downloaded from trusted
+        ``holders`` (``states``: this node's, one per fragment): True unless the held-out loss
+        with it is above the loss with ``states`` by more than ``VET_TOLERANCE``; then the state
+        is refused and its holders struck and refuted (``StateSync.refuse``). A peer that earned
+        trust and then serves a reversed or shrunk state moves nobody that checks it (the
+        Gauntlet's score, arXiv 2505.21684, applied to every follow)."""
+        before = await asyncio.to_thread(self.evaluate, states)
+        after = await asyncio.to_thread(self.evaluate, [state if st.index == state.index else st for st in states])
+        if math.isfinite(after) and after <= before * (1 + VET_TOLERANCE):
+            return True
+        self.refused += 1
+        self.sync.refuse(state, holders, f"its state raises this node's held-out loss from {before:.4f} to {after:.4f}")
+        return False
 
     async def _fetch(self, peer: str, record: HeadsRecord, states: Sequence[FragmentState]) -> list[FragmentState]:
         """The states ``peer`` claims that ``states`` should move to, downloaded from it alone

@@ -117,6 +117,25 @@ async def test_a_suspect_round_is_committed_only_if_it_does_not_raise_the_held_o
 
 
 @pytest.mark.asyncio
+async def test_a_newer_state_of_a_trusted_peer_is_followed_only_if_it_does_not_raise_the_held_out_loss() -> None:
+    """Colluders that earned trust by honest work, then serve reversed states between rounds:
+    ``Vetting.weigh_follow`` (``Node._follow``) installs a newer state that trains the model and
+    refuses one that undoes training, striking and distrusting its holder."""
+    async with _nodes(1) as (node,):
+        start, trained = list(node.committed), _trained(node)
+        for _ in range(int(TRUSTED)):
+            node.reputation.merged("turned")
+        better = FragmentState.create(0, 1, trained[0].theta, start[0].momentum, start[0].ledger)
+        worse = FragmentState.create(0, 1, [2 * s - t for s, t in zip(start[0].theta, trained[0].theta)],
+                                     start[0].momentum, start[0].ledger)
+        assert await node.vetting.weigh_follow(start, better, ("turned",))
+        assert node.reputation.trusted("turned")
+        assert not await node.vetting.weigh_follow(start, worse, ("turned",))
+        assert not node.reputation.trusted("turned") and node.reputation.standing("turned").refuted == 1
+        assert node.sync.refused_states == 1 and "turned" in node.sync.strikes.ignoring()
+
+
+@pytest.mark.asyncio
 async def test_a_joiner_vets_donors_by_its_held_out_loss_and_refuses_zeroed_and_shrunk_states() -> None:
     async with _nodes(4) as (joiner, honest, zeroer, shrinker):
         good = _trained(honest)
