@@ -153,7 +153,7 @@ class Vetting:
             return
         raise ResultRefused(f"round {round_id}: the merged parts of {names}, which point against our own Δ, raise "
                             f"the held-out loss to {with_parts:.4f} from {without_parts:.4f} without them",
-                            dict.fromkeys(suspects, "misaligned_result"))
+                            dict.fromkeys(suspects, "raised_loss"))
 
     async def weigh_follow(self, states: Sequence[FragmentState], state: FragmentState, holders: Sequence[str]) -> bool:
         """Whether to install ``state``, a newer state of one fragment downloaded from trusted

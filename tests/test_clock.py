@@ -122,14 +122,17 @@ def test_gathering_announcements_older_than_the_runs_gathering_window_are_left_o
 
 def test_swarm_status_leaves_out_records_older_than_a_heartbeat() -> None:
     from node.status_view import summarize_swarm  # noqa: PLC0415
+    from p2pdiloco.net.records.parse import BEAT_S  # noqa: PLC0415
+    from p2pdiloco.net.records.pushes import stale_after  # noqa: PLC0415
     from p2pdiloco.net.state.statesync import STORE_EVERY_S  # noqa: PLC0415
     from p2pdiloco.trust.identity import Identity  # noqa: PLC0415
 
     live, stored, dead = (Identity.generate().peer_id for _ in range(3))
     now = 2000.0
+    gone_after = STORE_EVERY_S + stale_after(BEAT_S)  # as a node's first read counts a stored record (StateSync._live)
     records = {live: {"f": [[3, bytes(32)]], "t": now - 2.0, "name": "live"},
                stored: {"f": [[3, bytes(32)]], "t": now - STORE_EVERY_S - 5.0, "name": "stored"},  # stores that seldom
-               dead: {"f": [[5, bytes(32)]], "t": now - STORE_EVERY_S - 61.0, "name": "dead"},  # kept by the DHT
+               dead: {"f": [[5, bytes(32)]], "t": now - gone_after - 1.0, "name": "dead"},  # kept by the DHT
                "junk": "not a record"}
     view = summarize_swarm("r", records, now)
     assert [p["name"] for p in view["peers"]] == ["live", "stored"] and view["newest"] == [3]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from node.alone import NEVER_MERGED_EXIT
 from p2pdiloco.core.fragments import assign_parts
 from p2pdiloco.core.merge import contribution_weight, robust_merge
 from p2pdiloco.core.outer import round_fraction, span_fraction
@@ -95,8 +96,10 @@ def test_three_nodes_merge_like_one_process(harness):
 def test_lone_node_applies_its_own_outer_step(harness):
     maddr = harness.bootstrap()
     proc, d = harness.node(maddr, "solo", TINY, "--duration", "12", "--set", f"trace_dir={harness.tmp / 'trace'}")
-    assert harness.wait(proc, 150, d / "node.log") == 0, (d / "node.log").read_text()[-3000:]
+    # given a peer to join (the bootstrap) and merged with nobody: it says so by its exit code (node.alone)
+    assert harness.wait(proc, 150, d / "node.log") == NEVER_MERGED_EXIT, (d / "node.log").read_text()[-3000:]
     report = read_report(d)
+    assert report["exit_code"] == NEVER_MERGED_EXIT
     assert report["rounds_committed"] >= 8 and report["rounds_alone"] == report["rounds_committed"]
     assert all(v >= 4 for v, _ in report["fragments"])
     assert report["end_loss"] < report["start_loss"]

@@ -112,7 +112,7 @@ async def test_a_suspect_round_is_committed_only_if_it_does_not_raise_the_held_o
         await node.vetting.weigh_round(start, moved, without, {"suspect": (0,)}, "r1")  # committed: no exception
         with pytest.raises(ResultRefused) as refused:
             await node.vetting.weigh_round(start, back, without, {"suspect": (0,)}, "r2")
-        assert refused.value.reducers == {"suspect": "misaligned_result"}
+        assert refused.value.reducers == {"suspect": "raised_loss"}
         assert _loss(node, [back, *start[1:]]) > _loss(node, [without, *start[1:]]) * (1 + ROUND_TOLERANCE)
 
 

@@ -24,9 +24,11 @@ against the one thing it knows to be honest, its own pseudo-gradient for that pa
   An honest merge's norm is at most ``DEFAULT_OUTLIER_FACTOR`` times the part's median
   (``core.merge.robust_merge`` clips every member there).
 
-A part whose own Δ is zero is not judged (nothing to compare with). An oversized part refuses
-the whole round (invariant I2: a member commits all of a round's result or none of it), and the
-node distrusts and avoids its reducer; so does a suspect round the weighing refuses.
+A part whose own Δ is zero is not judged (nothing to compare with). A part that fails either
+check is *suspect*: the caller weighs the round with and without it by its held-out loss
+(``node.vetting.Vetting.weigh_round``; an honest part looks oversized to a straggler whose Δ
+is small), and refuses the whole round when it hurts (invariant I2: a member commits all of a
+round's result or none of it), distrusting and avoiding its reducer.
 
 Limits: a reducer may still return any part within the size bound at a cosine of at least -0.5
 with this member's Δ (not weighed), or one that does not raise its held-out loss: bounded damage

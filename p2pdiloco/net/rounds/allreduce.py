@@ -61,15 +61,16 @@ committed.
 Reducer parts (docs/trust.md). A reducer computes its tensors alone, so a malicious one (or
 one merging against its own poisoned Δ) can return a wrong merge of its part; its signature
 makes that attributable, and every member checks every other reducer's part against its own
-Δ before it uses any (``core.audit.check_parts``). An oversized part refuses the round
-(:class:`ResultRefused`, naming the reducers): nothing is committed, and the node distrusts and
-avoids them. A part pointing against our Δ names its reducer in ``RoundResult.suspects``: the
-node commits the round only if it does not raise its held-out loss (else the same refusal).
+Δ before it uses any (``core.audit.check_parts``). A part pointing clearly against our Δ, or
+far larger than it, names its reducer in ``RoundResult.suspects``: the node commits the round
+only if those parts do not raise its held-out loss; else it refuses it (:class:`ResultRefused`,
+naming the reducers): nothing is committed, and the node distrusts and avoids them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 
@@ -159,13 +160,9 @@ class AllReducer(Reducer):
                   f"(contributor sets {sorted(sets)})"
             result = None
             if len(sets) == 1:  # the bodies are the round's result, which the included members commit
-                try:
+                with contextlib.suppress(RoundFailed):
                     result = self._audited(group, parts, self._result(group, parts, answers, common), contrib)
-                except ResultRefused:
-                    raise
-                except RoundFailed:
-                    result = None
-                if result is not None and result.suspects:  # no own Δ merged to weigh it against: follow instead
+                if result is not None and result.suspects:  # suspect parts of a round without us: follow instead
                     result = None
             raise ContributionExcluded(why, result)
         if len(sets) > 1:
@@ -211,9 +208,9 @@ class AllReducer(Reducer):
     def _audited(self, group: Group, parts: tuple[tuple[int, ...], ...], result: RoundResult,
                  contrib: Contribution) -> RoundResult:
         """``result`` after this member's check of every other reducer's merged part against its
-        own Δ (``core.audit.check_parts``, counted in ``stats.rejected`` by reason): an oversized
-        part raises ResultRefused naming its reducers; the reducers of parts pointing against our
-        Δ are named in ``result.suspects`` (the node weighs the round by its held-out loss)."""
+        own Δ (``core.audit.check_parts``, counted in ``stats.rejected`` by reason): the reducers
+        of parts that fail it are named in ``result.suspects`` (the node weighs the round by its
+        held-out loss: a straggler's small Δ makes an honest part look oversized)."""
         members, me = group.members, self.swarm.peer_id
         reducers = [r for r in range(len(members)) if parts[r]]
         mine = members.index(me)
@@ -226,10 +223,6 @@ class AllReducer(Reducer):
             self.stats.rejected[c.reason] += 1
             log.warning("round %s f%d: the merged part of %s: %s (cosine with our own %.2f, norm x%.2f)",
                         group.round_id, group.key.fragment, members[reducers[k]][-8:], c.reason, c.cosine, c.ratio)
-        blamed = {members[reducers[k]]: c.reason for k, c in refused.items() if c.reason == "oversized_result"}
-        if blamed:
-            raise ResultRefused(f"round {group.round_id}: merged part(s) of {sorted(p[-8:] for p in blamed)} refused "
-                                f"(oversized_result)", blamed)
         return dataclasses.replace(result, suspects={members[reducers[k]]: parts[reducers[k]] for k in refused})
 
     async def _phase2(self, group: Group, reducers: list[int], answers: dict, common: tuple[int, ...]) -> dict:
