@@ -205,7 +205,7 @@ def test_export_from_the_swarm_by_someone_who_never_trained(harness, tmp_path: P
     assert done.returncode == 0, done.stderr[-3000:]
     info = json.loads((out / EXPORT_FILE).read_text())
     assert info["global_digest"] in done.stdout and info["source"] == "swarm run test"
-    a.send_signal(signal.SIGTERM)  # a leaves; b, settled with a done, leaves too
+    a.signal_leader(signal.SIGTERM)  # a leaves; b, settled with a done, leaves too
     for proc, d in ((a, da), (b, db)):
         assert harness.wait(proc, 120, d / "node.log") == 0
     reports = [json.loads((d / "report.json").read_text()) for d in (da, db)]
