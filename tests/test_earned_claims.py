@@ -220,7 +220,7 @@ def test_a_dht_record_older_than_a_store_period_counts_as_unchanged_that_much_lo
 
 
 def test_the_first_reply_deadline_follows_recent_transfers_within_its_bounds() -> None:
-    from p2pdiloco.net.state.statesync import FIRST_REPLY_FACTOR, FIRST_REPLY_MIN_S, FIRST_REPLY_S, STATE_TIMEOUT_S
+    from p2pdiloco.net.state.downloads import FIRST_REPLY_FACTOR, FIRST_REPLY_MIN_S, FIRST_REPLY_S, STATE_TIMEOUT_S
 
     sync = StateSync(_Swarm(), "run", [], lambda: [])
     assert sync.first_reply_s() == FIRST_REPLY_S == 1.0  # nothing measured yet
