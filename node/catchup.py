@@ -131,7 +131,9 @@ class CatchUp:
                 log.info("catch-up of fragment %d failed: %s", p, e)
                 return None
             if state.version > self.committed[p].version and not initial and not await self.vetting.weigh_follow(
-                    list(self.committed), state, head.holders):  # a newer state that raises our held-out loss
+                    list(self.committed), state, head.holders):  # a newer state that raises our held-out loss:
+                for holder in head.holders:  # its holders distrusted (weigh_follow) and not grouped with
+                    self.matchmaker.avoid(holder, "served a state that raises our held-out loss")
                 return None
             made_by = next((r.rounds[p] for peer, r in records.items() if peer in head.holders), "")
             failed = self.committed.pop_lost(p)
