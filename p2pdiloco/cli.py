@@ -567,7 +567,14 @@ def _main(args: argparse.Namespace) -> int:
     if args.cmd == "data":
         from p2pdiloco.data_cli import run_data_command  # noqa: PLC0415
 
-        return run_data_command(args)
+        try:
+            print(run_data_command(args))
+        except P2PDilocoError as e:
+            return report_error(e)
+        except OSError as e:  # the output could not be written
+            print(f"p2pdiloco: {e}", file=sys.stderr)
+            return 1
+        return 0
     raise AssertionError(f"unknown command {args.cmd}")  # argparse allows only the commands above
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from p2pdiloco.errors import ConfigError
 from p2pdiloco.formats import FORMATS
 
 __all__ = ["add_data_parser", "run_data_command"]
@@ -34,9 +34,10 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     tok.add_argument("--json", action="store_true", help="print JSON (for scripts)")
 
 
-def run_data_command(args: argparse.Namespace) -> int:
-    """Run ``p2pdiloco data ...``; 0 on success, 2 with one line on bad input, 1 when the output
-    cannot be written."""
+def run_data_command(args: argparse.Namespace) -> str:
+    """Run ``p2pdiloco data tokenizer``: train the tokenizer and return the line to print (JSON
+    with ``--json``). Raises ConfigError for bad input (the CLI prints one line, exit 2) and
+    OSError when the output cannot be written (exit 1)."""
     from p2pdiloco import tokenizer  # noqa: PLC0415
     from p2pdiloco.formats import collect_files  # noqa: PLC0415
 
@@ -44,13 +45,8 @@ def run_data_command(args: argparse.Namespace) -> int:
         files = collect_files(args.input, args.format)
         vocab, digest = tokenizer.train(files, args.vocab_size, args.output, fmt=args.format, field=args.text_field)
     except (ValueError, FileNotFoundError) as e:
-        print(f"p2pdiloco: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"p2pdiloco: {e}", file=sys.stderr)
-        return 1
+        raise ConfigError(str(e)) from None
     view = {"output": str(args.output), "vocab_size": vocab, "sha256": digest, "files": len(files)}
-    print(json.dumps(view) if args.json else
-          f"wrote {args.output}: {vocab} tokens, sha256 {digest} (from {len(files)} file(s)); name it in the run "
-          f"with: p2pdiloco run init ... --set data.tokenizer={args.output}")
-    return 0
+    return json.dumps(view) if args.json else (
+        f"wrote {args.output}: {vocab} tokens, sha256 {digest} (from {len(files)} file(s)); name it in the run "
+        f"with: p2pdiloco run init ... --set data.tokenizer={args.output}")
