@@ -135,9 +135,10 @@ def test_two_nodes_join_with_the_manifest_only_and_a_differing_one_is_refused(ha
         d.mkdir()
         return harness.spawn(["-m", "node", "run", "--join", str(path), "--host", "127.0.0.1", "--port", "0",
                               "--name", name, "--data-dir", str(d), "--report-file", str(d / "report.json"),
-                              # started apart, the nodes end apart: the first waits for the other's last
-                              # rounds (settle) so that both end on one state, as test_churn's nodes do
-                              "--duration", "14", "--set", "settle=15", *extra], d / "node.log"), d
+                              # started apart, the nodes end apart: each waits for the other's last rounds
+                              # (settle, which ends once both are done and agree) so that both end on one
+                              # state; 15 s ran out on a loaded CI machine (one fragment at v67 and v68)
+                              "--duration", "14", "--set", "settle=60", *extra], d / "node.log"), d
 
     refused, rd = join("n2", "--set", "model.n_embd=32")
     assert harness.wait(refused, 60, rd / "node.log") == 2
