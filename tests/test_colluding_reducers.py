@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import swarms
+from conftest import swarms, until
 from test_memory_net import memory_swarms
 from test_trust_net import FRAGMENT, KEY, delta, run_round
 
@@ -140,3 +140,44 @@ async def test_a_member_whose_delta_is_muted_is_named_so_that_it_earns_no_reputa
         results = await asyncio.gather(*(reducers[p].run(group, contribs[p]) for p in ids), return_exceptions=True)
         assert all(isinstance(r, RoundResult) and flipper in r.contributors for r in results[:2]), results
         assert all(reducers[p].muted["r1"] == {flipper} for p in ids[:2])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.looptime(end=600)
+@pytest.mark.asyncio
+async def test_a_group_of_avoided_colluders_at_our_key_does_not_make_the_honest_members_late():
+    """Two colluders, avoided by both honest members after a refused round, form a group of their
+    own at the honest members' key and say so (pushed declarations). The honest members are not
+    late there (they would wait for a state they refuse to follow: in bench/trust_poison.py
+    --honest-first 300 two fragments of an honest node stayed at one version for the last 40 s of
+    the run, every round "late"); they form a group of their own."""
+    async with memory_swarms(4, MemoryNet(default=Link(latency=0.005))) as (net, sw):
+        ids = sorted(s.peer_id for s in sw)
+        evil, honest = ids[:2], ids[2:]
+        by_id = {s.peer_id: s for s in sw}
+        mms = {p: Matchmaker(by_id[p], "run", 1) for p in ids}
+        for m in mms.values():
+            await m.start()
+            m.gatherings.audience = lambda: ids  # learners that know each other: declarations are pushed
+        pushers = [asyncio.create_task(m.gatherings.push_forever()) for m in mms.values()]
+        try:
+            for p in honest:
+                for q in evil:
+                    mms[p].avoid(q, "raised_loss")
+            key = GroupKey(0, KEY.version, KEY.digest)
+            theirs = await asyncio.gather(*(mms[p].form_group(key, grace=0.5, quorum_timeout=10.0, expected=2)
+                                            for p in evil))
+            assert [o for o, _ in theirs] == ["group"] * 2 and set(theirs[0][1].members) == set(evil)
+            leader = theirs[0][1].leader
+
+            def heard(p: str) -> bool:  # the colluders' leader's closed key reached honest member p
+                d = mms[p].gatherings.declarations(key.fragment, key.version, key.digest).get(leader)
+                return d is not None and d.grouped
+
+            await until(lambda: all(heard(p) for p in honest), 10, "the colluders' group at the honest members")
+            ours = await asyncio.gather(*(mms[p].form_group(key, grace=0.5, quorum_timeout=10.0, expected=2)
+                                          for p in honest))
+            assert [o for o, _ in ours] == ["group"] * 2 and set(ours[0][1].members) == set(honest)
+        finally:
+            for task in pushers:
+                task.cancel()

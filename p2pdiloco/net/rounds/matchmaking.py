@@ -70,7 +70,9 @@ only that peer can write or overwrite them
 
 Peers on the swarm's ban list (``Swarm.bans``), and peers avoided for a while after this node
 refused a merged part they signed (:meth:`Matchmaker.avoid`), are neither followed as leaders
-nor admitted by ``mm.join``, and a group that lists one is declined.
+nor admitted by ``mm.join``, and a group that lists one is declined; their declarations, stored
+or pushed, count for nothing (a group of two avoided colluders at our key does not make us
+late: we would wait for a state we refuse to follow).
 """
 
 from __future__ import annotations
@@ -369,7 +371,8 @@ class Matchmaker:
                 if not pushed and swarm_clock.monotonic() - read_at >= POLL_SECONDS:  # no learner known to push
                     read_at = swarm_clock.monotonic()  # to us: the DHT, at a wake-up POLL_SECONDS after the last
                     stored = await self._declarations(dht_key)
-                entries = {**stored, **self.gatherings.declarations(key.fragment, key.version, key.digest)}
+                pushed_here = self.gatherings.declarations(key.fragment, key.version, key.digest)
+                entries = {**stored, **{p: d for p, d in pushed_here.items() if not self._shunned(p)}}
                 open_peers = {p for p, d in entries.items() if d.open}
                 open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
                 grouped_peers = self._grouped(key, entries, fresh_for)
