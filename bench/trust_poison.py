@@ -3,7 +3,7 @@
     python bench/trust_poison.py                         # clean, then scale, flip, nan, mix (about 30 min on 2 cores)
     python bench/trust_poison.py --attacks mix --steps 300
     python bench/trust_poison.py --attacks flip --attackers 2 --steps 300   # two colluders of four
-    python bench/trust_poison.py --attacks flip --attackers 2 --steps 1500 --honest-first 300  # trusted first
+    python bench/trust_poison.py --attacks flip leave --attackers 2 --steps 1500 --honest-first 300  # trusted first
 
 Each run is a bootstrap peer and 4 node processes on 127.0.0.1 with the demo's settings
 (p2pdiloco/presets.py DEMO; one data shard per node), every node stopping after ``--steps``
@@ -13,7 +13,9 @@ repeats the clean run to show that spread. The attacker is stopped when the hone
 done (its own model may have diverged). In an attacked run node 3 (nodes 2 and 3 with
 ``--attackers 2``) sends, properly signed, poisoned
 pseudo-gradients (``python -m p2pdiloco.chaos.inject --poison KIND``): ``scale`` x1000 every round,
-``flip`` x-1 every round, ``nan`` a NaN in every tensor every round, ``mix`` the three in turn. The result is the final held-out loss of the
+``flip`` x-1 every round, ``nan`` a NaN in every tensor every round, ``mix`` the three in turn;
+``leave`` is no attack: the same nodes stop after ``--honest-first`` seconds, the run that loses
+their compute as an attack shut out at once would (the best a defence can do). The result is the final held-out loss of the
 global model (nats/byte, the same held-out bytes on every node), averaged over the three honest
 nodes, against the clean run's, and the reducers' rejections, clipped and left-out tensors from
 the honest nodes' reports.
@@ -59,10 +61,14 @@ def run(work: Path, ids: Path, steps: int, poison: str, seed: int, extra: dict[s
             settings = {**DEMO_SETTINGS, "data.num_shards": str(NODES), "data.shard_index": str(i), "seed": str(seed),
                         "settle": "20", "trust.identity": str(ids / f"node{i}.key"), **(extra or {})}
             # the attacker: the ordinary node with its outgoing pseudo-gradients poisoned (p2pdiloco.chaos.inject)
+            attacker = bool(poison) and i >= NODES - attackers
             entry = ["-m", "p2pdiloco.chaos.inject", "--poison", poison, "--poison-after", str(honest_first), "--",
-                     "node"] if poison and i >= NODES - attackers \
-                else ["-m", "node"]
-            argv = [py, *entry, "run", "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
+                     "node"] if attacker and poison != "leave" else ["-m", "node"]
+            if attacker and poison == "leave":  # the reference: the same compute lost, without an attack
+                entry += ["run", "--duration", str(honest_first)]
+            else:
+                entry += ["run"]
+            argv = [py, *entry, "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
                     "--name", f"node{i}", "--data-dir", str(d), "--max-steps", str(steps),
                     "--report-file", str(d / "report.json"), "--run-id", "poison"]
             for k, v in settings.items():
@@ -95,7 +101,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400, help="inner steps per node (default 400)")
     parser.add_argument("--attacks", nargs="+", default=["scale", "flip", "nan", "mix"],
-                        choices=["scale", "flip", "nan", "mix"])
+                        choices=["scale", "flip", "nan", "mix", "leave"],
+                        help="leave: the attackers stop (gracefully) after --honest-first seconds instead, "
+                             "the run that loses the same compute without an attack")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attackers", type=int, default=1, choices=[1, 2],
                         help="nodes that poison, colluding with the same attack (default 1 of 4)")
@@ -126,11 +134,14 @@ def main() -> int:
     print(f"\n{NODES} nodes, demo settings{''.join(f', {k}={v}' for k, v in extra.items())}, {args.steps} inner steps "
           f"per node; the last {args.attackers} node(s) poison every round"
           f"{f' after {args.honest_first:.0f} s of honest work' if args.honest_first else ''}")
-    print("| run | final held-out loss (honest nodes) | vs clean | rejected, clipped, left out by the honest reducers |")
-    print("|---|---|---|---|")
+    left = results.get("leave", {}).get("end_loss")  # the same compute lost without an attack
+    print("| run | final held-out loss (honest nodes) | vs clean |" + (" vs leave |" if left else "")
+          + " rejected, clipped, left out by the honest reducers |")
+    print("|---|---|---|" + ("---|" if left else "") + "---|")
     for name, res in results.items():
         print(f"| {name} | {res['end_loss']:.4f} | {100 * (res['end_loss'] / clean - 1):+.2f} % | "
-              f"{', '.join(f'{k} {v}' for k, v in sorted(res['rejected'].items())) or '-'} |")
+              + (f"{100 * (res['end_loss'] / left - 1):+.2f} % | " if left else "")
+              + f"{', '.join(f'{k} {v}' for k, v in sorted(res['rejected'].items())) or '-'} |")
     (work / "results.json").write_text(json.dumps(results, indent=1))
     print(f"logs: {work}")
     return 0

@@ -287,3 +287,17 @@ def test_error_feedback_adds_the_decayed_residual_to_the_pseudo_gradient() -> No
         with_error_feedback(delta, [torch.zeros(3)], 1.0)
     with pytest.raises(ValueError, match="residual tensors"):
         with_error_feedback(delta, [], 1.0)
+
+
+def test_a_swarm_that_shrank_takes_whole_steps_from_the_next_period_and_one_that_grew_averages():
+    """H = 100, rate 1000 tokens a period (four learners of 250). Two leave for good: the period
+    at position 300 merged 500 tokens (f = 0.5, its budget's half). The next period's round, 500
+    tokens again, is a whole step: the completed period set the rate to 500 (a moving average
+    gave 750 and f = 0.67, for periods). A period that merged more tokens than the rate is
+    averaged in (RATE_DECAY 0.5): 1000 then 1500 gives 1250."""
+    f, led = round_fraction(Ledger(200, 1000, 1000.0, 1024, 0), 500, 300, 100, first=1.0)
+    assert (f, led.period_start, led.period_tokens, led.rate) == (0.5, 300, 500, 1000.0)
+    f, led = round_fraction(Ledger(300, 500, 1000.0, 512, 0), 500, 400, 100, first=1.0)
+    assert (f, led.rate) == (1.0, 500.0)
+    f, led = round_fraction(Ledger(300, 1500, 1000.0, 1024, 0), 1500, 400, 100, first=1.0)
+    assert (f, led.rate) == (1.0, 1250.0)

@@ -177,7 +177,10 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
     ``Learner.step`` at sending); sync_every: H; first: the fraction to use while the ledger knows no
     rate yet (:func:`span_fraction`). A round at a position at least H/2 past the current
     period's first round starts a new period (the start moves at most 2H at once), completing
-    the old one into ``rate`` (the first period's tokens scaled by H / its start, at most 1:
+    the old one into ``rate`` (a moving average of the completed periods' tokens, ``RATE_DECAY``,
+    except that a period with fewer tokens than the rate, but some, sets it: a swarm that lost
+    learners for good, two colluders shut out of four, took 0.73 of a step per round for the
+    rest of a run before, measured with bench/trust_poison.py; the first period's tokens scaled by H / its start, at most 1:
     they are the progress of its start's steps since step 0, e.g. H + offset(p) for fragment
     p's first, staggered send; counted as one period, they made the next rounds of fragment 3
     of 4 take 0.57 of a step for a whole period's progress), and so does a round more than 2H
@@ -207,7 +210,8 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
             # H + offset(p) steps for fragment p's first send, up to 2H (a period and a half of it)
             first = float(ledger.period_tokens) * min(1.0, sync_every / max(1, ledger.period_start))
             done = first if rate == 0 else min(ledger.period_tokens, RATE_GROWTH * rate)
-            rate = done if rate == 0 else RATE_DECAY * rate + (1 - RATE_DECAY) * done
+            shrunk = 0 < done < rate  # the swarm merged fewer tokens this period: its rounds are whole steps again
+            rate = done if rate == 0 or shrunk else RATE_DECAY * rate + (1 - RATE_DECAY) * done
         start = position if ledger.period_start < 0 or future else min(position, ledger.period_start + 2 * sync_every)
         start_tokens, used = 0, 0
     else:
