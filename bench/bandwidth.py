@@ -2,9 +2,9 @@
 loss at an equal token budget, for DDP, synchronous DiLoCo, torchft's DiLoCo and p2pdiloco at
 several H and wire precisions.
 
-    python bench/bandwidth.py                   # about 11 minutes on a loaded 2-core machine
-    python bench/bandwidth.py --seeds 0 1 2     # every system with three seeds (tables: means)
-    python bench/bandwidth.py --quick           # a smoke run (tiny budget, few systems)
+    python -m bench.bandwidth                   # about 11 minutes on a loaded 2-core machine
+    python -m bench.bandwidth --seeds 0 1 2     # every system with three seeds (tables: means)
+    python -m bench.bandwidth --quick           # a smoke run (tiny budget, few systems)
 
 Every system trains the same model from the same seed on the same data shards for the same
 number of inner steps per process (``--steps``; the cosine ends there) and seed (``--seeds``:
@@ -29,10 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as c  # noqa: E402
-from p2pdiloco.config import TOPK2_RECIPE, WIRE_PRECISIONS  # noqa: E402
+from bench import common as c
+from p2pdiloco.config import TOPK2_RECIPE, WIRE_PRECISIONS
 
 LIGHTHOUSE = str(Path(c.PY).parent / "torchft_lighthouse")
 DDP_FACTOR = 500  # goal: at least this many times fewer bytes per token than DDP
@@ -412,7 +410,7 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
           work: Path, failed: list[str]) -> None:
     rows = mean_rows(runs)
     ddp = next((r for r in rows if r["system"] == "DDP"), None)
-    cmd = "python bench/bandwidth.py" + (" --quick" if a.quick else "") + "".join(
+    cmd = "python -m bench.bandwidth" + (" --quick" if a.quick else "") + "".join(
         f" {flag} {value}" for flag, value, default in (
             ("--nodes", a.nodes, 2), ("--steps", a.steps, 500),
             ("--H", " ".join(map(str, a.H)), "25 100 250"), ("--precision-H", a.precision_H, 100),

@@ -27,14 +27,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from node.control import ControlUnreachable, query  # noqa: E402
-from p2pdiloco.procs import Proc, Processes, read_json  # noqa: E402
+from node.control import ControlUnreachable, query
+from p2pdiloco.procs import Proc, Processes, read_json
 
 DOCS = ROOT / "docs" / "benchmarks"
 PY = sys.executable
-WORKER = str(ROOT / "bench" / "workers.py")
 
 # The one model and data every system trains (byte-level GPT from p2pdiloco.model on
 # p2pdiloco.data's default corpus, the Python standard library's source): 2 layers, 64 wide,
@@ -416,8 +414,9 @@ def window_by_steps(ns: NetNS, nodes: list, steps: int, timeout: float = 1800.0)
 
 
 def worker_argv(mode: str, rank: int, world: int, values: dict[str, str], out: Path, **kw: Any) -> list[str]:
-    """bench/workers.py: DDP, synchronous DiLoCo, torchft DiLoCo or a standalone trainer."""
-    argv = [PY, WORKER, mode, "--rank", str(rank), "--world", str(world), "--out", str(out),
+    """``python -m bench.workers``: DDP, synchronous DiLoCo, torchft DiLoCo or a standalone trainer
+    (run from the repository root, as every benchmark is: the child finds ``bench`` there)."""
+    argv = [PY, "-m", "bench.workers", mode, "--rank", str(rank), "--world", str(world), "--out", str(out),
             "--settings", json.dumps(values)]
     for k, v in kw.items():
         if v is not None:

@@ -1,10 +1,10 @@
 """Benchmark: volunteers on slow home links and behind NAT. Four p2pdiloco nodes on a
-simulated internet (tests/internet/topology.py): the merged tokens per second of the three on
+simulated internet (bench/internet.py): the merged tokens per second of the three on
 50 Mbit/s links when the fourth is on 2 Mbit/s, or behind NAT (reached through the bootstrap
 peer's relay), against the same with all four on 50 Mbit/s.
 
-    python bench/home_links.py           # as root; 11 to 16 minutes on a 2-core machine
-    python bench/home_links.py --quick   # a smoke run (short windows; about 3 to 7 minutes)
+    python -m bench.home_links           # as root; 11 to 16 minutes on a 2-core machine
+    python -m bench.home_links --quick   # a smoke run (short windows; about 3 to 7 minutes)
 
 Each phase builds a fresh internet: the bootstrap peer on public host ``boot`` (not limited,
 announced as relay.example), n1..n3 on public hosts (announced as n<i>.example: libp2p treats
@@ -30,12 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common as c  # noqa: E402
-
-sys.path.insert(0, str(c.ROOT))
-from p2pdiloco.model import ModelConfig  # noqa: E402
-from tests.internet.topology import Internet, delete_namespaces, namespaces, unavailable  # noqa: E402
+from bench import common as c
+from bench.internet import Internet, delete_namespaces, namespaces, unavailable
+from p2pdiloco.model import ModelConfig
 
 GOAL = 0.90  # the fast nodes keep at least 90% of their all-fast merged-token rate
 RELAY, PORT = "relay.example", 4001
@@ -180,13 +177,13 @@ def main() -> None:
 
 def write(a: argparse.Namespace, results: dict[str, dict[str, Any]], failed: dict[str, str], m: dict[str, Any],
           seconds: float, work: Path) -> None:
-    cmd = "python bench/home_links.py" + (" --quick" if a.quick else "")
+    cmd = "python -m bench.home_links" + (" --quick" if a.quick else "")
     doc = c.Doc("home_links", "Benchmark: volunteers on slow home links and behind NAT", cmd)
     params = ModelConfig().num_parameters or 0
     clean = "working tree" not in m["commit"]
     doc.intro = [
         "Four p2pdiloco nodes and a bootstrap peer (also the relay) on a simulated internet of network namespaces "
-        "(tests/internet/topology.py; link rates are tbf limits on both directions). Three phases, each on a fresh "
+        "(bench/internet.py; link rates are tbf limits on both directions). Three phases, each on a fresh "
         f"internet: *fast*, n1 to n4 public on {a.fast_mbit:g} Mbit/s links; *slow*, n4 on {a.slow_mbit:g} Mbit/s; "
         f"*relayed*, the fourth node h1 behind NAT on {a.fast_mbit:g} Mbit/s, measured once its status says `relayed`.",
         "",

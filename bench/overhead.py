@@ -1,8 +1,8 @@
 """Benchmark 3, overhead: one node's training throughput inside a 3-node p2pdiloco swarm
 against the same learner training alone.
 
-    python bench/overhead.py            # about 4 minutes on a 2-core machine
-    python bench/overhead.py --quick    # a smoke run
+    python -m bench.overhead            # about 4 minutes on a 2-core machine
+    python -m bench.overhead --quick    # a smoke run
 
 Fair comparison on a shared 2-core machine: both phases run the same number of training
 processes (3), and the primary figure is normalised by CPU time: tokens trained per CPU-second
@@ -28,11 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import psutil
 
-import psutil  # noqa: E402
-
-import common as c  # noqa: E402
+from bench import common as c
 
 GOAL = 0.03
 CPU_GOAL = 0.01  # goal: swarm CPU at most 0.01 cores per node (docs/benchmarks/README.md)
@@ -158,7 +156,7 @@ def main() -> None:
 
 
 def write(a: argparse.Namespace, results: dict, m: dict, seconds: float, work: Path, tokens_per_step: int) -> None:
-    cmd = " ".join(["python bench/overhead.py", *(f"--set {kv}" for kv in a.overrides),
+    cmd = " ".join(["python -m bench.overhead", *(f"--set {kv}" for kv in a.overrides),
                     *([f"--window {a.window:g}"] if a.window != 30.0 and not a.quick else []),
                     *([f"--doc {a.doc}"] if a.doc != "overhead" else []), *(["--quick"] if a.quick else [])])
     doc = c.Doc(a.doc, "Benchmark 3: swarm overhead on one node", cmd)
