@@ -234,7 +234,7 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
               caption="Means over the seeds (the per-second figure holds every control byte, so it bounds "
                       "the background from above; the per-round ones hold the background too, except the "
                       "last, which takes the same commit and seed's background rate times the window off the "
-                      "steady state's control bytes: the issue's model, background per second plus a cost "
+                      "steady state's control bytes: the goal's model (docs/benchmarks/README.md), background per second plus a cost "
                       "per round):")
     for k in commits:
         bg: Counter[str] = Counter()

@@ -224,7 +224,7 @@ def write(a: argparse.Namespace, results: dict, m: dict, seconds: float, work: P
         doc.text(f"So a node's swarm costs {bg:.4f} cores without rounds plus {per_round:.1f} ms of CPU per outer "
                  f"round it commits. This benchmark's model takes {1000 * split['step_s']:.0f} ms an inner step, so with "
                  f"H = {a.H} and 4 fragments a node commits {rate:.2f} rounds a second and its swarm takes "
-                 f"{split['swarm_cores']:.4f} cores: {c.verdict(split['swarm_cores'] <= CPU_GOAL)} against issue 13's "
+                 f"{split['swarm_cores']:.4f} cores: {c.verdict(split['swarm_cores'] <= CPU_GOAL)} against the goal's "
                  f"{CPU_GOAL} cores. The same swarm with a model of 1 s an inner step (DiLoCo's regime: a round every "
                  f"{a.H / 4:.0f} s) would take {bg + per_round / 1000 * 4 / a.H:.4f} cores "
                  f"({c.verdict(bg + per_round / 1000 * 4 / a.H <= CPU_GOAL)}).")

@@ -151,7 +151,7 @@ def write(args: dict, m: dict, seconds: float, data: dict) -> tuple[Path, bool]:
     falls = all(r["end_loss"] < r["start_loss"] for r in reports)
     merged = all(r["rounds_with_peers"] > 0 for r in reports) and min(f["delta_bytes"] for f in frags) > MB
     full = download["fragments"] == list(range(len(frags)))
-    doc = c.Doc("own_model", "Your own model through the full protocol (issue 15, item 5)",
+    doc = c.Doc("own_model", "Your own model through the full protocol",
                 f"python -m bench.own_model --duration {args['duration']:g} --join-at {args['join_at']:g}",
                 intro=[" ".join(__doc__.split("\n\n")[2].split())])
     doc.table(["fragment", "tensors", "parameters", "pseudo-gradient on the wire (MB)", "full state (MB)"],

@@ -186,7 +186,7 @@ def report(rows: list[dict], a: argparse.Namespace, m: dict, took: float) -> str
     if forks:
         out += ["", "Members of the groups of each forked version: " + "; ".join(forks) + "."]
     worst = max(r["versions_forked"] / r["rounds"] for r in rows)
-    out += ["", f"Forks: at most {100 * worst:.0f}% of versions at any size (goal, issue 12: under 2%).", "",
+    out += ["", f"Forks: at most {100 * worst:.0f}% of versions at any size (goal, docs/benchmarks/README.md: under 2%).", "",
             "![scale](scale.png)"]
     return "\n".join(out) + "\n"
 
