@@ -31,6 +31,7 @@ from pathlib import Path
 
 from bench import common as c
 from p2pdiloco.config import TOPK2_RECIPE, WIRE_PRECISIONS
+from p2pdiloco.status import Report, read_status
 
 LIGHTHOUSE = str(Path(c.PY).parent / "torchft_lighthouse")
 DDP_FACTOR = 500  # goal: at least this many times fewer bytes per token than DDP
@@ -88,20 +89,20 @@ def run_p2p(n: int, steps: int, H: int, precision: str, work: Path, seed: int = 
         c.wait_all([p for p, _ in nodes], 1800, f"p2pdiloco H={H} {precision}")
         sent = ns.tx_bytes() - before
         seconds = time.monotonic() - t0
-        reports = [c.read_json(d / "report.json") for _, d in nodes]
-        if any(r is None for r in reports) or any(p.returncode != 0 for p, _ in nodes):
+        reports = [r for _, d in nodes if isinstance(r := read_status(d / "report.json"), Report)]
+        if len(reports) < len(nodes) or any(p.returncode != 0 for p, _ in nodes):
             raise RuntimeError(f"p2pdiloco H={H} {precision}: a node failed; logs in {work}")
-    tokens = sum(r["tokens"] for r in reports)
-    digests = {r["global_digest"] for r in reports}
-    rounds = sum(r["rounds_committed"] for r in reports)
-    alone = sum(r["rounds_alone"] for r in reports)
+    tokens = sum(r.tokens for r in reports)
+    digests = {r.global_digest for r in reports}
+    rounds = sum(r.rounds_committed for r in reports)
+    alone = sum(r.rounds_alone for r in reports)
     return {"system": "p2pdiloco", "H": H, "precision": precision, "nodes": n, "tokens": tokens, "bytes": sent,
-            "payload": sum(r["bytes_out"] for r in reports), "bytes_per_token": sent / tokens,
-            "loss": sum(r["end_loss"] for r in reports) / n, "seconds": seconds, "isolated": ns.isolated,
+            "payload": sum(r.bytes_out for r in reports), "bytes_per_token": sent / tokens,
+            "loss": sum(r.end_loss for r in reports) / n, "seconds": seconds, "isolated": ns.isolated,
             "seed": seed, "steady": steady,
             **({"steady_bytes_per_token": steady["bytes"] / steady["tokens"],
                 "steady_payload_per_token": steady["payload"] / steady["tokens"]} if steady else {}),
-            "notes": f"{rounds} rounds ({alone} alone), {sum(r['catchups'] for r in reports)} catch-ups"
+            "notes": f"{rounds} rounds ({alone} alone), {sum(r.catchups for r in reports)} catch-ups"
                      + ("" if len(digests) == 1 else f", {len(digests)} different final states")}
 
 

@@ -33,6 +33,7 @@ from typing import Any
 from bench import common as c
 from bench.internet import Internet, delete_namespaces, namespaces, unavailable
 from p2pdiloco.model import ModelConfig
+from p2pdiloco.status import Status
 
 GOAL = 0.90  # the fast nodes keep at least 90% of their all-fast merged-token rate
 RELAY, PORT = "relay.example", 4001
@@ -100,36 +101,36 @@ def run_phase(k: int, label: str, a: argparse.Namespace, values: dict[str, str],
                     g.add(pid)
             if fourth == "h1":
                 t0 = time.monotonic()
-                wait_for(lambda: (c.read_json(status["h1"]) or {}).get("reachability") == "relayed", started["h1"],
+                wait_for(lambda: c.node_status(status["h1"]).reachability == "relayed", started["h1"],
                          a.relay_wait, "relay slot for h1 (status reachability 'relayed')")
                 out["relayed_after_s"] = time.monotonic() - t0
                 for g in caps[3:]:  # p2pd was restarted (forced private) for the slot: cap the new one too
-                    g.add((c.read_json(status["h1"]) or {}).get("p2pd_pid"))
+                    g.add(c.node_status(status["h1"]).p2pd_pid)
             time.sleep(a.warm)
-            before = {h: c.read_json(status[h]) or {} for h in nodes}
+            before = {h: c.node_status(status[h]) for h in nodes}
             window = c.window_rates([status[h] for h in nodes], 0.0, a.window)
-            after = {h: c.read_json(status[h]) or {} for h in nodes}
+            after = {h: c.node_status(status[h]) for h in nodes}
     finally:
         for g in caps:
             g.close()
 
-    def delta(h: str, key: str) -> float:
-        return float(after[h].get(key) or 0) - float(before[h].get(key) or 0)
+    def delta(h: str, figure: Callable[[Status], float]) -> float:
+        return float(figure(after[h])) - float(figure(before[h]))
 
     out.update({
         "rates": dict(zip(nodes, window)),
         **{f"fast_{k}": sum(r[k] for r in window[:3]) for k in ("merged_per_s", "tokens_per_s")},
-        "fast_rounds_with_peers": sum(delta(h, "rounds_with_peers") for h in FAST),
-        "reachability": {h: after[h].get("reachability") for h in nodes},
-        "fourth_rounds_with_peers": delta(fourth, "rounds_with_peers"),
-        "fourth_rounds_total": after[fourth].get("rounds_with_peers"),
-        **{f"fourth_mbit_{k}": 8e-6 * delta(fourth, f"bytes_{k}") / max(1e-9, delta(fourth, "time")) for k in ("in", "out")},
-        "bytes_relayed": {h: after[h].get("bytes_relayed", 0) for h in nodes},
-        "bytes_relayed_window": {h: delta(h, "bytes_relayed") for h in nodes},
-        "link_measured_mbit": {h: 8e-6 * float(after[h].get("link_bytes_per_s") or 0) for h in nodes},
+        "fast_rounds_with_peers": sum(delta(h, lambda s: s.rounds_with_peers) for h in FAST),
+        "reachability": {h: after[h].reachability for h in nodes},
+        "fourth_rounds_with_peers": delta(fourth, lambda s: s.rounds_with_peers),
+        "fourth_rounds_total": after[fourth].rounds_with_peers,
+        "fourth_mbit_in": 8e-6 * delta(fourth, lambda s: s.bytes_in) / max(1e-9, delta(fourth, lambda s: s.time)),
+        "fourth_mbit_out": 8e-6 * delta(fourth, lambda s: s.bytes_out) / max(1e-9, delta(fourth, lambda s: s.time)),
+        "bytes_relayed": {h: after[h].bytes_relayed for h in nodes},
+        "bytes_relayed_window": {h: delta(h, lambda s: s.bytes_relayed) for h in nodes},
+        "link_measured_mbit": {h: 8e-6 * float(after[h].link_bytes_per_s or 0) for h in nodes},
         # the fourth node's part of each reduction (bandwidth-aware shares) in its last rounds with peers
-        "fourth_shares": [r.get("share", 0.0) for r in after[fourth].get("recent_rounds") or []
-                          if r.get("committed") and r.get("members", 0) > 1],
+        "fourth_shares": [r.share for r in after[fourth].recent_rounds if r.committed and r.members > 1],
     })
     print(f"home_links: {label}: n1-n3 merged {out['fast_merged_per_s']:,.0f} tokens/s", flush=True)
     return out

@@ -59,7 +59,7 @@ def _threads(pid: int | None) -> dict[int, float]:
 
 
 def _rounds(path: Path) -> int:
-    return int((c.read_json(path) or {}).get("rounds_committed") or 0)
+    return c.node_status(path).rounds_committed
 
 
 def measure(paths: list[Path], warm: float, window: float) -> list[dict]:
@@ -132,9 +132,9 @@ def main() -> None:
             paths = [d / "status.json" for _, d in nodes]
             c.wait_training(paths, [p for p, _ in nodes], 240)
             results["swarm"] = measure(paths, a.warm, a.window)
-            final = [c.read_json(pth) or {} for pth in paths]
-            results["swarm_rounds"] = [{"rounds_committed": f.get("rounds_committed"),
-                                        "rounds_alone": f.get("rounds_alone")} for f in final]
+            final = [c.node_status(pth) for pth in paths]
+            results["swarm_rounds"] = [{"rounds_committed": f.rounds_committed, "rounds_alone": f.rounds_alone}
+                                       for f in final]
 
     def background() -> None:
         print("overhead: p2pdiloco swarm without rounds ...", flush=True)

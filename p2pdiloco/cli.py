@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.errors import ConfigError, P2PDilocoError
+from p2pdiloco.status import Snapshot, StatusError, parse_status
 
 log = logging.getLogger("p2pdiloco")
 
@@ -239,37 +240,40 @@ def _node_status(args: argparse.Namespace) -> int:
 
     from node.control import ControlUnreachable, find_socket, query  # noqa: PLC0415
 
+    def ask(path: str) -> tuple[dict[str, Any], Snapshot]:
+        """The node's status JSON as it answered, and parsed (one line and exit 1 when not a node's)."""
+        raw = query(path, timeout=args.timeout)
+        try:
+            return raw, parse_status(raw)
+        except StatusError as e:
+            raise ControlUnreachable(f"{path}: {e}") from None
+
     try:
         path = find_socket(args.data_dir, args.socket)
-        snap = query(path, timeout=args.timeout)
+        raw, snap = ask(path)
     except ControlUnreachable as e:
         return report_error(e)
     if args.watch is None:
-        _print_node_status(snap, args.json)
+        _print_node_status(raw, snap, args.json)
         return 0
     from rich.live import Live  # noqa: PLC0415
 
     from node.status_view import render_node  # noqa: PLC0415
 
-    if args.json or not sys.stdout.isatty():  # one snapshot after the other: JSON lines, or plain text
-        try:
+    try:
+        if args.json or not sys.stdout.isatty():  # one snapshot after the other: JSON lines, or plain text
             while True:
                 if args.json:
-                    print(json.dumps(snap), flush=True)
+                    print(json.dumps(raw), flush=True)
                 else:
-                    _print_node_status(snap, False)
+                    _print_node_status(raw, snap, False)
                     print(flush=True)
                 time.sleep(max(0.2, args.watch))
-                snap = query(path, timeout=args.timeout)
-        except ControlUnreachable as e:
-            return report_error(e)
-        except KeyboardInterrupt:
-            return 0
-    try:
+                raw, snap = ask(path)
         with Live(render_node(snap), auto_refresh=False) as live:
             while True:
                 time.sleep(max(0.2, args.watch))
-                snap = query(path, timeout=args.timeout)
+                raw, snap = ask(path)
                 live.update(render_node(snap), refresh=True)
     except ControlUnreachable as e:
         return report_error(e)
@@ -277,9 +281,10 @@ def _node_status(args: argparse.Namespace) -> int:
         return 0
 
 
-def _print_node_status(snap: dict[str, Any], as_json: bool) -> None:
+def _print_node_status(raw: dict[str, Any], snap: Snapshot, as_json: bool) -> None:
+    """The node's status: its JSON as it answered (``--json``), else the rendered view."""
     if as_json:
-        print(json.dumps(snap, indent=1))
+        print(json.dumps(raw, indent=1))
         return
     from node.status_view import render_node  # noqa: PLC0415
 
