@@ -343,67 +343,77 @@ def _swarm_status(args: argparse.Namespace) -> int:
 
 
 def _node_run(args: argparse.Namespace) -> int:
-    from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
-    from p2pdiloco.net.transport.addresses import JOIN_HINT, check_any_reachable, check_listen_port  # noqa: PLC0415
-
     try:
-        overrides: dict[str, Any] = parse_overrides(args.set)
-        flags = {"swarm.initial_peers": args.initial_peers, "data.path": args.data, "swarm.run_id": args.run_id,
-                 "swarm.host": args.host, "swarm.port": args.port, "data_dir": args.data_dir,
-                 "max_steps": args.max_steps, "duration": args.duration, "device": args.device,
-                 "threads": args.threads, "memory_limit": args.memory_limit}
-        overrides.update({k: v for k, v in flags.items() if v is not None})
-        run = None
-        if args.join is not None:
-            from p2pdiloco import manifest  # noqa: PLC0415
-
-            from p2pdiloco import owners  # noqa: PLC0415
-
-            run = manifest.load(args.join)
-            owners.check(run.run_id, run.owner_id)  # another owner than the one pinned here: refused
-            manifest.check_factory(run, overrides.get("model.factory"))
-        # checking initial peers' multiaddrs imports hivemind, and torch with it: Ctrl+C held
-        with _sigint_held() as held:
-            cfg = load_config(args.config, overrides=overrides, run=run and manifest.pinned(run),
-                              run_source=run and f"the manifest of run {run.run_id!r}" or "")
-            from p2pdiloco.footprint import check_memory  # noqa: PLC0415
-
-            # before anything is built, without torch for the built-in GPT: a manifest may name
-            # any model size (docs/trust.md); run_node checks again once torch is loaded
-            check_memory(cfg)
-        if held:
-            return interrupted()
-        if run is not None and run.initial_peers:  # the run's peers, after the node's own
-            cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, initial_peers=tuple(
-                dict.fromkeys(cfg.swarm.initial_peers + run.initial_peers))))
-        # preflight: the two most common start-up mistakes, before any daemon is started
-        check_listen_port(cfg.swarm.host, cfg.swarm.port)
-        if cfg.metrics_port:
-            from node.control import check_metrics_port  # noqa: PLC0415
-
-            check_metrics_port(cfg.metrics_host, cfg.metrics_port)
-        if _load_native_libraries():  # before dialing: check_any_reachable parses with hivemind
-            return interrupted()
-        check_any_reachable(cfg.swarm.initial_peers, hint=JOIN_HINT if run is not None else "")
-        if run is not None:
-            _pin_owner(run)
+        loaded = _node_settings(args)
     except P2PDilocoError as e:
         return report_error(e)
+    if loaded is None:
+        return interrupted()
+    cfg, run = loaded
     from node.main import run_node  # noqa: PLC0415
 
     async def go() -> int:
         name = args.name or (Path(cfg.data_dir).name if cfg.data_dir else socket.gethostname())
         report = await run_node(cfg, name=name, status_path=args.status_file, report_path=args.report_file,
                                 progress=sys.stdout.isatty() and not args.no_progress, manifest=run)
-        print(json.dumps({k: report[k] for k in ("name", "steps", "start_loss", "end_loss", "global_digest")
-                          if k in report}))
-        if report.get("exit_code"):  # given peers to join, and its training reached nobody
-            alone = report.get("alone") or {}
-            print(f"p2pdiloco: {name} never merged with another node: {alone.get('detail') or 'no round with a peer'}",
+        print(json.dumps({"name": report.name, "start_loss": report.start_loss, "end_loss": report.end_loss,
+                          "global_digest": report.global_digest}))
+        if report.exit_code:  # given peers to join, and its training reached nobody
+            detail = report.alone.detail if report.alone else ""
+            print(f"p2pdiloco: {name} never merged with another node: {detail or 'no round with a peer'}",
                   file=sys.stderr)
-        return int(report.get("exit_code") or 0)
+        return report.exit_code
 
     return run_async(go())
+
+
+def _node_settings(args: argparse.Namespace) -> tuple[Any, Any] | None:
+    """``node run``'s settings (config < env < flags, a joined run's manifest pinned) and the
+    manifest (None without ``--join``), after the preflight checks (listen port, metrics port,
+    memory, a reachable initial peer); None when Ctrl+C came meanwhile. Raises what the
+    checks raise (P2PDilocoError)."""
+    from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
+    from p2pdiloco.net.transport.addresses import JOIN_HINT, check_any_reachable, check_listen_port  # noqa: PLC0415
+
+    overrides: dict[str, Any] = parse_overrides(args.set)
+    flags = {"swarm.initial_peers": args.initial_peers, "data.path": args.data, "swarm.run_id": args.run_id,
+             "swarm.host": args.host, "swarm.port": args.port, "data_dir": args.data_dir,
+             "max_steps": args.max_steps, "duration": args.duration, "device": args.device,
+             "threads": args.threads, "memory_limit": args.memory_limit}
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    run = None
+    if args.join is not None:
+        from p2pdiloco import manifest, owners  # noqa: PLC0415
+
+        run = manifest.load(args.join)
+        owners.check(run.run_id, run.owner_id)  # another owner than the one pinned here: refused
+        manifest.check_factory(run, overrides.get("model.factory"))
+    # checking initial peers' multiaddrs imports hivemind, and torch with it: Ctrl+C held
+    with _sigint_held() as held:
+        cfg = load_config(args.config, overrides=overrides, run=run and manifest.pinned(run),
+                          run_source=run and f"the manifest of run {run.run_id!r}" or "")
+        from p2pdiloco.footprint import check_memory  # noqa: PLC0415
+
+        # before anything is built, without torch for the built-in GPT: a manifest may name
+        # any model size (docs/trust.md); run_node checks again once torch is loaded
+        check_memory(cfg)
+    if held:
+        return None
+    if run is not None and run.initial_peers:  # the run's peers, after the node's own
+        cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, initial_peers=tuple(
+            dict.fromkeys(cfg.swarm.initial_peers + run.initial_peers))))
+    # preflight: the two most common start-up mistakes, before any daemon is started
+    check_listen_port(cfg.swarm.host, cfg.swarm.port)
+    if cfg.metrics_port:
+        from node.control import check_metrics_port  # noqa: PLC0415
+
+        check_metrics_port(cfg.metrics_host, cfg.metrics_port)
+    if _load_native_libraries():  # before dialing: check_any_reachable parses with hivemind
+        return None
+    check_any_reachable(cfg.swarm.initial_peers, hint=JOIN_HINT if run is not None else "")
+    if run is not None:
+        _pin_owner(run)
+    return cfg, run
 
 
 def main(argv: list[str] | None = None) -> int:
