@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -15,11 +14,9 @@ from rich.text import Text
 from p2pdiloco.procs import Proc
 from p2pdiloco.status import Report, Snapshot, Status, read_status
 
+from node.formatting import fmt_num
+
 console = Console(width=None if sys.stdout.isatty() else 150)  # a log file gets the whole table
-
-
-def _fmt(x: Any, spec: str = ".3f") -> str:
-    return "-" if x is None or x != x else format(x, spec)
 
 
 class Clock:
@@ -77,8 +74,8 @@ def _live_table(nodes: list[tuple[Proc, Path]], clock: Clock) -> Table:
             continue
         last = s.last_round
         last_txt = f"f{last.fragment} v{last.version} x{last.members}" if last and last.committed else "-"
-        t.add_row(d.name, _state(proc, s), str(s.step), _fmt(s.tokens_per_s, ".0f"), _fmt(s.loss),
-                  _fmt(s.heldout_loss), str(s.rounds_committed), last_txt, " ".join(str(v) for v, _ in s.fragments))
+        t.add_row(d.name, _state(proc, s), str(s.step), fmt_num(s.tokens_per_s, ".0f"), fmt_num(s.loss),
+                  fmt_num(s.heldout_loss), str(s.rounds_committed), last_txt, " ".join(str(v) for v, _ in s.fragments))
     return t
 
 
@@ -91,8 +88,8 @@ def _plain_line(nodes: list[tuple[Proc, Path]], clock: Clock) -> str:
     for proc, d in nodes:
         s = read_status(d / "status.json")
         run = s if isinstance(s, Status) else Status(name=d.name, state="starting")  # zeros before it trains
-        parts.append(f"{d.name} {_state(proc, s)} step {run.step} loss {_fmt(run.loss)} "
-                     f"held-out {_fmt(run.heldout_loss)} rounds {run.rounds_committed}")
+        parts.append(f"{d.name} {_state(proc, s)} step {run.step} loss {fmt_num(run.loss)} "
+                     f"held-out {fmt_num(run.heldout_loss)} rounds {run.rounds_committed}")
     return f"[{clock.text(_statuses(nodes))}] " + " | ".join(parts)
 
 
@@ -153,7 +150,7 @@ def final_table(reports: list[Report | None], codes: list[int | None],
         frags = r.fragments
         for p, (v, dig) in enumerate(frags):
             by_version.setdefault((p, v), set()).add(dig)
-        t.add_row(r.name, f"{_fmt(r.start_loss)} -> {_fmt(r.end_loss)}", _fmt(r.end_bits_per_byte),
+        t.add_row(r.name, f"{fmt_num(r.start_loss)} -> {fmt_num(r.end_loss)}", fmt_num(r.end_bits_per_byte),
                   f"{r.tokens:,}", str(r.rounds_committed), str(r.catchups), " ".join(str(v) for v, _ in frags))
     console.print(t)
     console.print(digest_lines(reports))

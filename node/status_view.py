@@ -22,6 +22,8 @@ from rich.text import Text
 
 from p2pdiloco.status import Connecting, Progress, Snapshot, Status
 
+from node.formatting import fmt_age, fmt_bytes, fmt_count, fmt_link, fmt_num, plural
+
 LOOPBACK_HINT = ("only loopback addresses are announced: peers on other machines cannot dial this node; "
                  "restart it with --host 0.0.0.0, or --set swarm.announce=/ip4/PUBLIC_IP/tcp/PORT behind NAT")
 PRIVATE_HINT = ("only private-network addresses are announced: peers outside this network cannot dial this node; "
@@ -30,48 +32,6 @@ PRIVATE_HINT = ("only private-network addresses are announced: peers outside thi
 # robust merge, step 3 (docs/trust.md): honest learners of different speeds bring Δs of different norms
 CLIPPED_NOTE = (" (clipped: peers' tensors trimmed to the group's median norm, routine between learners of "
                 "different speed, not an attack)")
-
-
-# ---- formatting -----------------------------------------------------------------------------
-
-def _link(rate: object) -> str:
-    """A measured link rate (bytes/s) in Mbit/s, or "not measured yet"."""
-    return f"{float(rate) * 8 / 1e6:.1f} Mbit/s" if isinstance(rate, (int, float)) and rate > 0 else "not measured yet"
-
-
-def fmt_num(x: Any, spec: str = ".3f") -> str:
-    return "-" if not isinstance(x, (int, float)) or x != x else format(x, spec)
-
-
-def fmt_bytes(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return "-"
-
-
-def fmt_count(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "-"
-    return f"{n / 1e9:.2f}G" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else str(n)
-
-
-def fmt_age(seconds: Any) -> str:
-    if not isinstance(seconds, (int, float)):
-        return "-"
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
-    return f"{s // 3600}h {s % 3600 // 60:02d}m"
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def swarm_rate(records: dict[str, Any] | None) -> float | None:
@@ -217,7 +177,7 @@ def _training_rows(g: Table, s: Status) -> None:
         g.add_row("all-reduce", ", ".join(f"{n} {k}" for k, n in s.allreduce.items())
                   + (CLIPPED_NOTE if s.allreduce.get("clipped") else ""))
     g.add_row("traffic", f"sent {fmt_bytes(s.bytes_out)}   received {fmt_bytes(s.bytes_in)}   "
-                         f"({s.rpc_calls} calls, {s.rpc_failed} failed)   link {_link(s.link_bytes_per_s)}")
+                         f"({s.rpc_calls} calls, {s.rpc_failed} failed)   link {fmt_link(s.link_bytes_per_s)}")
     if s.global_digest:
         g.add_row("global digest", s.global_digest)
 

@@ -20,71 +20,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
+
+from p2pdiloco.typed_json import FormError, JsonForm, conforms, type_name
+
+__all__ = ["Alone", "Connecting", "FragmentStatus", "Hardware", "Manifest", "Outer", "Progress", "Report",
+           "RoundRecord", "Sessions", "Snapshot", "Starting", "Status", "StatusError", "SwarmFigures", "conforms",
+           "keys", "parse_status", "read_status", "schema_table"]
 
 Doc = str  # the metadata of each key: what it holds, with its unit
 
 PeerSeconds = dict[str, float]  # {peer ID: seconds left}
 
 
-class StatusError(ValueError):
+class StatusError(FormError):
     """A status JSON that is not a node's: not an object, no ``name`` and ``state`` strings,
     or a key whose value has the wrong type."""
-
-
-class _Json:
-    """``to_json`` and ``from_json`` of every dataclass below (fields in declaration order)."""
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON-able dict: nested dataclasses as objects, keys in declaration order."""
-        return dataclasses.asdict(typing.cast(Any, self))
-
-    @classmethod
-    def from_json(cls, data: Any) -> Any:
-        """Parse a JSON object into ``cls``: every key checked against its type (nested
-        objects parsed in turn), keys it lacks at their defaults, unknown keys ignored (a newer
-        node's). Raises StatusError on a value of the wrong type or a missing required key."""
-        if not isinstance(data, dict):
-            raise StatusError(f"{cls.__name__}: not a JSON object")
-        hints = typing.get_type_hints(cls, include_extras=True)
-        values = {f.name: _parse(hints[f.name], data[f.name], f.name) for f in dataclasses.fields(cls) if f.name in data}
-        try:
-            return cls(**values)
-        except TypeError as e:  # a required key missing
-            raise StatusError(f"{cls.__name__}: {e}") from None
-
-
-def _bare(t: Any) -> Any:
-    """The type of an ``Annotated`` hint without its doc."""
-    return typing.get_args(t)[0] if typing.get_origin(t) is Annotated else t
-
-
-def _parse(t: Any, value: Any, where: str) -> Any:
-    t = _bare(t)
-    if isinstance(t, types.UnionType) or typing.get_origin(t) is Union:
-        if value is None and type(None) in typing.get_args(t):
-            return None
-        inner = [a for a in typing.get_args(t) if a is not type(None)]
-        if len(inner) == 1:
-            return _parse(inner[0], value, where)
-    if isinstance(t, type) and dataclasses.is_dataclass(t):
-        return typing.cast(Any, t).from_json(value)
-    args = typing.get_args(t)
-    if typing.get_origin(t) is list and args and dataclasses.is_dataclass(args[0]) and isinstance(value, list):
-        return [_parse(args[0], v, where) for v in value]
-    if not conforms(value, t):
-        raise StatusError(f"{where}: {value!r:.60} is not {_type_name(t)}")
-    return value
 
 
 # ---- nested objects -------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class Manifest(_Json):
+class Manifest(JsonForm):
     """The run manifest a node joined with (p2pdiloco.manifest)."""
 
     digest: str = ""
@@ -93,7 +53,7 @@ class Manifest(_Json):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Alone(_Json):
+class Alone(JsonForm):
     """Why a node merges with no other node (node.alone)."""
 
     reason: str = ""
@@ -102,7 +62,7 @@ class Alone(_Json):
 
 
 @dataclass(frozen=True)
-class RoundRecord(_Json):
+class RoundRecord(JsonForm):
     """One finished outer round as a node saw it."""
 
     fragment: int
@@ -117,7 +77,7 @@ class RoundRecord(_Json):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sessions(_Json):
+class Sessions(JsonForm):
     """Sessions (net.transport.sessions): ours open to peers, ours opened since start, peers' to us."""
 
     open: int = 0
@@ -126,7 +86,7 @@ class Sessions(_Json):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FragmentStatus(_Json):
+class FragmentStatus(JsonForm):
     """One fragment as held against the swarm's newest head (node.swarm_view.fragment_status)."""
 
     fragment: int = 0
@@ -138,7 +98,7 @@ class FragmentStatus(_Json):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SwarmFigures(_Json):
+class SwarmFigures(JsonForm):
     """The swarm's records as a node last read them."""
 
     peers: int = 0
@@ -149,7 +109,7 @@ class SwarmFigures(_Json):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Hardware(_Json):
+class Hardware(JsonForm):
     """Where a node trains: device, torch threads, resident memory (MiB) and its limit."""
 
     device: str = ""
@@ -160,7 +120,7 @@ class Hardware(_Json):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Outer(_Json):
+class Outer(JsonForm):
     """The outer settings a node runs (config.OuterConfig)."""
 
     fragments: int = 0
@@ -173,7 +133,7 @@ class Outer(_Json):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Progress(_Json):
+class Progress(JsonForm):
     """The run's progress (node.status_view.progress); None where unknown."""
 
     tokens: int = 0
@@ -202,7 +162,7 @@ P2pdPid = Annotated[int | None, "process ID of its libp2p daemon"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Starting(_Json):
+class Starting(JsonForm):
     """The keys present from a node's first status write."""
 
     name: Name
@@ -227,7 +187,7 @@ class Connecting(Starting):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Status(_Json):
+class Status(JsonForm):
     """Every key of a running node's snapshot, in the order of its JSON."""
 
     name: Name
@@ -342,11 +302,14 @@ def parse_status(data: Any) -> Snapshot:
     :class:`Starting`. Raises StatusError when it is not a node's (see :class:`StatusError`)."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(data.get("state"), str):
         raise StatusError("not a node's status: a JSON object with name and state strings")
-    for cls in (Report, Status, Connecting):
-        base = Status if cls is Report else Connecting if cls is Status else Starting
-        if set(data) & (set(keys(cls)) - set(keys(base))):
-            return cls.from_json(data)
-    return Starting.from_json(data)
+    try:
+        for cls in (Report, Status, Connecting):
+            base = Status if cls is Report else Connecting if cls is Status else Starting
+            if set(data) & (set(keys(cls)) - set(keys(base))):
+                return cls.from_json(data)
+        return Starting.from_json(data)
+    except FormError as e:
+        raise StatusError(str(e)) from None
 
 
 def read_status(path: Path) -> Snapshot | None:
@@ -366,18 +329,6 @@ def keys(schema: type) -> dict[str, tuple[Any, Doc]]:
     return {f.name: typing.get_args(hints[f.name])[:2] for f in dataclasses.fields(schema)}
 
 
-def _type_name(t: Any) -> str:
-    if t is type(None):
-        return "null"
-    args = typing.get_args(t)
-    if isinstance(t, types.UnionType) or typing.get_origin(t) is Union:
-        return " or ".join(_type_name(a) for a in args)
-    origin = typing.get_origin(t)
-    if origin in (list, dict) or dataclasses.is_dataclass(t):
-        return "list" if origin is list else "object"
-    return {str: "string", int: "int", float: "number", bool: "bool"}.get(t, "any")
-
-
 def schema_table() -> str:
     """The markdown table of docs/operating.md, "Status JSON": key, type, meaning."""
     rows, seen = ["| key | type | meaning |", "|---|---|---|"], set()
@@ -385,25 +336,5 @@ def schema_table() -> str:
         for k, (t, doc) in keys(schema).items():
             if k not in seen:
                 seen.add(k)
-                rows.append(f"| `{k}` | {_type_name(t)} | {doc}{where} |")
+                rows.append(f"| `{k}` | {type_name(t)} | {doc}{where} |")
     return "\n".join(rows)
-
-
-def conforms(value: Any, t: Any) -> bool:
-    """Whether a JSON value fits the type of a key (outer container types only: a list is a
-    list, a dict and a nested form are objects; int fits float, bool does not fit int)."""
-    args = typing.get_args(t)
-    if isinstance(t, types.UnionType) or typing.get_origin(t) is Union:
-        return any(conforms(value, a) for a in args)
-    if t is type(None):
-        return value is None
-    if t is Any:
-        return True
-    if dataclasses.is_dataclass(t):
-        return isinstance(value, dict)
-    origin = typing.get_origin(t) or t
-    if origin is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if origin is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, origin)
