@@ -2,7 +2,7 @@
 per second of ``--nodes`` nodes that train without merging (H beyond the run), at this commit
 against a baseline commit, in the same run.
 
-    python bench/background_scale.py --baseline 207bb3c --nodes 4 16
+    python -m bench.background_scale --baseline 207bb3c --nodes 4 16
 
 Each size and commit runs ``bench/control_plane.py``'s background measurement (a clean clone
 at the commit, its own network namespace with only ``lo``, a bootstrap peer and the nodes,
@@ -18,14 +18,11 @@ Writes docs/benchmarks/background_scale.md and .json.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as c  # noqa: E402
-from control_plane import GOAL_PER_S, background_once, checkout  # noqa: E402
+from bench import common as c
+from bench.control_plane import GOAL_PER_S, background_once, checkout
 
 
 def main() -> None:
@@ -47,7 +44,7 @@ def main() -> None:
             print(f"background scale: {short}, {n} nodes: {b['background_per_node_s']:,.0f} B/s per node", flush=True)
     base, new = (s for s, _ in commits)
     doc = c.Doc("background_scale", "Background control traffic at several swarm sizes",
-                f"python bench/background_scale.py --baseline {a.baseline} --nodes {' '.join(map(str, a.nodes))} "
+                f"python -m bench.background_scale --baseline {a.baseline} --nodes {' '.join(map(str, a.nodes))} "
                 f"--window {a.window:g}", intro=[__doc__.split("\n\n")[2]])
     rate = {(r["commit"], r["nodes"]): r["background_per_node_s"] for r in runs}
     doc.table(["nodes", f"{base} B/s/node", f"{new} B/s/node", f"{new} / {base}", "goal"],

@@ -2,9 +2,9 @@
 loss at an equal token budget, for DDP, synchronous DiLoCo, torchft's DiLoCo and p2pdiloco at
 several H and wire precisions.
 
-    python bench/bandwidth.py                   # about 11 minutes on a loaded 2-core machine
-    python bench/bandwidth.py --seeds 0 1 2     # every system with three seeds (tables: means)
-    python bench/bandwidth.py --quick           # a smoke run (tiny budget, few systems)
+    python -m bench.bandwidth                   # about 11 minutes on a loaded 2-core machine
+    python -m bench.bandwidth --seeds 0 1 2     # every system with three seeds (tables: means)
+    python -m bench.bandwidth --quick           # a smoke run (tiny budget, few systems)
 
 Every system trains the same model from the same seed on the same data shards for the same
 number of inner steps per process (``--steps``; the cosine ends there) and seed (``--seeds``:
@@ -29,10 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as c  # noqa: E402
-from p2pdiloco.config import TOPK2_RECIPE, WIRE_PRECISIONS  # noqa: E402
+from bench import common as c
+from p2pdiloco.config import TOPK2_RECIPE, WIRE_PRECISIONS
+from p2pdiloco.status import Report, read_status
 
 LIGHTHOUSE = str(Path(c.PY).parent / "torchft_lighthouse")
 DDP_FACTOR = 500  # goal: at least this many times fewer bytes per token than DDP
@@ -90,20 +89,20 @@ def run_p2p(n: int, steps: int, H: int, precision: str, work: Path, seed: int = 
         c.wait_all([p for p, _ in nodes], 1800, f"p2pdiloco H={H} {precision}")
         sent = ns.tx_bytes() - before
         seconds = time.monotonic() - t0
-        reports = [c.read_json(d / "report.json") for _, d in nodes]
-        if any(r is None for r in reports) or any(p.returncode != 0 for p, _ in nodes):
+        reports = [r for _, d in nodes if isinstance(r := read_status(d / "report.json"), Report)]
+        if len(reports) < len(nodes) or any(p.returncode != 0 for p, _ in nodes):
             raise RuntimeError(f"p2pdiloco H={H} {precision}: a node failed; logs in {work}")
-    tokens = sum(r["tokens"] for r in reports)
-    digests = {r["global_digest"] for r in reports}
-    rounds = sum(r["rounds_committed"] for r in reports)
-    alone = sum(r["rounds_alone"] for r in reports)
+    tokens = sum(r.tokens for r in reports)
+    digests = {r.global_digest for r in reports}
+    rounds = sum(r.rounds_committed for r in reports)
+    alone = sum(r.rounds_alone for r in reports)
     return {"system": "p2pdiloco", "H": H, "precision": precision, "nodes": n, "tokens": tokens, "bytes": sent,
-            "payload": sum(r["bytes_out"] for r in reports), "bytes_per_token": sent / tokens,
-            "loss": sum(r["end_loss"] for r in reports) / n, "seconds": seconds, "isolated": ns.isolated,
+            "payload": sum(r.bytes_out for r in reports), "bytes_per_token": sent / tokens,
+            "loss": sum(r.end_loss for r in reports) / n, "seconds": seconds, "isolated": ns.isolated,
             "seed": seed, "steady": steady,
             **({"steady_bytes_per_token": steady["bytes"] / steady["tokens"],
                 "steady_payload_per_token": steady["payload"] / steady["tokens"]} if steady else {}),
-            "notes": f"{rounds} rounds ({alone} alone), {sum(r['catchups'] for r in reports)} catch-ups"
+            "notes": f"{rounds} rounds ({alone} alone), {sum(r.catchups for r in reports)} catch-ups"
                      + ("" if len(digests) == 1 else f", {len(digests)} different final states")}
 
 
@@ -309,7 +308,7 @@ def mean_rows(runs: list[dict]) -> list[dict]:
 
 
 SYSTEMS = {"ddp": "DDP", "diloco": "sync DiLoCo", "torchft": "torchft DiLoCo", "p2p": "p2pdiloco"}
-ISSUE13 = {(200, "int4"): 1000, (200, "topk2"): 4000}  # fewer bytes than DDP, at loss within REGIME_SLACK
+REGIME_GOAL = {(200, "int4"): 1000, (200, "topk2"): 4000}  # fewer bytes than DDP, at loss within REGIME_SLACK
 REGIME_SLACK = 0.02  # of synchronous DiLoCo at the same H (goal: docs/benchmarks/README.md)
 
 
@@ -372,7 +371,7 @@ def regime_tables(runs: list[dict], rows: list[dict], grid: list[dict], ddp: dic
         steady = (f"{fmt_b(sock)}, {fmt_b(pay)} ({statistics.mean(w['rounds'] for w in windows) / n:.0f} rounds a "
                   f"node in {statistics.mean(w['seconds'] for w in windows):.0f} s)" if sock else "no window")
         ratios = f"{ddp['bytes_per_token'] / sock:,.0f}x, {ddp_payload / pay:,.0f}x" if sock else ""
-        want = ISSUE13.get((r["H"], r["precision"]))
+        want = REGIME_GOAL.get((r["H"], r["precision"]))
         goal = (f">= {want:,}x, at most +{REGIME_SLACK:.0%}" if want else f"at most +{REGIME_SLACK:.0%}")
         ok = mean <= REGIME_SLACK and (want is None or (pay is not None and ddp_payload / pay >= want))
         socket_too = want is None or (sock is not None and ddp["bytes_per_token"] / sock >= want)
@@ -381,7 +380,7 @@ def regime_tables(runs: list[dict], rows: list[dict], grid: list[dict], ddp: dic
                      f"{goal} | {c.verdict(ok)}" + ("" if not ok or socket_too else " on payload; not on socket "
                                                     "bytes") + " |")
     if len(lines) > 2:
-        out.append(f"Our cost and our bytes (issue 13): p2pdiloco's held-out loss against synchronous DiLoCo at the "
+        out.append(f"Our cost and our bytes (the goals of docs/benchmarks/README.md): p2pdiloco's held-out loss against synchronous DiLoCo at the "
                    "same H, seed and tokens, and its bytes against DDP's at equal tokens (means over seeds). Socket "
                    "bytes are the namespace's (the DHT, libp2p and TCP/IP headers included); payload is what the "
                    "nodes' RPCs carried (pseudo-gradient slices, merged slices, rounds and states for catch-ups). "
@@ -412,7 +411,7 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
           work: Path, failed: list[str]) -> None:
     rows = mean_rows(runs)
     ddp = next((r for r in rows if r["system"] == "DDP"), None)
-    cmd = "python bench/bandwidth.py" + (" --quick" if a.quick else "") + "".join(
+    cmd = "python -m bench.bandwidth" + (" --quick" if a.quick else "") + "".join(
         f" {flag} {value}" for flag, value, default in (
             ("--nodes", a.nodes, 2), ("--steps", a.steps, 500),
             ("--H", " ".join(map(str, a.H)), "25 100 250"), ("--precision-H", a.precision_H, 100),
@@ -475,7 +474,7 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
     doc.sections.extend(regime_tables(runs, rows, grid, ddp, a))
     vs_rows = versus_sync(runs)
     if vs_rows:
-        doc.table(["H", "wire", "per seed", "mean", "worst seed", f"at most +{SYNC_SLACK:.0%} (mean; issue 11)"],
+        doc.table(["H", "wire", "per seed", "mean", "worst seed", f"at most +{SYNC_SLACK:.0%} (mean; goal)"],
                   vs_rows,
                   "p2pdiloco against synchronous DiLoCo at the same H, seed and tokens (held-out loss, relative "
                   "change; our cost, apart from the method's):")
@@ -483,7 +482,7 @@ def write(a: argparse.Namespace, runs: list[dict], grid: list[dict], m: dict, se
     meet = [r for r in p2p if r["bytes_per_token"] <= limit_b and r["loss"] <= limit_l]
     best_b = [r for r in p2p if r["bytes_per_token"] <= limit_b]
     best_l = [r for r in p2p if r["loss"] <= limit_l]
-    goal = (f"Issue 1's goal (whole runs, socket bytes): at least {DDP_FACTOR}x fewer bytes per token than DDP "
+    goal = (f"The first goal of docs/benchmarks/README.md (whole runs, socket bytes): at least {DDP_FACTOR}x fewer bytes per token than DDP "
             f"({fmt_b(limit_b)} bytes or fewer) with held-out loss within {100 * LOSS_SLACK:.0f}% of DDP's "
             f"({limit_l:.4f} or lower).")
     if meet:

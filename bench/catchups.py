@@ -2,7 +2,7 @@
 up, at this commit (catch-ups from the rounds missed, ``net.state.deltas``) against a baseline commit
 (every catch-up a state download), in the same run.
 
-    python bench/catchups.py --baseline 7193932 --repeats 2
+    python -m bench.catchups --baseline 7193932 --repeats 2
 
 Each commit runs from its own clean clone checked out at that commit, inside its own network
 namespace: a bootstrap peer and three nodes (``python -m node run --duration``) with the
@@ -25,14 +25,11 @@ import json
 import os
 import signal
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as c  # noqa: E402
-from control_plane import checkout  # noqa: E402
+from bench import common as c
+from bench.control_plane import checkout
 
 
 def state_bytes(values: dict[str, str]) -> list[int]:
@@ -111,7 +108,7 @@ def main() -> None:
 
 def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, seconds: float) -> None:
     doc = c.Doc("catchups", "Catch-up bytes of a node that fell behind",
-                f"python bench/catchups.py --baseline {a.baseline} --repeats {a.repeats} --freeze {a.freeze:g} "
+                f"python -m bench.catchups --baseline {a.baseline} --repeats {a.repeats} --freeze {a.freeze:g} "
                 f"--precision {a.precision} --duration {a.duration:g}", intro=[__doc__.split("\n\n")[2]])
     doc.table(["commit", "seed", "follows", "versions behind (mean)", "from rounds", "kB downloaded",
                "kB of the states", "bytes / state bytes", "final states"],

@@ -1,7 +1,7 @@
 """Plot a chaos run: held-out loss and tokens merged over time, decoupled against synchronous.
 
     p2pdiloco chaos ... --mode both --workdir /tmp/bench2 --json /tmp/bench2.json
-    python bench/chaos_plot.py /tmp/bench2.json docs/benchmarks/chaos.png
+    python -m bench.chaos_plot /tmp/bench2.json docs/benchmarks/chaos.png
 
 Reads each mode's ``timeline.jsonl`` (every status sample the harness read, in the run's
 ``workdir``) and the kill times from the JSON's schedule. Left: the mean over nodes of each

@@ -1,6 +1,6 @@
 """Render the JSON of ``p2pdiloco chaos --json FILE`` as the Markdown tables of docs/chaos.md.
 
-    python bench/chaos_table.py /tmp/bench1.json [more.json ...]
+    python -m bench.chaos_table /tmp/bench1.json [more.json ...]
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, An
     doc.table(["H", "outer momentum", "outer lr", "error-feedback decay", "codec", "held-out (mean)", "vs fp32 (mean)", "vs fp32 (worst seed)",
                "up B / learner / round", "down B / learner / round", "DDP bytes / ours"], rows,
               "Held-out loss at the end and payload bytes at equal tokens")
-    doc.text("Targets (issue 13, payload only): " + "; ".join(f"{n}: {verdict(ok)}" for n, ok in checks) + ".")
+    doc.text("Targets (docs/benchmarks/README.md, payload only): " + "; ".join(f"{n}: {verdict(ok)}" for n, ok in checks) + ".")
     path = doc.write(m, seconds, {"results": results, "seconds": seconds})
     print(path.read_text())
 

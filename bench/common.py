@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from node.control import ControlUnreachable, query  # noqa: E402
-from p2pdiloco.procs import Proc, Processes, read_json  # noqa: E402
+from node.control import ControlUnreachable, query
+from p2pdiloco.procs import Proc, Processes, read_json
+from p2pdiloco.status import Status, StatusError, parse_status, read_status
 
 DOCS = ROOT / "docs" / "benchmarks"
 PY = sys.executable
-WORKER = str(ROOT / "bench" / "workers.py")
 
 # The one model and data every system trains (byte-level GPT from p2pdiloco.model on
 # p2pdiloco.data's default corpus, the Python standard library's source): 2 layers, 64 wide,
@@ -388,18 +387,19 @@ def window_by_steps(ns: NetNS, nodes: list, steps: int, timeout: float = 1800.0)
     a node stops answering before the window closes (the run's own checks then say why)."""
     socks = [str(d / "control.sock") for _, d in nodes]
 
-    def snapshot() -> tuple[int, float, list[dict]] | None:
+    def snapshot() -> tuple[int, float, list[Status]] | None:
         sent, t = ns.tx_bytes(), time.monotonic()
         try:
-            return sent, t, [query(q, timeout=10) for q in socks]
-        except ControlUnreachable:
+            snaps = [parse_status(query(q, timeout=10)) for q in socks]
+        except (ControlUnreachable, StatusError):
             return None
+        return sent, t, [x if isinstance(x, Status) else Status(name=x.name, state=x.state) for x in snaps]
 
-    def wait(done) -> tuple[int, float, list[dict]] | None:
+    def wait(done) -> tuple[int, float, list[Status]] | None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             snap = snapshot()
-            if snap and done([x.get("step", 0) for x in snap[2]]):
+            if snap and done([x.step for x in snap[2]]):
                 return snap
             if any(p.poll() is not None for p, _ in nodes):
                 return None
@@ -410,14 +410,16 @@ def window_by_steps(ns: NetNS, nodes: list, steps: int, timeout: float = 1800.0)
     b = a and wait(lambda st: max(st) >= STEADY[1] * steps)
     if not b:
         return None
-    delta = {k: sum(y[k] - x[k] for x, y in zip(a[2], b[2])) for k in ("tokens", "bytes_out", "rounds_committed")}
-    return {"bytes": b[0] - a[0], "seconds": b[1] - a[1], "tokens": delta["tokens"], "payload": delta["bytes_out"],
-            "rounds": delta["rounds_committed"]}
+    pairs = list(zip(a[2], b[2]))
+    return {"bytes": b[0] - a[0], "seconds": b[1] - a[1], "tokens": sum(y.tokens - x.tokens for x, y in pairs),
+            "payload": sum(y.bytes_out - x.bytes_out for x, y in pairs),
+            "rounds": sum(y.rounds_committed - x.rounds_committed for x, y in pairs)}
 
 
 def worker_argv(mode: str, rank: int, world: int, values: dict[str, str], out: Path, **kw: Any) -> list[str]:
-    """bench/workers.py: DDP, synchronous DiLoCo, torchft DiLoCo or a standalone trainer."""
-    argv = [PY, WORKER, mode, "--rank", str(rank), "--world", str(world), "--out", str(out),
+    """``python -m bench.workers``: DDP, synchronous DiLoCo, torchft DiLoCo or a standalone trainer
+    (run from the repository root, as every benchmark is: the child finds ``bench`` there)."""
+    argv = [PY, "-m", "bench.workers", mode, "--rank", str(rank), "--world", str(world), "--out", str(out),
             "--settings", json.dumps(values)]
     for k, v in kw.items():
         if v is not None:
@@ -493,14 +495,22 @@ def verdict(ok: bool) -> str:
 
 def status_of(path: Path) -> dict[str, Any] | None:
     """A node's status.json or a worker's status file, as (time, tokens, merged) figures."""
+    node = read_status(path)
+    if isinstance(node, Status):  # a p2pdiloco node (p2pdiloco.status)
+        return {"t": node.time, "tokens": node.tokens, "merged": node.tokens_merged, "state": node.state,
+                "pid": node.pid, "p2pd_pid": node.p2pd_pid}
     s = read_json(path)
-    if not s:
+    if not s or "t" not in s:  # missing, or a node still starting
         return None
-    if "tokens_merged" in s:  # a p2pdiloco node
-        return {"t": s.get("time", 0.0), "tokens": s.get("tokens", 0), "merged": s.get("tokens_merged", 0.0),
-                "state": s.get("state"), "pid": s.get("pid"), "p2pd_pid": s.get("p2pd_pid")}
     return {"t": s["t"], "tokens": s["tokens"], "merged": s["merged"], "state": "training", "pid": s.get("pid"),
             "cpu_s": s.get("cpu_s")}
+
+
+def node_status(path: Path) -> Status:
+    """A node's status file (p2pdiloco.status) as a Status: zeros while it is missing or the
+    node is still starting."""
+    node = read_status(path)
+    return node if isinstance(node, Status) else Status(name=path.parent.name, state="starting")
 
 
 def wait_training(paths: list[Path], procs: list[Proc], timeout: float) -> None:

@@ -2,8 +2,8 @@
 or state payload, per second and per committed round, at this commit against a baseline
 commit, in the same run.
 
-    python bench/control_plane.py                    # HEAD against --baseline, 4 nodes, 2 runs each
-    python bench/control_plane.py --nodes 4 --duration 60 --repeats 2 --window 40 --baseline 74201dc
+    python -m bench.control_plane                    # HEAD against --baseline, 4 nodes, 2 runs each
+    python -m bench.control_plane --nodes 4 --duration 60 --repeats 2 --window 40 --baseline 74201dc
 
 Each commit runs from its own clean clone of this repository checked out at that commit (its
 processes start in the clone, with the clone first on PYTHONPATH), inside its own network
@@ -34,13 +34,10 @@ import json
 import statistics
 from collections import Counter
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as c  # noqa: E402
+from bench import common as c
 
 GOAL_PER_S = 1000  # goal (docs/benchmarks/README.md): background control traffic at most 1 kB/s per node ...
 GOAL_PER_ROUND = 5000  # ... and at most 5 kB per node per round
@@ -188,7 +185,7 @@ def main() -> None:
 
 def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, seconds: float, cost: dict) -> None:
     base, new = commits
-    doc = c.Doc("control_plane", "Control plane of real nodes", f"python bench/control_plane.py --baseline {a.baseline} "
+    doc = c.Doc("control_plane", "Control plane of real nodes", f"python -m bench.control_plane --baseline {a.baseline} "
                 f"--nodes {a.nodes} --duration {a.duration:g} --repeats {a.repeats} --window {a.window:g}", intro=[__doc__.split("\n\n")[2]])
     doc.table(["commit", "seed", "wall s", "rounds", "catch-ups", "socket MB", "payload MB", "payload kB/s/node",
                "control kB/s/node", "control kB/round/node", "final states"],
@@ -237,7 +234,7 @@ def write(a: argparse.Namespace, runs: list[dict], commits: list[str], m: dict, 
               caption="Means over the seeds (the per-second figure holds every control byte, so it bounds "
                       "the background from above; the per-round ones hold the background too, except the "
                       "last, which takes the same commit and seed's background rate times the window off the "
-                      "steady state's control bytes: the issue's model, background per second plus a cost "
+                      "steady state's control bytes: the goal's model (docs/benchmarks/README.md), background per second plus a cost "
                       "per round):")
     for k in commits:
         bg: Counter[str] = Counter()

@@ -1,7 +1,7 @@
 """Invariant I1 on mixed CPUs: a real swarm whose nodes run different torch CPU kernel sets.
 
-    python bench/cpu_kernels.py                  # 3 nodes, 180 s of training, twice (about 7 minutes)
-    python bench/cpu_kernels.py --duration 60    # shorter
+    python -m bench.cpu_kernels                  # 3 nodes, 180 s of training, twice (about 7 minutes)
+    python -m bench.cpu_kernels --duration 60    # shorter
 
 Node i runs with ``ATEN_CPU_CAPABILITY`` = the i-th of the kernel sets this CPU offers (default,
 avx2, avx512 where /proc/cpuinfo lists avx2 / avx512f; cycled over the nodes), so one machine
@@ -26,14 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT.parent))
+from bench import common as c
 
-import common as c  # noqa: E402
-
-from p2pdiloco.procs import Processes  # noqa: E402
-from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
+from p2pdiloco.procs import Processes
+from p2pdiloco.presets import DEMO as DEMO_SETTINGS
 
 
 def capabilities() -> list[str]:
@@ -96,7 +92,7 @@ def main() -> int:
                          f"{per_min:.2f}", r["global_digest"]])
     equal = all(len({r["global_digest"] for r in rs}) == 1 for rs in phases.values())
     doc = c.Doc("cpu_kernels", "Mixed CPU kernel sets in one swarm (invariant I1)",
-                f"python bench/cpu_kernels.py --nodes {args.nodes} --duration {args.duration:g}",
+                f"python -m bench.cpu_kernels --nodes {args.nodes} --duration {args.duration:g}",
                 intro=[__doc__.split("\n\n")[2].replace("\n", " ")])
     doc.table(["run", "node", "ATEN_CPU_CAPABILITY", "rounds committed", "catch-ups", "re-syncs", "re-syncs per minute",
                "final global digest"], rows,

@@ -1,8 +1,8 @@
 """Benchmark 4, goodput under failures: p2pdiloco (through the chaos harness,
 p2pdiloco.chaos) against torchft's DiLoCo under the same kill/restart schedule.
 
-    python bench/goodput.py            # about 6 minutes on a 2-core machine
-    python bench/goodput.py --quick    # a smoke run
+    python -m bench.goodput            # about 6 minutes on a 2-core machine
+    python -m bench.goodput --quick    # a smoke run
 
 Both systems get: the same nodes (``--nodes`` processes, the benchmark model and data), the
 same fault schedule (p2pdiloco.chaos.schedule.round_robin_schedule: kill node ``k mod N``
@@ -41,9 +41,7 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as c  # noqa: E402
+from bench import common as c
 
 LIGHTHOUSE = str(Path(c.PY).parent / "torchft_lighthouse")
 
@@ -273,7 +271,7 @@ def main() -> None:
 
 
 def write(a: argparse.Namespace, res: dict, m: dict, seconds: float, work: Path) -> None:
-    cmd = "python bench/goodput.py" + (" --quick" if a.quick else "")
+    cmd = "python -m bench.goodput" + (" --quick" if a.quick else "")
     doc = c.Doc("goodput", "Benchmark 4: goodput under failures, p2pdiloco against torchft", cmd)
     doc.intro = [
         f"{a.nodes} nodes of the benchmark model, H = {a.H} for both systems (p2pdiloco: {a.precision} on the wire, "

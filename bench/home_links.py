@@ -1,10 +1,10 @@
 """Benchmark: volunteers on slow home links and behind NAT. Four p2pdiloco nodes on a
-simulated internet (tests/internet/topology.py): the merged tokens per second of the three on
+simulated internet (bench/internet.py): the merged tokens per second of the three on
 50 Mbit/s links when the fourth is on 2 Mbit/s, or behind NAT (reached through the bootstrap
 peer's relay), against the same with all four on 50 Mbit/s.
 
-    python bench/home_links.py           # as root; 11 to 16 minutes on a 2-core machine
-    python bench/home_links.py --quick   # a smoke run (short windows; about 3 to 7 minutes)
+    python -m bench.home_links           # as root; 11 to 16 minutes on a 2-core machine
+    python -m bench.home_links --quick   # a smoke run (short windows; about 3 to 7 minutes)
 
 Each phase builds a fresh internet: the bootstrap peer on public host ``boot`` (not limited,
 announced as relay.example), n1..n3 on public hosts (announced as n<i>.example: libp2p treats
@@ -30,12 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common as c  # noqa: E402
-
-sys.path.insert(0, str(c.ROOT))
-from p2pdiloco.model import ModelConfig  # noqa: E402
-from tests.internet.topology import Internet, delete_namespaces, namespaces, unavailable  # noqa: E402
+from bench import common as c
+from bench.internet import Internet, delete_namespaces, namespaces, unavailable
+from p2pdiloco.model import ModelConfig
+from p2pdiloco.status import Status
 
 GOAL = 0.90  # the fast nodes keep at least 90% of their all-fast merged-token rate
 RELAY, PORT = "relay.example", 4001
@@ -103,36 +101,36 @@ def run_phase(k: int, label: str, a: argparse.Namespace, values: dict[str, str],
                     g.add(pid)
             if fourth == "h1":
                 t0 = time.monotonic()
-                wait_for(lambda: (c.read_json(status["h1"]) or {}).get("reachability") == "relayed", started["h1"],
+                wait_for(lambda: c.node_status(status["h1"]).reachability == "relayed", started["h1"],
                          a.relay_wait, "relay slot for h1 (status reachability 'relayed')")
                 out["relayed_after_s"] = time.monotonic() - t0
                 for g in caps[3:]:  # p2pd was restarted (forced private) for the slot: cap the new one too
-                    g.add((c.read_json(status["h1"]) or {}).get("p2pd_pid"))
+                    g.add(c.node_status(status["h1"]).p2pd_pid)
             time.sleep(a.warm)
-            before = {h: c.read_json(status[h]) or {} for h in nodes}
+            before = {h: c.node_status(status[h]) for h in nodes}
             window = c.window_rates([status[h] for h in nodes], 0.0, a.window)
-            after = {h: c.read_json(status[h]) or {} for h in nodes}
+            after = {h: c.node_status(status[h]) for h in nodes}
     finally:
         for g in caps:
             g.close()
 
-    def delta(h: str, key: str) -> float:
-        return float(after[h].get(key) or 0) - float(before[h].get(key) or 0)
+    def delta(h: str, figure: Callable[[Status], float]) -> float:
+        return float(figure(after[h])) - float(figure(before[h]))
 
     out.update({
         "rates": dict(zip(nodes, window)),
         **{f"fast_{k}": sum(r[k] for r in window[:3]) for k in ("merged_per_s", "tokens_per_s")},
-        "fast_rounds_with_peers": sum(delta(h, "rounds_with_peers") for h in FAST),
-        "reachability": {h: after[h].get("reachability") for h in nodes},
-        "fourth_rounds_with_peers": delta(fourth, "rounds_with_peers"),
-        "fourth_rounds_total": after[fourth].get("rounds_with_peers"),
-        **{f"fourth_mbit_{k}": 8e-6 * delta(fourth, f"bytes_{k}") / max(1e-9, delta(fourth, "time")) for k in ("in", "out")},
-        "bytes_relayed": {h: after[h].get("bytes_relayed", 0) for h in nodes},
-        "bytes_relayed_window": {h: delta(h, "bytes_relayed") for h in nodes},
-        "link_measured_mbit": {h: 8e-6 * float(after[h].get("link_bytes_per_s") or 0) for h in nodes},
+        "fast_rounds_with_peers": sum(delta(h, lambda s: s.rounds_with_peers) for h in FAST),
+        "reachability": {h: after[h].reachability for h in nodes},
+        "fourth_rounds_with_peers": delta(fourth, lambda s: s.rounds_with_peers),
+        "fourth_rounds_total": after[fourth].rounds_with_peers,
+        "fourth_mbit_in": 8e-6 * delta(fourth, lambda s: s.bytes_in) / max(1e-9, delta(fourth, lambda s: s.time)),
+        "fourth_mbit_out": 8e-6 * delta(fourth, lambda s: s.bytes_out) / max(1e-9, delta(fourth, lambda s: s.time)),
+        "bytes_relayed": {h: after[h].bytes_relayed for h in nodes},
+        "bytes_relayed_window": {h: delta(h, lambda s: s.bytes_relayed) for h in nodes},
+        "link_measured_mbit": {h: 8e-6 * float(after[h].link_bytes_per_s or 0) for h in nodes},
         # the fourth node's part of each reduction (bandwidth-aware shares) in its last rounds with peers
-        "fourth_shares": [r.get("share", 0.0) for r in after[fourth].get("recent_rounds") or []
-                          if r.get("committed") and r.get("members", 0) > 1],
+        "fourth_shares": [r.share for r in after[fourth].recent_rounds if r.committed and r.members > 1],
     })
     print(f"home_links: {label}: n1-n3 merged {out['fast_merged_per_s']:,.0f} tokens/s", flush=True)
     return out
@@ -180,13 +178,13 @@ def main() -> None:
 
 def write(a: argparse.Namespace, results: dict[str, dict[str, Any]], failed: dict[str, str], m: dict[str, Any],
           seconds: float, work: Path) -> None:
-    cmd = "python bench/home_links.py" + (" --quick" if a.quick else "")
+    cmd = "python -m bench.home_links" + (" --quick" if a.quick else "")
     doc = c.Doc("home_links", "Benchmark: volunteers on slow home links and behind NAT", cmd)
     params = ModelConfig().num_parameters or 0
     clean = "working tree" not in m["commit"]
     doc.intro = [
         "Four p2pdiloco nodes and a bootstrap peer (also the relay) on a simulated internet of network namespaces "
-        "(tests/internet/topology.py; link rates are tbf limits on both directions). Three phases, each on a fresh "
+        "(bench/internet.py; link rates are tbf limits on both directions). Three phases, each on a fresh "
         f"internet: *fast*, n1 to n4 public on {a.fast_mbit:g} Mbit/s links; *slow*, n4 on {a.slow_mbit:g} Mbit/s; "
         f"*relayed*, the fourth node h1 behind NAT on {a.fast_mbit:g} Mbit/s, measured once its status says `relayed`.",
         "",

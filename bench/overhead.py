@@ -1,8 +1,8 @@
 """Benchmark 3, overhead: one node's training throughput inside a 3-node p2pdiloco swarm
 against the same learner training alone.
 
-    python bench/overhead.py            # about 4 minutes on a 2-core machine
-    python bench/overhead.py --quick    # a smoke run
+    python -m bench.overhead            # about 4 minutes on a 2-core machine
+    python -m bench.overhead --quick    # a smoke run
 
 Fair comparison on a shared 2-core machine: both phases run the same number of training
 processes (3), and the primary figure is normalised by CPU time: tokens trained per CPU-second
@@ -28,11 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import psutil
 
-import psutil  # noqa: E402
-
-import common as c  # noqa: E402
+from bench import common as c
 
 GOAL = 0.03
 CPU_GOAL = 0.01  # goal: swarm CPU at most 0.01 cores per node (docs/benchmarks/README.md)
@@ -61,7 +59,7 @@ def _threads(pid: int | None) -> dict[int, float]:
 
 
 def _rounds(path: Path) -> int:
-    return int((c.read_json(path) or {}).get("rounds_committed") or 0)
+    return c.node_status(path).rounds_committed
 
 
 def measure(paths: list[Path], warm: float, window: float) -> list[dict]:
@@ -134,9 +132,9 @@ def main() -> None:
             paths = [d / "status.json" for _, d in nodes]
             c.wait_training(paths, [p for p, _ in nodes], 240)
             results["swarm"] = measure(paths, a.warm, a.window)
-            final = [c.read_json(pth) or {} for pth in paths]
-            results["swarm_rounds"] = [{"rounds_committed": f.get("rounds_committed"),
-                                        "rounds_alone": f.get("rounds_alone")} for f in final]
+            final = [c.node_status(pth) for pth in paths]
+            results["swarm_rounds"] = [{"rounds_committed": f.rounds_committed, "rounds_alone": f.rounds_alone}
+                                       for f in final]
 
     def background() -> None:
         print("overhead: p2pdiloco swarm without rounds ...", flush=True)
@@ -158,7 +156,7 @@ def main() -> None:
 
 
 def write(a: argparse.Namespace, results: dict, m: dict, seconds: float, work: Path, tokens_per_step: int) -> None:
-    cmd = " ".join(["python bench/overhead.py", *(f"--set {kv}" for kv in a.overrides),
+    cmd = " ".join(["python -m bench.overhead", *(f"--set {kv}" for kv in a.overrides),
                     *([f"--window {a.window:g}"] if a.window != 30.0 and not a.quick else []),
                     *([f"--doc {a.doc}"] if a.doc != "overhead" else []), *(["--quick"] if a.quick else [])])
     doc = c.Doc(a.doc, "Benchmark 3: swarm overhead on one node", cmd)
@@ -226,7 +224,7 @@ def write(a: argparse.Namespace, results: dict, m: dict, seconds: float, work: P
         doc.text(f"So a node's swarm costs {bg:.4f} cores without rounds plus {per_round:.1f} ms of CPU per outer "
                  f"round it commits. This benchmark's model takes {1000 * split['step_s']:.0f} ms an inner step, so with "
                  f"H = {a.H} and 4 fragments a node commits {rate:.2f} rounds a second and its swarm takes "
-                 f"{split['swarm_cores']:.4f} cores: {c.verdict(split['swarm_cores'] <= CPU_GOAL)} against issue 13's "
+                 f"{split['swarm_cores']:.4f} cores: {c.verdict(split['swarm_cores'] <= CPU_GOAL)} against the goal's "
                  f"{CPU_GOAL} cores. The same swarm with a model of 1 s an inner step (DiLoCo's regime: a round every "
                  f"{a.H / 4:.0f} s) would take {bg + per_round / 1000 * 4 / a.H:.4f} cores "
                  f"({c.verdict(bg + per_round / 1000 * 4 / a.H <= CPU_GOAL)}).")

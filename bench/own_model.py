@@ -1,7 +1,7 @@
 """Your own model through the full protocol: a 20-50M-parameter model from a factory (not the built-in GPT).
 
-    python bench/own_model.py                    # 2 nodes for 240 s, a third joins after 100 s (about 7 minutes)
-    python bench/own_model.py --duration 120 --join-at 50
+    python -m bench.own_model                    # 2 nodes for 240 s, a third joins after 100 s (about 7 minutes)
+    python -m bench.own_model --duration 120 --join-at 50
 
 Two nodes start training ``model.factory`` (default ``p2pdiloco.models.torch_lm:decoder_lm``,
 plain-torch pre-LayerNorm decoder, 7 layers, 512 wide, 22.4M parameters, context 128, 2
@@ -26,13 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT.parent))
+from bench import common as c
 
-import common as c  # noqa: E402
-
-from node.journal import FILE as JOURNAL, read_journal  # noqa: E402
+from node.journal import FILE as JOURNAL, read_journal
 
 FACTORY = "p2pdiloco.models.torch_lm:decoder_lm"
 MB = 1e6
@@ -155,8 +151,8 @@ def write(args: dict, m: dict, seconds: float, data: dict) -> tuple[Path, bool]:
     falls = all(r["end_loss"] < r["start_loss"] for r in reports)
     merged = all(r["rounds_with_peers"] > 0 for r in reports) and min(f["delta_bytes"] for f in frags) > MB
     full = download["fragments"] == list(range(len(frags)))
-    doc = c.Doc("own_model", "Your own model through the full protocol (issue 15, item 5)",
-                f"python bench/own_model.py --duration {args['duration']:g} --join-at {args['join_at']:g}",
+    doc = c.Doc("own_model", "Your own model through the full protocol",
+                f"python -m bench.own_model --duration {args['duration']:g} --join-at {args['join_at']:g}",
                 intro=[" ".join(__doc__.split("\n\n")[2].split())])
     doc.table(["fragment", "tensors", "parameters", "pseudo-gradient on the wire (MB)", "full state (MB)"],
               [[f["fragment"], f["tensors"], f"{f['parameters'] / 1e6:.2f}M", f"{f['delta_bytes'] / MB:.1f}",

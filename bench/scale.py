@@ -1,7 +1,7 @@
 """Scale of the round protocol: matchmaking and all-reduce among 8 to 128 in-memory peers.
 
-    python bench/scale.py                                  # N = 8, 16, 32, 64, 128; 60 rounds each (about 20 minutes)
-    python bench/scale.py --sizes 8 16 --rounds 3 --out /tmp/scale   # a quick look
+    python -m bench.scale                                  # N = 8, 16, 32, 64, 128; 60 rounds each (about 20 minutes)
+    python -m bench.scale --sizes 8 16 --rounds 3 --out /tmp/scale   # a quick look
 
 Each size runs on one ``MemoryNet`` (``p2pdiloco.net.transport.memory``): every peer a real ``Swarm`` (the
 framing, limits, deadlines and signed DHT records of production) with its ``Matchmaker`` and
@@ -43,23 +43,18 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT.parent))
+import looptime
+import torch
 
-import common as c  # noqa: E402
-import looptime  # noqa: E402
-import torch  # noqa: E402
-
-from p2pdiloco.core.fragments import Fragment, TensorSlot  # noqa: E402
-from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, RoundResult  # noqa: E402
-from p2pdiloco.net.rounds.matchmaking import GroupKey, Matchmaker  # noqa: E402
-from p2pdiloco.net.transport.memory import Link, MemoryNet  # noqa: E402
-from p2pdiloco.trust.identity import Identity  # noqa: E402
+from bench import common as c
+from p2pdiloco.core.fragments import Fragment, TensorSlot
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, RoundResult
+from p2pdiloco.net.rounds.matchmaking import GroupKey, Matchmaker
+from p2pdiloco.net.transport.memory import Link, MemoryNet
+from p2pdiloco.trust.identity import Identity
 
 SHAPES = [(256, 128), (128, 384), (128, 128), (128, 64), (384,), (128,)]  # 107k parameters
 FRAGMENT = Fragment(0, tuple(TensorSlot(f"t{i}", s, math.prod(s), i == 0) for i, s in enumerate(SHAPES)))
@@ -167,7 +162,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def report(rows: list[dict], a: argparse.Namespace, m: dict, took: float) -> str:
-    cmd = "python bench/scale.py" + (f" --sizes {' '.join(map(str, a.sizes))}" if a.sizes != DEFAULT_SIZES else "") \
+    cmd = "python -m bench.scale" + (f" --sizes {' '.join(map(str, a.sizes))}" if a.sizes != DEFAULT_SIZES else "") \
         + (f" --rounds {a.rounds}" if a.rounds != 60 else "") + (f" --spread {a.spread:g}" if a.spread != 2.0 else "")
     out = ["# Scale of the round protocol (in-memory peers)", "", __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0],
            "", f"Command: `{cmd}` (from the repository root, in the project's virtual environment; took "
@@ -191,7 +186,7 @@ def report(rows: list[dict], a: argparse.Namespace, m: dict, took: float) -> str
     if forks:
         out += ["", "Members of the groups of each forked version: " + "; ".join(forks) + "."]
     worst = max(r["versions_forked"] / r["rounds"] for r in rows)
-    out += ["", f"Forks: at most {100 * worst:.0f}% of versions at any size (goal, issue 12: under 2%).", "",
+    out += ["", f"Forks: at most {100 * worst:.0f}% of versions at any size (goal, docs/benchmarks/README.md: under 2%).", "",
             "![scale](scale.png)"]
     return "\n".join(out) + "\n"
 
@@ -205,7 +200,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--spread", type=float, default=2.0, help="seconds over which the peers of a round become ready")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=ROOT.parent / "docs" / "benchmarks")
+    p.add_argument("--out", type=Path, default=c.DOCS)
     a = p.parse_args()
     if any(n < 2 or n > 256 for n in a.sizes) or a.rounds < 1 or a.spread < 0:
         raise SystemExit("scale: sizes must be in 2..256, rounds >= 1, spread >= 0")

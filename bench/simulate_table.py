@@ -1,7 +1,7 @@
 """Regenerate docs/simulator.md's reproduced table, its timing section and docs/simulator-goodput.png.
 
-    python bench/simulate_table.py               # table, timings and plot (about 10 s)
-    python bench/simulate_table.py --calibrate   # also rerun the one-time grid search (minutes)
+    python -m bench.simulate_table               # table, timings and plot (about 10 s)
+    python -m bench.simulate_table --calibrate   # also rerun the one-time grid search (minutes)
 
 The doc's generated parts sit between ``<!-- BEGIN name -->`` and ``<!-- END name -->``
 markers; everything else in the doc is left as it is. Needs matplotlib for the plot.
@@ -22,11 +22,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from p2pdiloco.sim.cli import format_table  # noqa: E402
-from p2pdiloco.sim.datacenter import CALIBRATED, DatacenterParams, simulate  # noqa: E402
-from p2pdiloco.sim.paper import PAPER_TABLE, SIZES, calibrate, reproduce_table  # noqa: E402
+from p2pdiloco.sim.cli import format_table
+from p2pdiloco.sim.datacenter import CALIBRATED, DatacenterParams, simulate
+from p2pdiloco.sim.paper import PAPER_TABLE, SIZES, calibrate, reproduce_table
 
 DOC = ROOT / "docs" / "simulator.md"
 PLOT = ROOT / "docs" / "simulator-goodput.png"

@@ -32,9 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as c  # noqa: E402
+from bench import common as c
 
 GOAL = 0.05  # a 4x-slowed node may cost the swarm at most 5% of its merged-token rate
 

@@ -1,8 +1,8 @@
 """Cost of signed updates per outer round at the demo's settings (docs/trust.md).
 
-    python bench/trust_overhead.py                 # 3 nodes, the demo model, 8 rounds per fragment
-    python bench/trust_overhead.py --demo 90       # also run `p2pdiloco demo` 90 s for its real round times
-    python bench/trust_overhead.py --rounds 4 --json
+    python -m bench.trust_overhead                 # 3 nodes, the demo model, 8 rounds per fragment
+    python -m bench.trust_overhead --demo 90       # also run `p2pdiloco demo` 90 s for its real round times
+    python -m bench.trust_overhead --rounds 4 --json
 
 Three swarms (one p2pd each) in this process on 127.0.0.1 run real rounds of the demo's
 model (p2pdiloco/presets.py DEMO: about 0.8M parameters in 4 fragments): matchmaking
@@ -40,15 +40,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
-from p2pdiloco.config import load_config  # noqa: E402
-from p2pdiloco.core.fragments import balanced_fragments  # noqa: E402
-from p2pdiloco.model import build_model  # noqa: E402
-from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution  # noqa: E402
-from p2pdiloco.net.rounds.matchmaking import GroupKey, Matchmaker  # noqa: E402
-from p2pdiloco.net.transport.swarm import Swarm  # noqa: E402
+from p2pdiloco.presets import DEMO as DEMO_SETTINGS
+from p2pdiloco.config import load_config
+from p2pdiloco.core.fragments import balanced_fragments
+from p2pdiloco.model import build_model
+from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution
+from p2pdiloco.net.rounds.matchmaking import GroupKey, Matchmaker
+from p2pdiloco.net.transport.swarm import Swarm
 
 NODES = 3
 

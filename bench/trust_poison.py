@@ -1,9 +1,9 @@
 """Robust merging under attack: 4 nodes, one (or two colluding) poisoning every round, against 4 honest nodes.
 
-    python bench/trust_poison.py                         # clean, then scale, flip, nan, mix (about 30 min on 2 cores)
-    python bench/trust_poison.py --attacks mix --steps 300
-    python bench/trust_poison.py --attacks flip --attackers 2 --steps 300   # two colluders of four
-    python bench/trust_poison.py --attacks flip leave --attackers 2 --steps 1500 --honest-first 300  # trusted first
+    python -m bench.trust_poison                         # clean, then scale, flip, nan, mix (about 30 min on 2 cores)
+    python -m bench.trust_poison --attacks mix --steps 300
+    python -m bench.trust_poison --attacks flip --attackers 2 --steps 300   # two colluders of four
+    python -m bench.trust_poison --attacks flip leave --attackers 2 --steps 1500 --honest-first 300  # trusted first
 
 Each run is a bootstrap peer and 4 node processes on 127.0.0.1 with the demo's settings
 (p2pdiloco/presets.py DEMO; one data shard per node), every node stopping after ``--steps``
@@ -33,14 +33,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import common as c  # noqa: E402
-from p2pdiloco.procs import Processes  # noqa: E402
-from p2pdiloco.presets import DEMO as DEMO_SETTINGS  # noqa: E402
-from p2pdiloco.trust.identity import Identity  # noqa: E402
+from bench import common as c
+from p2pdiloco.procs import Processes
+from p2pdiloco.presets import DEMO as DEMO_SETTINGS
+from p2pdiloco.trust.identity import Identity
 
 NODES = 4
 

@@ -1,6 +1,6 @@
 """One training process of a baseline system, started by the benchmarks (never by hand).
 
-    python bench/workers.py MODE --rank R --world N --out RESULT.json --settings JSON [...]
+    python -m bench.workers MODE --rank R --world N --out RESULT.json --settings JSON [...]
 
 MODE:
   standalone  the learner alone: no network, no peers (the reference throughput)
@@ -26,23 +26,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from p2pdiloco.config import load_config  # noqa: E402
-from p2pdiloco.core.fragments import balanced_fragments  # noqa: E402
-from p2pdiloco.core.learner import Learner  # noqa: E402
-from p2pdiloco.core.outer import nesterov_outer_step  # noqa: E402
-from p2pdiloco.data import BatchSampler, default_corpus_files, evaluate, heldout_batches, load_corpus  # noqa: E402
-from p2pdiloco.model import build_model  # noqa: E402
+from p2pdiloco.config import load_config
+from p2pdiloco.core.fragments import balanced_fragments
+from p2pdiloco.core.learner import Learner
+from p2pdiloco.core.outer import nesterov_outer_step
+from p2pdiloco.data import BatchSampler, default_corpus_files, evaluate, heldout_batches, load_corpus
+from p2pdiloco.model import build_model
 
 
 def _write(path: Path | None, data: dict) -> None:

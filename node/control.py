@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.errors import NetworkError
+from p2pdiloco.status import Connecting, Snapshot, Status
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ TEMP_PREFIX = "p2pdiloco-node-"  # temporary control folders of nodes without a 
 MAX_SOCKET_PATH = 100  # bytes; sun_path holds 108 on Linux, 104 on macOS
 QUERY_TIMEOUT = 3.0  # seconds a client waits for a node's answer
 
-Provider = Callable[[], dict[str, Any]]
+Provider = Callable[[], dict[str, Any]]  # the status JSON the control socket answers
+SnapshotProvider = Callable[[], Snapshot]  # the snapshot the metrics endpoint reads
 
 
 class ControlUnreachable(NetworkError):
@@ -286,10 +288,10 @@ SCALAR_METRICS = (
 
 
 class SnapshotCollector:
-    """A prometheus-client collector that turns the node's snapshot into metric families at
-    every scrape (so the figures are never stale and need no bookkeeping)."""
+    """A prometheus-client collector that turns the node's snapshot (``p2pdiloco.status``) into
+    metric families at every scrape (so the figures are never stale and need no bookkeeping)."""
 
-    def __init__(self, provider: Provider):
+    def __init__(self, provider: SnapshotProvider):
         self.provider = provider
 
     def describe(self) -> list:
@@ -299,49 +301,53 @@ class SnapshotCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily  # noqa: PLC0415
 
         s = self.provider()
-        info = {k: str(s.get(k) or "") for k in ("name", "peer_id", "run_id")}
+        connected = isinstance(s, (Connecting, Status))
+        info = {"name": s.name, "peer_id": s.peer_id if connected else "", "run_id": s.run_id}
         yield InfoMetricFamily("p2pdiloco_node", "this node's name, peer ID and run", value=info)
         state = GaugeMetricFamily("p2pdiloco_state", "1 for the node's current state", labels=["state"])
-        state.add_metric([str(s.get("state", "unknown"))], 1)
+        state.add_metric([s.state], 1)
         yield state
-        if s.get("reachability"):
+        if connected and s.reachability:
             reach = GaugeMetricFamily("p2pdiloco_reachability", "1 for how peers can dial this node "
                                       "(public, behind NAT, relayed, ...)", labels=["state"])
-            reach.add_metric([str(s["reachability"])], 1)
+            reach.add_metric([s.reachability], 1)
             yield reach
-
-        for kind, name, doc, key in SCALAR_METRICS:
-            value = s.get(key)
+        for kind, name, doc, key in SCALAR_METRICS:  # a starting node has only its uptime
+            value = getattr(s, key, None)
             if isinstance(value, (int, float)) and value == value:  # unknown yet (None, NaN): left out
                 yield (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, value=value)
-        rounds = CounterMetricFamily("p2pdiloco_rounds", "outer rounds by outcome", labels=["outcome"])
-        for outcome in ("committed", "failed", "late"):
-            rounds.add_metric([outcome], s.get(f"rounds_{outcome}", 0) or 0)
-        yield rounds
-        rejected = CounterMetricFamily("p2pdiloco_rejected_contributions", "contributions refused, by reason",
-                                       labels=["reason"])
-        for reason, n in sorted((s.get("rejected") or {}).items()):
-            rejected.add_metric([str(reason)], n)
-        yield rejected
-        version = GaugeMetricFamily("p2pdiloco_fragment_version", "version of each fragment this node holds",
-                                    labels=["fragment"])
-        newest = GaugeMetricFamily("p2pdiloco_swarm_fragment_version", "newest version of each fragment in the swarm",
-                                   labels=["fragment"])
-        for f in s.get("fragment_status") or []:
-            version.add_metric([str(f["fragment"])], f["version"])
-            if f.get("swarm_version") is not None:
-                newest.add_metric([str(f["fragment"])], f["swarm_version"])
-        yield version
-        yield newest
-        swarm = s.get("swarm") or {}
-        for name, doc, value in (
-            ("p2pdiloco_swarm_peers", "nodes of the run with a live record", swarm.get("peers")),
-            ("p2pdiloco_swarm_learners", "nodes of the run still training", swarm.get("learners")),
-            ("p2pdiloco_fragments_behind", "fragments where the swarm holds a newer state",
-             len(swarm["behind"]) if "behind" in swarm else None),
-        ):
-            if value is not None:
-                yield GaugeMetricFamily(name, doc, value=value)
+        if isinstance(s, Status):
+            yield from _status_metrics(s)
+
+
+def _status_metrics(s: Status) -> Iterator[Any]:
+    """The metric families of a running node's counters by label (rounds, rejections,
+    fragment versions) and of the swarm as it read it."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+    rounds = CounterMetricFamily("p2pdiloco_rounds", "outer rounds by outcome", labels=["outcome"])
+    for outcome, n in (("committed", s.rounds_committed), ("failed", s.rounds_failed), ("late", s.rounds_late)):
+        rounds.add_metric([outcome], n)
+    yield rounds
+    rejected = CounterMetricFamily("p2pdiloco_rejected_contributions", "contributions refused, by reason",
+                                   labels=["reason"])
+    for reason, n in sorted(s.rejected.items()):
+        rejected.add_metric([str(reason)], n)
+    yield rejected
+    version = GaugeMetricFamily("p2pdiloco_fragment_version", "version of each fragment this node holds",
+                                labels=["fragment"])
+    newest = GaugeMetricFamily("p2pdiloco_swarm_fragment_version", "newest version of each fragment in the swarm",
+                               labels=["fragment"])
+    for f in s.fragment_status:
+        version.add_metric([str(f.fragment)], f.version)
+        if f.swarm_version is not None:
+            newest.add_metric([str(f.fragment)], f.swarm_version)
+    yield version
+    yield newest
+    if s.swarm is not None:
+        yield GaugeMetricFamily("p2pdiloco_swarm_peers", "nodes of the run with a live record", value=s.swarm.peers)
+        yield GaugeMetricFamily("p2pdiloco_swarm_learners", "nodes of the run still training", value=s.swarm.learners)
+        yield GaugeMetricFamily("p2pdiloco_fragments_behind", "fragments where the swarm holds a newer state",
+                                value=len(s.swarm.behind))
 
 
 def check_metrics_port(host: str, port: int) -> None:
@@ -359,7 +365,7 @@ def check_metrics_port(host: str, port: int) -> None:
                                "(--set metrics_port=PORT, 0: no metrics endpoint)") from None
 
 
-def start_metrics(host: str, port: int, provider: Provider) -> Callable[[], None]:
+def start_metrics(host: str, port: int, provider: SnapshotProvider) -> Callable[[], None]:
     """Serve Prometheus metrics on http://host:port/metrics; returns the function that stops it.
 
     Raises:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from p2pdiloco.presets import DEMO
 from p2pdiloco.procs import Processes
-from p2pdiloco.status import read_status
+from p2pdiloco.status import Report, read_status
 
 DEMO_SETTINGS = DEMO  # the demo's settings: p2pdiloco.presets
 
@@ -120,7 +120,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 (d / old).unlink(missing_ok=True)
             nodes.append((children.start(argv, d / "node.log", f"node{i}"), d))
         live_view(nodes, quiet=args.quiet, clock=Clock(args.duration, args.max_steps or 0))
-        reports = [read_status(d / "report.json") for _, d in nodes]
+        reports = [r if isinstance(r := read_status(d / "report.json"), Report) else None for _, d in nodes]
         codes = [p.returncode for p, _ in nodes]
         ok = final_table(reports, codes, [_last_line(d / "node.log") for _, d in nodes])
         _print_samples([d for _, d in nodes], cfg, "The " if args.data else "def ")

@@ -6,52 +6,36 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
 from p2pdiloco.atomic import write_json_atomic
 from p2pdiloco.config import NodeConfig, SwarmConfig
-from p2pdiloco.core.outer import run_tokens
 from p2pdiloco.data import bits_per_byte, evaluate
 from p2pdiloco.errors import ConfigError, NetworkError, P2PDilocoError
-from p2pdiloco.footprint import check_memory, rss_mib
+from p2pdiloco.footprint import check_memory
 from p2pdiloco import owners
 from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records.parse import HeadsRecord
 from p2pdiloco.net.transport.swarm import Swarm
-from p2pdiloco.status import Status
+from p2pdiloco.status import FragmentStatus, Report, Status, SwarmFigures
 
 from node.alone import START_ALONE_HINT
 from node.checkpoint import save_node_config
-from node.committed import global_digest
 from node.control import ControlServer, start_metrics
 from node.runtime import Node
-from node.status_view import RECORD_RPC, progress, swarm_rate
+from node.snapshot import Board, live_progress, snapshot, swarm_summary
+from node.status_view import RECORD_RPC
 from node.setup import Setup
-from node.swarm_view import fragment_status
-from node.vetting import trusted_records
 
 if TYPE_CHECKING:
     from p2pdiloco.trust import NodeTrust
 
 log = logging.getLogger(__name__)
-
-PROCESS_START = psutil.Process().create_time()
-
-
-
-
-def _num(x: Any, ndigits: int = 4) -> float | None:
-    """A float for JSON: rounded, None for NaN/inf (scripts get valid JSON)."""
-    return round(x, ndigits) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 class SwarmView:
@@ -86,32 +70,11 @@ class SwarmView:
                 log.warning("lost every connection; dialled the initial peers again and rejoined the swarm")
             await asyncio.sleep(self.REFRESH_SECONDS)
 
-    def summary(self, committed: list, me: str, trusted: Any = None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-        """(swarm figures, per-fragment status against the swarm's newest heads). This node's
-        own record counts with what it holds now, not with what it last published. With
-        ``trusted`` (the node's Reputation), the heads are those of the peers it trusts, as its
-        catch-up chooses them (``node.vetting.trusted_records``), while it trusts any."""
-        frags = [{"fragment": st.index, "version": st.version, "digest": st.short(), "swarm_version": None,
-                  "holders": 0, "status": "unknown"} for st in committed]
-        if self.records is None:
-            return None, frags
-        records = dict(self.records)
-        mine = tuple((st.version, st.digest) for st in committed)
-        records[me] = replace(records[me], fragments=mine) if me in records else HeadsRecord(mine)
-        chosen = trusted_records(records, me, trusted) if trusted is not None else None
-        heads, statuses = fragment_status(chosen or records, me, mine)
-        for f, head, status in zip(frags, heads, statuses):
-            f["status"] = status
-            if head is not None:
-                f.update(swarm_version=head.version, holders=len(head.holders))
-        now = time.time()
-        return {
-            "peers": len(records),
-            "learners": sum(1 for r in records.values() if not r.done),
-            "newest": [h.version if h else None for h in heads],
-            "behind": [f["fragment"] for f in frags if f["status"] == "behind"],
-            "read_age_s": _num(now - self.read_at, 1) if self.read_at else None,
-        }, frags
+    def summary(self, committed: list, me: str,
+                trusted: Any = None) -> tuple[SwarmFigures | None, list[FragmentStatus]]:
+        """(swarm figures, per-fragment status against the swarm's newest heads):
+        :func:`node.snapshot.swarm_summary` of this view."""
+        return swarm_summary(self, committed, me, trusted)
 
 
 async def serve_record(node: Node, swarm: Swarm) -> None:
@@ -127,123 +90,6 @@ async def serve_record(node: Node, swarm: Swarm) -> None:
         return {"r": record.to_wire(), "run": node.cfg.swarm.run_id}, b""
 
     await swarm.add_handler(RECORD_RPC, on_record)
-
-
-def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None = None,
-             extra: dict[str, Any] | None = None) -> Status:
-    """The node's figures as one JSON-able dict: the status file, the report, `node status`,
-    the metrics endpoint and the live view all read it. Its keys and types: ``p2pdiloco.status``."""
-    tr = node.training.stats if node.training else None
-    st = node.stats
-    swarm_figures, fragments = (view or SwarmView()).summary(node.committed, swarm.peer_id, node.reputation)
-    in_flight = list(node.committed.in_flight())
-    rejected = dict(node.allreducer.stats.rejected)
-    maddrs = swarm.reach.maddrs or maddrs  # refreshed by the swarm view (a relay slot adds one)
-    return {
-        "name": node.setup.name, "run_id": node.cfg.swarm.run_id, "peer_id": swarm.peer_id, "maddrs": maddrs,
-        "reachability": swarm.reach.state(maddrs), "connections": view.connections if view else None,
-        "rejoins": view.rejoins if view else 0,
-        "reach": swarm.reach.status(swarm.stats.bytes_relayed, maddrs), "bytes_relayed": swarm.stats.bytes_relayed,
-        "pid": os.getpid(), "p2pd_pid": swarm.daemon_pid, "state": node.state_name(),
-        "alone": None if node.solo.alone is None else {"reason": node.solo.alone.reason,
-                                                       "detail": node.solo.alone.detail,
-                                                       "since_s": round(time.time() - node.solo.alone.since, 1)},
-        "merging": in_flight, "uptime_s": round(time.time() - PROCESS_START, 1),
-        "step": tr.step if tr else 0, "tokens": tr.tokens if tr else 0,
-        "tokens_per_s": round(tr.tokens_per_s, 1) if tr else 0.0,
-        "blocked_s": round(node.training.blocked_s, 2) if node.training else 0.0,
-        "loss": _num(tr.loss) if tr else None, "heldout_loss": _num(tr.heldout_loss) if tr else None,
-        "heldout_rising": tr.heldout_rising if tr else False,
-        "rounds_committed": st.rounds_committed, "rounds_failed": st.rounds_failed,
-        "rounds_superseded": node.committed.superseded,
-        "rounds_late": st.rounds_late, "rounds_alone": st.rounds_alone, "rounds_excluded": st.rounds_excluded,
-        "rounds_with_peers": st.rounds_committed - st.rounds_alone,
-        "catchups": st.catchups, "delta_catchups": node.sync.deltas.catchups if node.sync.deltas else 0,
-        "resyncs": st.resyncs, "tokens_merged": st.tokens_merged,
-        "last_round": vars(st.recent[-1]) if st.recent else None,
-        "recent_rounds": [{**vars(r), "seconds": round(r.seconds, 2)} for r in st.recent[-10:]],
-        "bytes_out": swarm.stats.bytes_out, "bytes_in": swarm.stats.bytes_in,
-        "rpc_calls": swarm.stats.calls_out, "rpc_failed": swarm.stats.calls_failed, "dht_ops": dict(swarm.stats.dht),
-        "rpc_by_name": {k: [n, swarm.stats.header_bytes[k]] for k, n in sorted(swarm.stats.calls_by.items())},
-        "sessions": {"open": len(swarm.sessions()), "opened": swarm.stats.sessions, "serving": swarm.server.serving()},
-        "gathering_pushes": dict(node.matchmaker.gatherings.stats),
-        "record_pushes": dict(node.sync.pusher.stats + node.sync.pushes_received),
-        "link_bytes_per_s": round(link) if (link := swarm.stats.link.estimate()) else None,
-        "rejected": rejected, "rejected_total": sum(rejected.values()),
-        "bans": dict(swarm.bans), "ignored": node.sync.strikes.ignoring(), "other_settings": node.sync.other_settings(),
-        "passed_over": node.matchmaker.passing_over(), "ignored_groups": node.matchmaker.ignoring_groups(),
-        "avoided": node.matchmaker.avoiding(),
-        "refused_states": node.sync.refused_states,
-        "trusted": {p: node.reputation.score(p) for p in sorted(node.reputation.trusted_peers())},
-        "blocked": swarm.blocking(), "refused": dict(swarm.refused),
-        "dropped": dict(swarm.dropped), "dropped_total": sum(swarm.drop_reasons.values()),
-        "dropped_reasons": dict(swarm.drop_reasons), "internal_errors": st.internal_errors,
-        "allreduce": {k: v for k, v in vars(node.allreducer.stats).items() if type(v) is int},
-        "fragments": [[s.version, s.short()] for s in node.committed],
-        "fragment_status": fragments, "swarm": swarm_figures,
-        "global_digest": global_digest(node.committed), "time": round(time.time(), 3),
-        "hardware": hardware(node.cfg, node.setup),
-        "outer": {k: getattr(node.cfg.outer, k) for k in ("fragments", "sync_every", "lr", "momentum", "wire_precision",
-                                                          "error_feedback_decay", "min_quorum")},
-        "progress": progress(run_tokens(node.committed), st.tokens_merged,
-                             ((extra or {}).get("manifest") or {}).get("target_tokens", 0),
-                             swarm_rate(view.records) if view else None), "clock": swarm.clock.status(),
-        **(extra or {}),
-    }
-
-
-class Board:
-    """What a running node shows: ``current()`` builds a fresh snapshot (event loop only);
-    ``latest`` is the one built last second, safe to read from other threads (metrics)."""
-
-    def __init__(self, cfg: NodeConfig, name: str, control: ControlServer, manifest: RunManifest | None = None):
-        self.cfg, self.name, self.control = cfg, name, control
-        self.manifest = None if manifest is None else {"digest": manifest.digest, "owner": manifest.owner_id,
-                                                       "target_tokens": manifest.target_tokens}
-        self.metrics_url = f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else None
-        self.current: Callable[[], dict[str, Any]] = self.starting
-        self.latest: dict[str, Any] = self.starting()
-
-    def extra(self) -> dict[str, Any]:
-        return {"uptime_s": round(time.time() - PROCESS_START, 1), "control_socket": str(self.control.path),
-                "metrics": self.metrics_url, "manifest": self.manifest}
-
-    def starting(self) -> dict[str, Any]:
-        return {"name": self.name, "run_id": self.cfg.swarm.run_id, "state": "starting", "pid": os.getpid(),
-                **self.extra()}
-
-    def refresh(self) -> dict[str, Any]:
-        self.latest = self.current()
-        return self.latest
-
-
-async def live_progress(board: Board) -> None:
-    """Redraw the node's status in its terminal every second (rich); log lines scroll above."""
-    from rich.live import Live  # noqa: PLC0415
-
-    from node.status_view import render_live  # noqa: PLC0415
-
-    handlers = [h for h in logging.getLogger().handlers
-                if isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr, sys.stdout)]
-    streams = [h.stream for h in handlers]
-    with Live(render_live(board.latest), refresh_per_second=2, redirect_stderr=True, redirect_stdout=True) as live:
-        for h in handlers:  # through rich's proxy, so log lines print above the live view
-            h.setStream(sys.stderr)
-        try:
-            while True:
-                await asyncio.sleep(1.0)
-                live.update(render_live(board.latest))
-        finally:
-            for h, stream in zip(handlers, streams):
-                h.setStream(stream)
-
-
-def hardware(cfg: NodeConfig, setup: Setup | None) -> dict[str, Any]:
-    """Where the node trains: device, torch threads, resident memory (MiB) and its limit."""
-    rss = rss_mib()
-    return {"device": str(next(setup.model.parameters()).device) if setup else cfg.device, "threads": cfg.threads,
-            "rss_mib": round(rss), "memory_limit_mib": cfg.memory_limit or None,
-            "over_memory_limit": bool(cfg.memory_limit and rss > cfg.memory_limit)}
 
 
 MANIFEST_REPUBLISH_S = 60.0  # a node that joined with a run manifest stores it in the DHT this often
@@ -297,7 +143,7 @@ def once_per_burst(stop: Callable[[], None], window: float = STOP_BURST_S) -> Ca
 
 async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | None = None,
                    report_path: Path | None = None, on_ready=None, progress: bool = False,
-                   manifest: RunManifest | None = None) -> dict[str, Any]:
+                   manifest: RunManifest | None = None) -> Report:
     """Run one node to the end of its budget or until SIGINT/SIGTERM; returns its report.
     ``manifest``: the run manifest the node joined with (shown in status, kept in the DHT).
 
@@ -318,7 +164,7 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
             raise ConfigError(f"data_dir: cannot create {data_dir}: {e.strerror or e}") from None
     control = await ControlServer.start(data_dir)  # refuses a second node on this data dir
     board = Board(cfg, name, control, manifest)
-    control.provider = lambda: board.current()
+    control.provider = lambda: board.current().to_json()
     stop_metrics = None
     try:
         if data_dir:  # what `p2pdiloco model export` rebuilds the checkpoint's module from
@@ -366,9 +212,8 @@ async def start_swarm(sw: SwarmConfig, trust: NodeTrust) -> Swarm:
     return swarm
 
 
-async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: Board, status_path: Path | None,
-                 report_path: Path | None, on_ready, progress: bool, manifest: RunManifest | None) -> dict[str, Any]:
-    maddrs = await swarm.visible_maddrs()
+def _announce(cfg: NodeConfig, name: str, swarm: Swarm, board: Board, maddrs: list[str]) -> None:
+    """Log where the node's status is read and warn about addresses no other machine can dial."""
     where = f"--data-dir {cfg.data_dir}" if cfg.data_dir else f"--socket {board.control.path}"
     log.info("%s: status with `p2pdiloco node status %s`%s", name, where,
              f"; Prometheus metrics on {board.metrics_url}" if board.metrics_url else "")
@@ -376,12 +221,53 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
         log.warning("%s: only loopback addresses are announced (%s); peers on other machines cannot dial this "
                     "node: use --host 0.0.0.0, or --set swarm.announce=/ip4/PUBLIC_IP/tcp/PORT behind NAT",
                     name, ", ".join(maddrs))
-    board.current = lambda: {**board.starting(), "peer_id": swarm.peer_id, "p2pd_pid": swarm.daemon_pid,
-                             "maddrs": maddrs, "reachability": swarm.reach.state(maddrs),
-                             "reach": swarm.reach.status(swarm.stats.bytes_relayed, maddrs)}
-    setup.log_notes()
     if not cfg.swarm.initial_peers:
         log.warning("%s: %s", name, START_ALONE_HINT)
+
+
+async def _write_status(cfg: NodeConfig, name: str, board: Board, status_path: Path | None, progress: bool) -> None:
+    """Refresh the board and write the status file (atomically) every ``status_every`` seconds,
+    every second with the live view; warn once when the node outgrows its memory limit."""
+    warned = False
+    while True:
+        hw = getattr(board.refresh(), "hardware", None)
+        if hw is not None and hw.over_memory_limit and not warned:
+            warned = True
+            log.warning("%s uses %s MiB, over its memory_limit of %s MiB: lower data.batch_size or use a smaller "
+                        "model", name, hw.rss_mib, hw.memory_limit_mib)
+        if status_path is not None:
+            await asyncio.to_thread(write_json_atomic, status_path, board.latest.to_json(), durable=False)
+        # on whole multiples of the period on the clock: the snapshots of several nodes on one
+        # machine (the chaos and attack harnesses, a person comparing two nodes) are taken at one
+        # instant; the live view redraws every second, so it takes a snapshot every second
+        every = 1.0 if progress else cfg.status_every
+        await asyncio.sleep(every - time.time() % every)
+
+
+async def _report(node: Node, setup: Setup, board: Board, last: Callable[[], Status], signalled: bool) -> Report:
+    """Evaluate the final global model on the held-out bytes and build the report from the
+    ``last`` snapshot; the board shows "evaluating" meanwhile, then the report."""
+    board.current = lambda: replace(last(), state="evaluating")
+    status = last()
+    final = await asyncio.to_thread(evaluate, setup.global_model(node.committed), setup.heldout)
+    start = node.training.stats.heldout_history[0][1]
+    reached = status.rounds_with_peers + status.rounds_excluded + status.catchups  # followed the swarm: not alone
+    report = Report(**{**vars(status), "state": "stopped"}, start_loss=start, end_loss=final,
+                    end_bits_per_byte=bits_per_byte(final), heldout_history=node.training.stats.heldout_history,
+                    exit_code=node.solo.exit_code(reached, budget_ended=not signalled))
+    board.current = lambda: replace(report, **board.extra())
+    return report
+
+
+async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: Board, status_path: Path | None,
+                 report_path: Path | None, on_ready, progress: bool, manifest: RunManifest | None) -> Report:
+    """Train until the budget ends or a signal stops the node, with its status written, its
+    record served and its manifest shared meanwhile; then the report (also written to
+    ``status_path`` and ``report_path``)."""
+    maddrs = await swarm.visible_maddrs()
+    _announce(cfg, name, swarm, board, maddrs)
+    board.current = lambda: board.connecting(swarm, maddrs)
+    setup.log_notes()
     node = Node(setup, swarm)
     node.solo.joined = manifest is not None  # "alone" advice for a joiner of an existing run
     view = SwarmView()
@@ -398,26 +284,9 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
         loop.add_signal_handler(sig, once_per_burst(stop))
     if on_ready is not None:
         on_ready(swarm.peer_id, maddrs)
-
-    async def write_status() -> None:
-        warned = False
-        while True:
-            board.refresh()
-            hw = board.latest.get("hardware") or {}
-            if hw.get("over_memory_limit") and not warned:
-                warned = True
-                log.warning("%s uses %s MiB, over its memory_limit of %s MiB: lower data.batch_size or use a smaller "
-                            "model", name, hw["rss_mib"], hw["memory_limit_mib"])
-            if status_path is not None:
-                await asyncio.to_thread(write_json_atomic, status_path, board.latest, durable=False)
-            # on whole multiples of the period on the clock: the snapshots of several nodes on one
-            # machine (the chaos and attack harnesses, a person comparing two nodes) are taken at one
-            # instant; the live view redraws every second, so it takes a snapshot every second
-            every = 1.0 if progress else cfg.status_every
-            await asyncio.sleep(every - time.time() % every)
-
     async with asyncio.TaskGroup() as tg:
-        background = [tg.create_task(write_status()), tg.create_task(view.refresh_forever(node, swarm)),
+        background = [tg.create_task(_write_status(cfg, name, board, status_path, progress)),
+                      tg.create_task(view.refresh_forever(node, swarm)),
                       tg.create_task(share_manifest(swarm, cfg, manifest))]
         if progress:
             background.append(tg.create_task(live_progress(board)))
@@ -426,21 +295,14 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
         finally:
             for task in background:
                 task.cancel()
-    board.current = lambda: {**snapshot(node, swarm, maddrs, view, board.extra()), "state": "evaluating"}
-    report = snapshot(node, swarm, maddrs, view, board.extra())
-    final = await asyncio.to_thread(evaluate, setup.global_model(node.committed), setup.heldout)
-    start = node.training.stats.heldout_history[0][1]
-    report.update(start_loss=start, end_loss=final, end_bits_per_byte=bits_per_byte(final),
-                  heldout_history=node.training.stats.heldout_history, state="stopped")
-    board.current = lambda: {**report, **board.extra()}
+    report = await _report(node, setup, board, lambda: snapshot(node, swarm, maddrs, view, board.extra()),
+                           bool(signalled))
     log.info("%s done: held-out loss %.3f -> %.3f nats/byte, %d rounds, digest %s",
-             name, start, final, node.stats.rounds_committed, report["global_digest"])
-    reached = report["rounds_with_peers"] + report["rounds_excluded"] + report["catchups"]  # followed the swarm: not alone
-    report["exit_code"] = node.solo.exit_code(reached, budget_ended=not signalled)
-    if not report["rounds_with_peers"]:
+             name, report.start_loss, report.end_loss, node.stats.rounds_committed, report.global_digest)
+    if not report.rounds_with_peers:
         log.warning("%s never merged with another node: its training reached nobody%s", name,
                     f" ({node.solo.alone.detail})" if node.solo.alone else "")
     for path in (status_path, report_path):
         if path is not None:
-            write_json_atomic(path, report)
+            write_json_atomic(path, report.to_json())
     return report

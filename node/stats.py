@@ -4,20 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from p2pdiloco.status import RoundRecord  # one finished round: the status snapshot's form
 
-@dataclass
-class RoundRecord:
-    """One finished outer round as this node saw it."""
-
-    fragment: int
-    version: int  # version produced
-    members: int
-    seconds: float
-    committed: bool
-    reason: str = ""
-    digest: str = ""  # the committed state's (12 hex), else ""
-    fraction: float = 0.0  # of an outer period, the step this round applied (round_fraction); committed only
-    share: float = 0.0  # of the fragment, the part this node reduced (bandwidth-aware shares); committed only
+__all__ = ["NodeStats", "RoundRecord"]
 
 
 @dataclass

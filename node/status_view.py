@@ -1,8 +1,9 @@
 """Terminal views of a node and of a swarm (rich): ``p2pdiloco node status``, the node's live
 progress, and ``p2pdiloco swarm status``.
 
-Everything here renders plain dicts: a node's snapshot (``node.main.snapshot``, served on its
-control socket) and the records nodes publish under ``{run}/heads`` in the DHT. Only
+A node's view renders its snapshot (``p2pdiloco.status``, built by ``node.snapshot.snapshot``
+and served on its control socket) by attribute; the swarm's view renders the records nodes
+publish under ``{run}/heads`` in the DHT. Only
 :func:`read_swarm` touches the network (it imports the transport lazily, so ``node status``
 stays fast).
 """
@@ -19,6 +20,10 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from p2pdiloco.status import Connecting, Progress, Snapshot, Status
+
+from node.formatting import fmt_age, fmt_bytes, fmt_count, fmt_link, fmt_num, plural
+
 LOOPBACK_HINT = ("only loopback addresses are announced: peers on other machines cannot dial this node; "
                  "restart it with --host 0.0.0.0, or --set swarm.announce=/ip4/PUBLIC_IP/tcp/PORT behind NAT")
 PRIVATE_HINT = ("only private-network addresses are announced: peers outside this network cannot dial this node; "
@@ -29,55 +34,13 @@ CLIPPED_NOTE = (" (clipped: peers' tensors trimmed to the group's median norm, r
                 "different speed, not an attack)")
 
 
-# ---- formatting -----------------------------------------------------------------------------
-
-def _link(rate: object) -> str:
-    """A measured link rate (bytes/s) in Mbit/s, or "not measured yet"."""
-    return f"{float(rate) * 8 / 1e6:.1f} Mbit/s" if isinstance(rate, (int, float)) and rate > 0 else "not measured yet"
-
-
-def fmt_num(x: Any, spec: str = ".3f") -> str:
-    return "-" if not isinstance(x, (int, float)) or x != x else format(x, spec)
-
-
-def fmt_bytes(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return "-"
-
-
-def fmt_count(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "-"
-    return f"{n / 1e9:.2f}G" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else str(n)
-
-
-def fmt_age(seconds: Any) -> str:
-    if not isinstance(seconds, (int, float)):
-        return "-"
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
-    return f"{s // 3600}h {s % 3600 // 60:02d}m"
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def swarm_rate(records: dict[str, Any] | None) -> float | None:
     """Tokens/s of the live nodes among parsed heads ``records`` (their published rates); None
     before any read."""
     return None if records is None else sum(r.tps for r in records.values() if not r.done)
 
 
-def progress(merged: int, mine: float | None, target: int, rate: float | None) -> dict[str, Any]:
+def progress(merged: int, mine: float | None, target: int, rate: float | None) -> Progress:
     """The run's progress: ``merged`` tokens the swarm merged into the global model
     (``core.outer.run_tokens``), ``mine`` of them one node's own (None: no node's view),
     ``target`` the run's target in tokens (its manifest; 0: none), ``rate`` the swarm's
@@ -87,188 +50,195 @@ def progress(merged: int, mine: float | None, target: int, rate: float | None) -
     from node.swarm_view import share  # noqa: PLC0415  (the one rule; `node status` stays light)
 
     left = max(0, target - merged) if target else None
-    return {"tokens": merged, "target_tokens": target or None,
-            "done": round(min(1.0, merged / target), 4) if target else None,
-            "tokens_per_s": round(rate, 1) if rate is not None else None,
-            "eta_s": round(left / rate) if left is not None and rate else (0 if left == 0 else None),
-            "share": share(mine, merged)}
+    return Progress(tokens=merged, target_tokens=target or None,
+                    done=round(min(1.0, merged / target), 4) if target else None,
+                    tokens_per_s=round(rate, 1) if rate is not None else None,
+                    eta_s=round(left / rate) if left is not None and rate else (0 if left == 0 else None),
+                    share=share(mine, merged))
 
 
-def progress_text(p: Any, alone: bool = False) -> str:
+def progress_text(p: Progress | None, alone: bool = False) -> str:
     """One line of the run's progress (``progress`` of a node's snapshot), "" when unknown;
     ``alone``: the node merges with no other node (its ``alone`` is set), so nothing it counts
     is the swarm's."""
-    if not isinstance(p, dict) or not p.get("tokens"):
+    if p is None or not p.tokens:
         return ""
     if alone:
-        return f"{fmt_count(p['tokens'])} tokens merged, by this node alone: it contributes to no swarm"
-    text = f"{fmt_count(p['tokens'])} tokens merged swarm-wide"
-    if p.get("target_tokens"):
-        text += f", {100 * (p.get('done') or 0):.1f}% of the run's {fmt_count(p['target_tokens'])}"
-        text += f" (about {fmt_age(p['eta_s'])} left)" if isinstance(p.get("eta_s"), (int, float)) else ""
-    if isinstance(p.get("tokens_per_s"), (int, float)):
-        text += f"; swarm {fmt_num(p['tokens_per_s'], ',.0f')} tokens/s"
-    if isinstance(p.get("share"), (int, float)):
-        text += f"; this node's share {100 * p['share']:.1f}%"
+        return f"{fmt_count(p.tokens)} tokens merged, by this node alone: it contributes to no swarm"
+    text = f"{fmt_count(p.tokens)} tokens merged swarm-wide"
+    if p.target_tokens:
+        text += f", {100 * (p.done or 0):.1f}% of the run's {fmt_count(p.target_tokens)}"
+        text += f" (about {fmt_age(p.eta_s)} left)" if p.eta_s is not None else ""
+    if p.tokens_per_s is not None:
+        text += f"; swarm {fmt_num(p.tokens_per_s, ',.0f')} tokens/s"
+    if p.share is not None:
+        text += f"; this node's share {100 * p.share:.1f}%"
     return text
 
 
-def state_text(s: dict[str, Any]) -> str:
-    state = str(s.get("state", "unknown"))
-    merging = s.get("merging") or []
-    if merging and state == "training":
+def state_text(s: Snapshot) -> str:
+    merging = s.merging if isinstance(s, Status) else []
+    if merging and s.state == "training":
         return f"training, merging {', '.join(f'f{p}' for p in merging)}"
-    return state
+    return s.state
 
 
-def address_warning(s: dict[str, Any]) -> str | None:
-    reach = s.get("reachability")
-    return LOOPBACK_HINT if reach == "loopback only" else PRIVATE_HINT if reach == "direct, private network only" else None
+def address_warning(reachability: str) -> str | None:
+    return LOOPBACK_HINT if reachability == "loopback only" else \
+        PRIVATE_HINT if reachability == "direct, private network only" else None
 
 
 # ---- node status ----------------------------------------------------------------------------
-def _fragments_table(s: dict[str, Any]) -> Table:
+def _fragments_table(s: Status) -> Table:
     t = Table(title="fragments", title_justify="left", show_edge=False, pad_edge=False)
     for col in ("fragment", "version", "swarm newest", "holders", "digest", "status"):
         t.add_column(col, justify="right" if col in ("fragment", "version", "swarm newest", "holders") else "left")
     styles = {"newest": "green", "behind": "yellow", "ahead": "cyan"}
-    for f in s.get("fragment_status") or []:
-        newest = f.get("swarm_version")
-        t.add_row(str(f["fragment"]), str(f["version"]), "-" if newest is None else str(newest),
-                  str(f.get("holders", 0)), f.get("digest", ""),
-                  Text(f.get("status", ""), style=styles.get(f.get("status", ""), "")))
+    for f in s.fragment_status:
+        t.add_row(str(f.fragment), str(f.version), "-" if f.swarm_version is None else str(f.swarm_version),
+                  str(f.holders), f.digest, Text(f.status, style=styles.get(f.status, "")))
     return t
 
 
-def _rounds_table(s: dict[str, Any]) -> Table:
+def _rounds_table(s: Status) -> Table:
     t = Table(title="recent rounds (newest last)", title_justify="left", show_edge=False, pad_edge=False)
     for col in ("fragment", "version", "members", "seconds", "outcome"):
         t.add_column(col, justify="left" if col == "outcome" else "right")
-    for r in s.get("recent_rounds") or []:
-        outcome = Text("committed", style="green") if r.get("committed") else \
-            Text(f"discarded: {r.get('reason') or 'no result'}", style="yellow")
-        t.add_row(f"f{r['fragment']}", str(r["version"]), str(r.get("members", 0)),
-                  fmt_num(r.get("seconds"), ".2f"), outcome)
+    for r in s.recent_rounds:
+        outcome = Text("committed", style="green") if r.committed else \
+            Text(f"discarded: {r.reason or 'no result'}", style="yellow")
+        t.add_row(f"f{r.fragment}", str(r.version), str(r.members), fmt_num(r.seconds, ".2f"), outcome)
     return t
 
 
-def node_lines(s: dict[str, Any]) -> Table:
+def _reach_line(s: Connecting | Status) -> str:
+    """How peers dial the node: its reachability, connections, relays and dial-back check."""
+    conns, reach = s.connections if isinstance(s, Status) else None, s.reach
+    line = s.reachability + ("" if conns is None else f"   ({plural(conns, 'connection')} now)")
+    if reach.get("relays"):
+        line += f"   relay {', '.join(r[-8:] for r in reach['relays'])}, {fmt_bytes(reach.get('bytes_relayed'))} relayed"
+    if reach.get("check") in ("reachable", "unreachable"):
+        line += f"   (dial-back check by {plural(len(reach.get('checked_by') or []), 'peer')}: {reach['check']}" \
+                + (f", seen as {reach['observed']})" if reach.get("observed") else ")")
+    return line
+
+
+def _network_rows(g: Table, s: Connecting | Status) -> None:
+    """Peer ID, addresses, reachability (with advice and warnings)."""
+    if s.peer_id:
+        g.add_row("peer ID", s.peer_id)
+    if s.maddrs:
+        g.add_row("addresses", "\n".join(s.maddrs))
+    if s.reachability:
+        g.add_row("reachability", _reach_line(s))
+        if s.reach.get("advice"):
+            g.add_row(Text("advice", style="bold yellow"), Text(s.reach["advice"], style="yellow"))
+    warning = address_warning(s.reachability)
+    if warning:
+        g.add_row(Text("warning", style="bold yellow"), Text(warning, style="yellow"))
+
+
+def _run_rows(g: Table, s: Status) -> None:
+    """Alone, the swarm as read, the run's progress, hardware and outer settings."""
+    if s.alone is not None:
+        g.add_row(Text("alone", style="bold red"),
+                  Text(f"merged with nobody for {fmt_age(s.alone.since_s)}: {s.alone.detail}", style="red"))
+    if s.swarm is not None:
+        where = ("merging with no other node" if s.alone is not None else
+                 f"behind on {', '.join(f'f{p}' for p in s.swarm.behind)}" if s.swarm.behind else "up to date")
+        g.add_row("swarm", f"{plural(s.swarm.peers, 'node')} with a live record, {s.swarm.learners} training; "
+                           f"this node is {where} (read {fmt_age(s.swarm.read_age_s)} ago)")
+    else:
+        g.add_row("swarm", "not read yet")
+    if progress_text(s.progress, s.alone is not None):
+        g.add_row("run progress", progress_text(s.progress, s.alone is not None))
+    hw = s.hardware
+    limit = f" of {hw.memory_limit_mib} MiB allowed" if hw.memory_limit_mib else ""
+    g.add_row(Text("hardware", style="bold yellow" if hw.over_memory_limit else "bold"),
+              f"{hw.device}, {plural(hw.threads or 1, 'CPU thread')}, {hw.rss_mib} MiB resident{limit}")
+    out = s.outer
+    feedback = f" (error feedback decay {out.error_feedback_decay})" if out.wire_precision != "fp32" else ""
+    g.add_row("outer", f"{out.wire_precision} on the wire{feedback}, a round every {out.sync_every} "
+                       f"inner steps per fragment, {out.fragments} fragments, lr {out.lr}, "
+                       f"momentum {out.momentum}, quorum {out.min_quorum}")
+
+
+def _training_rows(g: Table, s: Status) -> None:
+    """Training, loss, rounds, rejections, all-reduce, traffic and the global digest."""
+    g.add_row("training", f"inner step {s.step}   {fmt_count(s.tokens)} tokens   "
+                          f"{fmt_num(s.tokens_per_s, ',.0f')} tokens/s")
+    g.add_row("loss", f"training {fmt_num(s.loss)}   held-out {fmt_num(s.heldout_loss)} (nats/byte)")
+    g.add_row("rounds", f"{s.rounds_committed} committed ({s.rounds_alone} alone), "
+                        f"{s.rounds_failed} failed ({s.rounds_superseded} superseded), {s.rounds_late} late, "
+                        f"{s.rounds_excluded} excluded (kept); "
+                        f"{s.catchups} catch-ups; {fmt_count(s.tokens_merged)} of its tokens merged")
+    g.add_row("rejected", ", ".join(f"{n} {reason}" for reason, n in sorted(s.rejected.items()) if n) or "none")
+    if s.allreduce:
+        g.add_row("all-reduce", ", ".join(f"{n} {k}" for k, n in s.allreduce.items())
+                  + (CLIPPED_NOTE if s.allreduce.get("clipped") else ""))
+    g.add_row("traffic", f"sent {fmt_bytes(s.bytes_out)}   received {fmt_bytes(s.bytes_in)}   "
+                         f"({s.rpc_calls} calls, {s.rpc_failed} failed)   link {fmt_link(s.link_bytes_per_s)}")
+    if s.global_digest:
+        g.add_row("global digest", s.global_digest)
+
+
+def node_lines(s: Snapshot) -> Table:
     """The key/value summary of one node's snapshot."""
     g = Table.grid(padding=(0, 2))
     g.add_column(style="bold", no_wrap=True)
     g.add_column(overflow="fold")
-    g.add_row("node", f"{s.get('name', '?')} (run {s.get('run_id', '?')})")
-    if s.get("manifest"):
-        m = s["manifest"]
-        g.add_row("run manifest", f"digest {m.get('digest')}, owner {m.get('owner')}")
+    g.add_row("node", f"{s.name} (run {s.run_id or '?'})")
+    if s.manifest is not None:
+        g.add_row("run manifest", f"digest {s.manifest.digest}, owner {s.manifest.owner}")
     g.add_row("state", state_text(s))
-    g.add_row("uptime", f"{fmt_age(s.get('uptime_s'))}   pid {s.get('pid', '-')}   p2pd pid {s.get('p2pd_pid') or '-'}")
-    clock = s.get("clock") or {}
+    p2pd = s.p2pd_pid if isinstance(s, (Connecting, Status)) else None
+    g.add_row("uptime", f"{fmt_age(s.uptime_s)}   pid {s.pid or '-'}   p2pd pid {p2pd or '-'}")
+    clock = s.clock if isinstance(s, Status) else {}
     if clock and not clock.get("synced", True):
         from p2pdiloco.net.transport.clock import describe  # noqa: PLC0415
 
         g.add_row("clock", Text(f"{describe(clock.get('measured_s', 0.0))} the swarm's ({clock.get('peers')} peers); "
                                 f"using the swarm's time; turn on time sync (timedatectl set-ntp true)",
                                 style="yellow"))
-    if s.get("peer_id"):
-        g.add_row("peer ID", s["peer_id"])
-    maddrs = s.get("maddrs") or []
-    if maddrs:
-        g.add_row("addresses", "\n".join(maddrs))
-    if s.get("reachability"):
-        conns, reach = s.get("connections"), s.get("reach") or {}
-        line = s["reachability"] + ("" if conns is None else f"   ({plural(conns, 'connection')} now)")
-        if reach.get("relays"):
-            line += f"   relay {', '.join(r[-8:] for r in reach['relays'])}, {fmt_bytes(reach.get('bytes_relayed'))} relayed"
-        if reach.get("check") in ("reachable", "unreachable"):
-            line += f"   (dial-back check by {plural(len(reach.get('checked_by') or []), 'peer')}: {reach['check']}" \
-                    + (f", seen as {reach['observed']})" if reach.get("observed") else ")")
-        g.add_row("reachability", line)
-        if reach.get("advice"):
-            g.add_row(Text("advice", style="bold yellow"), Text(reach["advice"], style="yellow"))
-    warning = address_warning(s)
-    if warning:
-        g.add_row(Text("warning", style="bold yellow"), Text(warning, style="yellow"))
-    alone = s.get("alone")
-    if isinstance(alone, dict):
-        g.add_row(Text("alone", style="bold red"),
-                  Text(f"merged with nobody for {fmt_age(alone.get('since_s'))}: {alone.get('detail', '')}", style="red"))
-    sw = s.get("swarm")
-    if sw:
-        behind = sw.get("behind") or []
-        where = ("merging with no other node" if isinstance(alone, dict) else
-                 f"behind on {', '.join(f'f{p}' for p in behind)}" if behind else "up to date")
-        g.add_row("swarm", f"{plural(sw['peers'], 'node')} with a live record, {sw['learners']} training; "
-                           f"this node is {where} (read {fmt_age(sw.get('read_age_s'))} ago)")
-    elif s.get("state") not in (None, "starting"):
-        g.add_row("swarm", "not read yet")
-    if progress_text(s.get("progress"), isinstance(alone, dict)):
-        g.add_row("run progress", progress_text(s.get("progress"), isinstance(alone, dict)))
-    hw = s.get("hardware")
-    if isinstance(hw, dict):
-        limit = f" of {hw['memory_limit_mib']} MiB allowed" if hw.get("memory_limit_mib") else ""
-        g.add_row(Text("hardware", style="bold yellow" if hw.get("over_memory_limit") else "bold"),
-                  f"{hw.get('device')}, {plural(hw.get('threads') or 1, 'CPU thread')}, {hw.get('rss_mib')} MiB "
-                  f"resident{limit}")
-    out = s.get("outer")
-    if isinstance(out, dict):
-        feedback = f" (error feedback decay {out.get('error_feedback_decay')})" if out.get("wire_precision") != "fp32" else ""
-        g.add_row("outer", f"{out.get('wire_precision')} on the wire{feedback}, a round every {out.get('sync_every')} "
-                           f"inner steps per fragment, {out.get('fragments')} fragments, lr {out.get('lr')}, "
-                           f"momentum {out.get('momentum')}, quorum {out.get('min_quorum')}")
-    if "step" in s:
-        g.add_row("training", f"inner step {s.get('step', 0)}   {fmt_count(s.get('tokens'))} tokens   "
-                              f"{fmt_num(s.get('tokens_per_s'), ',.0f')} tokens/s")
-        g.add_row("loss", f"training {fmt_num(s.get('loss'))}   held-out {fmt_num(s.get('heldout_loss'))} (nats/byte)")
-        g.add_row("rounds", f"{s.get('rounds_committed', 0)} committed ({s.get('rounds_alone', 0)} alone), "
-                            f"{s.get('rounds_failed', 0)} failed ({s.get('rounds_superseded', 0)} superseded), "
-                            f"{s.get('rounds_late', 0)} late, "
-                            f"{s.get('rounds_excluded', 0)} excluded (kept); "
-                            f"{s.get('catchups', 0)} catch-ups; {fmt_count(s.get('tokens_merged'))} of its tokens merged")
-        rejected = s.get("rejected") or {}
-        g.add_row("rejected", ", ".join(f"{n} {reason}" for reason, n in sorted(rejected.items()) if n) or "none")
-        if s.get("allreduce"):
-            g.add_row("all-reduce", ", ".join(f"{n} {k}" for k, n in s["allreduce"].items())
-                      + (CLIPPED_NOTE if s["allreduce"].get("clipped") else ""))
-        g.add_row("traffic", f"sent {fmt_bytes(s.get('bytes_out'))}   received {fmt_bytes(s.get('bytes_in'))}   "
-                             f"({s.get('rpc_calls', 0)} calls, {s.get('rpc_failed', 0)} failed)   "
-                             f"link {_link(s.get('link_bytes_per_s'))}")
-        if s.get("global_digest"):
-            g.add_row("global digest", s["global_digest"])
-    g.add_row("control", str(s.get("control_socket", "-")) + (f"   metrics {s['metrics']}" if s.get("metrics") else ""))
+    if isinstance(s, (Connecting, Status)):
+        _network_rows(g, s)
+    if isinstance(s, Status):
+        _run_rows(g, s)
+        _training_rows(g, s)
+    g.add_row("control", (s.control_socket or "-") + (f"   metrics {s.metrics}" if s.metrics else ""))
     return g
 
 
-def render_node(s: dict[str, Any]) -> RenderableType:
+def render_node(s: Snapshot) -> RenderableType:
     """``p2pdiloco node status``: summary, fragments against the swarm, recent rounds."""
     parts: list[RenderableType] = [node_lines(s)]
-    if s.get("fragment_status"):
+    if isinstance(s, Status) and s.fragment_status:
         parts += [Text(""), _fragments_table(s)]
-    if s.get("recent_rounds"):
+    if isinstance(s, Status) and s.recent_rounds:
         parts += [Text(""), _rounds_table(s)]
     return Group(*parts)
 
 
-def render_live(s: dict[str, Any]) -> RenderableType:
+def render_live(s: Snapshot) -> RenderableType:
     """The node's own terminal: one compact table, redrawn every second."""
-    t = Table(show_edge=True, title=f"p2pdiloco {s.get('name', 'node')} (run {s.get('run_id', '?')})")
+    t = Table(show_edge=True, title=f"p2pdiloco {s.name} (run {s.run_id or '?'})")
     for col in ("state", "step", "tokens/s", "loss", "held-out", "rounds", "versions (swarm)", "peers", "sent/recv",
                 "uptime"):
         t.add_column(col)
-    frags = s.get("fragment_status") or []
-    versions = " ".join(f"{f['version']}" + (f"({f['swarm_version']})" if f.get("status") == "behind" else "")
-                        for f in frags) or "-"
-    sw = s.get("swarm") or {}
-    t.add_row(state_text(s), str(s.get("step", 0)), fmt_num(s.get("tokens_per_s"), ",.0f"), fmt_num(s.get("loss")),
-              fmt_num(s.get("heldout_loss")), f"{s.get('rounds_committed', 0)}/{s.get('rounds_failed', 0)} failed",
-              versions, str(sw.get("peers", "-")), f"{fmt_bytes(s.get('bytes_out'))}/{fmt_bytes(s.get('bytes_in'))}",
-              fmt_age(s.get("uptime_s")))
+    if not isinstance(s, Status):
+        t.add_row(state_text(s), "0", "-", "-", "-", "0/0 failed", "-", "-", "-/-", fmt_age(s.uptime_s))
+        return t
+    versions = " ".join(f"{f.version}" + (f"({f.swarm_version})" if f.status == "behind" else "")
+                        for f in s.fragment_status) or "-"
+    t.add_row(state_text(s), str(s.step), fmt_num(s.tokens_per_s, ",.0f"), fmt_num(s.loss),
+              fmt_num(s.heldout_loss), f"{s.rounds_committed}/{s.rounds_failed} failed", versions,
+              str(s.swarm.peers if s.swarm else "-"), f"{fmt_bytes(s.bytes_out)}/{fmt_bytes(s.bytes_in)}",
+              fmt_age(s.uptime_s))
     lines: list[RenderableType] = [t]
-    alone = s.get("alone")
-    if progress_text(s.get("progress"), isinstance(alone, dict)):
-        lines.append(Text(progress_text(s.get("progress"), isinstance(alone, dict))))
-    if isinstance(alone, dict):  # a volunteer must not miss that the node contributes nothing
-        lines.append(Text(f"ALONE for {fmt_age(alone.get('since_s'))}: {alone.get('detail', '')}", style="bold red"))
+    if progress_text(s.progress, s.alone is not None):
+        lines.append(Text(progress_text(s.progress, s.alone is not None)))
+    if s.alone is not None:  # a volunteer must not miss that the node contributes nothing
+        lines.append(Text(f"ALONE for {fmt_age(s.alone.since_s)}: {s.alone.detail}", style="bold red"))
     return Group(*lines) if len(lines) > 1 else t
 
 
@@ -336,8 +306,9 @@ def render_swarm(view: dict[str, Any]) -> RenderableType:
     notes = [Text(f"newest fragment versions: {' '.join(str(v) for v in view['newest']) or '-'}"
                   "   (yellow: behind the newest, as the node itself counts it; share: of the tokens merged "
                   "into its states, its own, as `node status` shows)")]
-    if progress_text(view.get("progress")):
-        notes.append(Text(progress_text(view["progress"])))
+    swarm_progress = Progress.from_json(view["progress"]) if view.get("progress") else None  # "shares" left out
+    if progress_text(swarm_progress):
+        notes.append(Text(progress_text(swarm_progress)))
     for m in view.get("manifests") or []:
         notes.append(Text(f"run manifest {m['digest']} by {m['owner']}"))
     if view.get("malformed"):
@@ -417,7 +388,7 @@ async def read_swarm(initial_peers: list[str], run_id: str, *, wait: float = 10.
                                                    "target_tokens": m.target_tokens}]
         target = m.target_tokens if m is not None else 0
         p = view["progress"]
-        p.update({k: v for k, v in progress(p["tokens"], None, target, p["tokens_per_s"]).items() if k != "share"})
+        p.update({k: v for k, v in progress(p["tokens"], None, target, p["tokens_per_s"]).to_json().items() if k != "share"})
         return view
     finally:
         await swarm.shutdown()

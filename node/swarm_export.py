@@ -26,7 +26,7 @@ import asyncio
 import logging
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,29 +97,37 @@ async def export_from_swarm(cfg: NodeConfig, data_path: str, out: Path, *, wait:
                          outer=(cfg.outer.lr, cfg.outer.momentum))
         await sync.start()
         claims = await _claims(sync, len(fragments), wait)
-        picked = list(claims)
-        random.Random(seed).shuffle(picked)
-        tried: list[tuple[float, tuple, list[FragmentState]]] = []
-        got: dict[tuple[int, int, str], FragmentState] = {}
-        for claim in picked[:max(1, candidates)]:
-            states = await _download(sync, claim, claims[claim], got)
-            if states is not None:
-                loss = await asyncio.to_thread(score, states)
-                log.info("candidate %s: held-out loss %.4f", global_digest(states), loss)
-                tried.append((loss, claim, states))
-        good = sorted(((loss, c, s) for loss, c, s in tried if math.isfinite(loss)), key=lambda t: t[0])
-        if not good:
-            raise NetworkError(f"none of the {min(len(picked), max(1, candidates))} global states claimed in run "
-                               f"{sw.run_id!r} could be downloaded and verified")
-        loss, claim, states = good[0]
+        loss, claim, states, tried = await _best(sync, claims, score, candidates, seed, sw.run_id)
     finally:
         await swarm.shutdown()
     load_global(model, fragments, states)
     info = {"fragments": [{"fragment": s.index, "version": s.version, "digest": s.digest} for s in states],
             "global_digest": global_digest(states), "parameters": sum(p.numel() for p in model.parameters()),
             "source": f"swarm run {sw.run_id}", "heldout_loss": loss, "holders": sorted(claims[claim]),
-            "candidates": len(tried)}
+            "candidates": tried}
     return write_export(out, model, cfg, data_path, info)
+
+
+async def _best(sync: Any, claims: dict[tuple, list[str]], score: Callable[[Sequence[FragmentState]], float],
+                candidates: int, seed: int | None, run_id: str) -> tuple[float, tuple, list[FragmentState], int]:
+    """Download up to ``candidates`` of the claimed global states (in ``seed``'s order) and
+    score each on the held-out bytes; returns (loss, claim, states, candidates tried) of the
+    lowest finite loss. Raises NetworkError when none could be downloaded and verified."""
+    picked = list(claims)
+    random.Random(seed).shuffle(picked)
+    tried: list[tuple[float, tuple, list[FragmentState]]] = []
+    got: dict[tuple[int, int, str], FragmentState] = {}
+    for claim in picked[:max(1, candidates)]:
+        states = await _download(sync, claim, claims[claim], got)
+        if states is not None:
+            loss = await asyncio.to_thread(score, states)
+            log.info("candidate %s: held-out loss %.4f", global_digest(states), loss)
+            tried.append((loss, claim, states))
+    good = sorted(((loss, c, s) for loss, c, s in tried if math.isfinite(loss)), key=lambda t: t[0])
+    if not good:
+        raise NetworkError(f"none of the {min(len(picked), max(1, candidates))} global states claimed in run "
+                           f"{run_id!r} could be downloaded and verified")
+    return (*good[0], len(tried))
 
 
 async def _claims(sync: Any, num_fragments: int, wait: float) -> dict[tuple, list[str]]:

@@ -14,10 +14,10 @@ from p2pdiloco.config import (
     SECTIONS,
     SwarmConfig,
     TOP_LEVEL,
-    _coerce,
     load_config,
     parse_overrides,
 )
+from p2pdiloco.config.loading import _coerce
 from p2pdiloco.errors import ConfigError
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmV6bPa3xB8gg5YhjHnmHBCvVpymShB3aaPJmsvxWoq5LB"

@@ -127,3 +127,18 @@ def test_settings_are_checked_without_torch():
             "print(sorted(m for m in ('torch', 'hivemind', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out
+
+
+def test_bench_is_a_package_run_from_the_root():
+    """bench/ runs as ``python -m bench.NAME`` (or ``python -m bench run NAME``): no benchmark
+    edits ``sys.path`` or imports the tests, and the runner lists every benchmark module."""
+    from bench.__main__ import HELPERS, benchmarks
+    for f in sorted((ROOT / "bench").glob("*.py")):
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
+                raise AssertionError(f"{f.name} edits sys.path")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n.split(".")[0] == "tests" for n in names), f"{f.name} imports test code"
+    assert set(benchmarks()) == {f.stem for f in (ROOT / "bench").glob("*.py")} - HELPERS

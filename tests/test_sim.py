@@ -180,7 +180,7 @@ def test_chaos_prediction_is_sane() -> None:
 @pytest.mark.chaos
 @pytest.mark.timeout(900)
 def test_chaos_harness_agrees_with_simulator(request: pytest.FixtureRequest) -> None:
-    chaos = pytest.importorskip("p2pdiloco.chaos", reason="the chaos harness (issue 3) is not built yet; this test "
+    chaos = pytest.importorskip("p2pdiloco.chaos", reason="the chaos harness (docs/chaos.md) is not built yet; this test "
                                 "compares its measured goodput with predict_chaos_goodput once it is")
     run = getattr(chaos, "run_schedule", None)
     if run is None:

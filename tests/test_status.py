@@ -32,7 +32,7 @@ from p2pdiloco.config import load_config
 from p2pdiloco.errors import ConfigError, NetworkError
 from p2pdiloco.net.transport.reachability import Reachability
 from p2pdiloco.net.records.parse import parse_heads
-from p2pdiloco.status import Status, conforms, keys
+from p2pdiloco.status import Status, conforms, keys, parse_status
 from p2pdiloco.trust.identity import Identity
 
 from tests.conftest import TINY, Harness, wait_for
@@ -380,14 +380,14 @@ def test_reachability_and_views_of_crafted_records():
     assert by_name["n1"]["share"] == 0.5 and by_name["n0"]["status"] == ["newest", "newest"]
     # a node's own figures: 5000 of a 20000-token target at 50 tokens/s: 25 %, 300 s left
     live = {peer_a: parse_heads(records[peer_a] | {"tps": 50.0})}
-    assert progress(5000, 1000.0, 20000, swarm_rate(live)) == {"tokens": 5000, "target_tokens": 20000, "done": 0.25,
+    assert progress(5000, 1000.0, 20000, swarm_rate(live)).to_json() == {"tokens": 5000, "target_tokens": 20000, "done": 0.25,
                                                    "tokens_per_s": 50.0, "eta_s": 300, "share": 0.2}
-    assert progress(0, 0, 0, None) == {"tokens": 0, "target_tokens": None, "done": None, "tokens_per_s": None,
+    assert progress(0, 0, 0, None).to_json() == {"tokens": 0, "target_tokens": None, "done": None, "tokens_per_s": None,
                                        "eta_s": None, "share": None}
     from rich.console import Console
 
     console = Console(width=120, record=True)
-    console.print(render_node({"name": "x", "run_id": "r", "state": "starting", "pid": 1, "uptime_s": 3}))
+    console.print(render_node(parse_status({"name": "x", "run_id": "r", "state": "starting", "pid": 1, "uptime_s": 3})))
     assert "starting" in console.export_text()
 
 
@@ -397,7 +397,8 @@ def test_the_view_names_the_codec_and_its_error_feedback():
     outer = {"fragments": 4, "sync_every": 100, "lr": 2.5, "momentum": 0.0, "wire_precision": "topk2",
              "error_feedback_decay": 0.65, "min_quorum": 1}
     console = Console(width=200, record=True)
-    console.print(render_node({"name": "x", "run_id": "r", "state": "training", "pid": 1, "uptime_s": 3, "outer": outer}))
+    console.print(render_node(parse_status({"name": "x", "run_id": "r", "state": "training", "pid": 1, "uptime_s": 3,
+                                            "outer": outer})))
     text = console.export_text()
     assert "topk2 on the wire (error feedback decay 0.65)" in text and "lr 2.5" in text
 
@@ -430,12 +431,12 @@ def test_the_demo_result_fits_80_columns_with_whole_digests_and_the_clock(monkey
     from node import demo_view
 
     def report(name: str, digest: str, frag: str, v: int = 163) -> dict:
-        return {"name": name, "start_loss": 5.388, "end_loss": 1.296, "end_bits_per_byte": 1.87, "tokens": 1234567,
+        return {"name": name, "state": "stopped", "start_loss": 5.388, "end_loss": 1.296, "end_bits_per_byte": 1.87, "tokens": 1234567,
                 "rounds_committed": 164, "catchups": 12, "rounds_with_peers": 160, "global_digest": digest,
                 "fragments": [[v, frag * 64], [164, frag * 64], [v, frag * 64], [164, frag * 64]]}
 
-    reports = [report("node0", "9934eb4392eaaf9b", "a"), report("node1", "9934eb4392eaaf9b", "a"),
-               report("node2", "0123456789abcdef", "b", 165)]
+    reports = [parse_status(report("node0", "9934eb4392eaaf9b", "a")), parse_status(report("node1", "9934eb4392eaaf9b", "a")),
+               parse_status(report("node2", "0123456789abcdef", "b", 165))]
     console = Console(width=80, record=True, color_system=None)
     monkeypatch.setattr(demo_view, "console", console)
     assert demo_view.final_table(reports, [0, 0, 0]) is False  # node2 holds other fragments: I1 broken
@@ -445,6 +446,6 @@ def test_the_demo_result_fits_80_columns_with_whole_digests_and_the_clock(monkey
     assert "165:" + "b" * 12 in demo_view.digest_lines(reports)
     assert "163:" not in demo_view.digest_lines(reports[:2])  # equal digests: no fragment lines
     clock = demo_view.Clock(100.0)
-    assert clock.left([{"state": "joining", "step": 0}]) is None
-    left = clock.left([{"state": "training", "step": 3}])
+    assert clock.left([parse_status({"name": "n", "state": "joining", "step": 0})]) is None
+    left = clock.left([parse_status({"name": "n", "state": "training", "step": 3})])
     assert left is not None and 99.0 < left <= 100.0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.status import Report, Starting, Status, conforms, keys, read_status, schema_table
+from p2pdiloco.status import Report, Starting, Status, conforms, keys, parse_status, read_status, schema_table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "operating.md"
 
@@ -48,7 +48,8 @@ def test_read_status_takes_a_node_file_and_nothing_else(tmp_path):
         path.write_text(text)
         assert read_status(path) is None, text
     path.write_text(json.dumps({"name": "n0", "state": "training", "step": 4}))
-    assert read_status(path) == {"name": "n0", "state": "training", "step": 4}
+    s = read_status(path)
+    assert (s.name, s.state, s.step) == ("n0", "training", 4)
 
 
 def test_the_metrics_table_lists_every_metric_the_node_serves():
@@ -63,7 +64,7 @@ def test_the_metrics_table_lists_every_metric_the_node_serves():
                 fragment_status=[{"fragment": 0, "version": 3, "swarm_version": 4}],
                 swarm={"peers": 2, "learners": 2, "behind": [0]})
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: snap))
+    registry.register(SnapshotCollector(lambda: parse_status(snap)))
     served = {sample.name for family in registry.collect() for sample in family.samples}
     section = DOCS.read_text().split("## Prometheus metrics", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]

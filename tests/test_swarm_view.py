@@ -79,8 +79,8 @@ def test_node_status_and_swarm_status_judge_a_node_alike() -> None:
     figures, frags = node_view.summary(states, me)
     swarm = summarize_swarm("r", {p: r.to_wire() for p, r in records.items()}, now)
     (live,) = [p for p in swarm["peers"] if p["peer_id"] == me]
-    assert [f["status"] for f in frags] == live["status"] == ["newest"] * 4 and live["behind"] == figures["behind"] == []
-    assert swarm["newest"] == figures["newest"] == [8, 7, 7, 7]
-    assert live["share"] == progress(4000, 3004.0, 0, None)["share"] == 0.751
+    assert [f.status for f in frags] == live["status"] == ["newest"] * 4 and live["behind"] == figures.behind == []
+    assert swarm["newest"] == figures.newest == [8, 7, 7, 7]
+    assert live["share"] == progress(4000, 3004.0, 0, None).share == 0.751
     for p in swarm["peers"]:  # from their own seat, one node's claim 5 versions ahead is uncorroborated (heads.LEAD)
         assert p["peer_id"] == me or p["status"] == ["newest"] * 4

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from p2pdiloco.chaos.observe import TRAINING, close_incarnation
-from p2pdiloco.status import read_status
+from p2pdiloco.status import Report, read_status
 from p2pdiloco.chaos.schedule import Event
 
 if TYPE_CHECKING:
@@ -104,9 +104,9 @@ def finish_nodes(run: Run) -> None:
             run.procs.kill(cur.proc)
         cur.ended = cur.ended or time.monotonic()
         cur.exit_code = cur.proc.popen.returncode
-        if report is not None and report.get("pid", cur.proc.pid) == cur.proc.pid:
+        if isinstance(report, Report) and report.pid == cur.proc.pid:
             cur.report = report
-            cur.end_tokens = float(report.get("tokens", cur.last.tokens if cur.last else 0))
-            cur.end_merged = float(report.get("tokens_merged", cur.last.merged if cur.last else 0))
+            cur.end_tokens = float(report.tokens)
+            cur.end_merged = float(report.tokens_merged)
         else:
             run.notes.append(f"{tr.name} wrote no report")

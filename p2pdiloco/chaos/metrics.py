@@ -161,13 +161,12 @@ def summarize(mode: str, tracks: list[NodeTrack], *, t0: float, t1: float, sched
     allocated = len(tracks) * standalone_tps * duration
     rejoins, missing = rejoin_times(tracks)
     finals = {tr.name: tr.current for tr in tracks if tr.current is not None and tr.current.report is not None}
-    digests = {n: str(life.report.get("global_digest", "")) for n, life in finals.items()}
-    fragments = [life.report.get("fragments") for life in finals.values()]
+    digests = {n: life.report.global_digest for n, life in finals.items()}
+    fragments = [life.report.fragments for life in finals.values()]
     agree = bool(digests) and len(set(digests.values())) == 1 and all(f == fragments[0] for f in fragments)
-    end_loss = {n: float(life.report["end_loss"]) for n, life in finals.items()
-                if isinstance(life.report.get("end_loss"), (int, float))}
+    end_loss = {n: float(life.report.end_loss) for n, life in finals.items()}
     # every node starts from the same weights (I8): a first incarnation's first evaluation
-    firsts = [tr.lives[0].report.get("start_loss") for tr in tracks if tr.lives[0].report is not None]
+    firsts = [tr.lives[0].report.start_loss for tr in tracks if tr.lives[0].report is not None]
     firsts += [x.heldout for tr in tracks for x in tr.lives[0].samples[:1] if x.heldout is not None]
     start = next((float(x) for x in firsts if isinstance(x, (int, float))), None)
     rounds = [(life.last.committed, life.last.failed) for tr in tracks for life in tr.lives if life.last]

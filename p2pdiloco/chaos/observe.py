@@ -14,10 +14,9 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from p2pdiloco.procs import Proc
-from p2pdiloco.status import Status, read_status
+from p2pdiloco.status import Report, Snapshot, Status, read_status
 
 # node states (status JSON) in which the node trains: "alone" trains too, merging with nobody
 TRAINING = ("training", "alone")
@@ -57,7 +56,7 @@ class Incarnation:
     training_at: float | None = None  # first sample in state 'training'
     rejoined_at: float | None = None  # restarts: back at the swarm's newest versions
     exit_code: int | None = None
-    report: dict[str, Any] | None = None
+    report: Report | None = None
 
     @property
     def last(self) -> Sample | None:
@@ -117,10 +116,10 @@ class NodeTrack:
         if cur is None or cur.ended is not None:
             return None
         data = read_status(self.status_path)
-        if data is None or data.get("pid") != cur.proc.pid:
+        if data is None or data.pid != cur.proc.pid:
             return None
-        wall = data.get("time")
-        if not isinstance(wall, (int, float)):
+        wall = data.time if isinstance(data, Status) and data.time else None
+        if wall is None:
             try:
                 wall = os.stat(self.status_path).st_mtime
             except OSError:
@@ -135,17 +134,12 @@ class NodeTrack:
         return s
 
 
-def sample_of(data: Status, t: float) -> Sample:
-    def num(key: str) -> float:
-        v = data.get(key)
-        return float(v) if isinstance(v, (int, float)) else 0.0
-
-    frags = data.get("fragments") or []
-    versions = tuple(int(f[0]) for f in frags if isinstance(f, (list, tuple)) and f)
-    held = data.get("heldout_loss")
-    return Sample(t, str(data.get("state", "?")), num("tokens"), num("tokens_merged"), int(num("rounds_committed")),
-                  int(num("rounds_failed")), num("tokens_per_s"), versions, str(data.get("global_digest", "")),
-                  float(held) if isinstance(held, (int, float)) else None, num("blocked_s"))
+def sample_of(data: Snapshot, t: float) -> Sample:
+    """One sample of a node's status at harness time ``t`` (zeros before it trains)."""
+    run = data if isinstance(data, Status) else Status(name=data.name, state=data.state)
+    versions = tuple(int(f[0]) for f in run.fragments if isinstance(f, list) and f)
+    return Sample(t, run.state, float(run.tokens), float(run.tokens_merged), run.rounds_committed, run.rounds_failed,
+                  float(run.tokens_per_s), versions, run.global_digest, run.heldout_loss, float(run.blocked_s))
 
 
 def clock_offset() -> float:

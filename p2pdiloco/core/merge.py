@@ -177,91 +177,64 @@ def robust_merge(
     """Token-weighted merge (:func:`merge_tensor`) that a few bad contributions cannot steer.
 
     ``per_member[m][i]`` is member m's Δ for slot i (any float dtype, read as fp32),
-    ``weights[m]`` its claimed weight (``contribution_weight``: tokens²/steps), ``own`` the
-    index of the calling reducer's own contribution (None: the reducer is not a member, or its
-    slice is not among these), ``trust[m]`` in [0, 1] a multiplier the caller earned locally
-    for member m (default 1.0 for all). Rule, in this order:
+    ``weights[m]`` its claimed weight (``contribution_weight``), ``own`` the index of the
+    calling reducer's own contribution (None: not among these), ``trust[m]`` in [0, 1] a
+    multiplier the caller earned locally for member m (default 1.0). The rule, in this order
+    (docs/trust.md section 5 gives the reasons and the measurements):
 
-    1. A member with any non-finite element is dropped (``non_finite``); one with a
-       non-finite or negative weight too (``bad_weight``). Always, whatever the policy.
-    2. ``policy == "off"``: merge the rest with ``weights × trust``, nothing else.
-    3. Weights: every weight above the median of the positive weights becomes that median,
-       so claimed tokens never raise a member above the group's median member: the lower
-       median, or when ``own`` is given, max(lower median, min(w_own, upper median)) (with an
-       even count the reducer's own weight picks between the two medians: two honest learners
-       of different speeds keep their token weighting in the slots the faster one reduces;
-       measured, the lower median alone cost up to 2.0 % held-out loss in
-       ``bench/mixed_speeds.py``). Then
-       each weight is multiplied by ``trust[m]`` (a reputation the node earned for the peer,
-       e.g. small for a fresh identity; applied after the cap so a low trust never lowers the
-       cap). Medians below are over the members whose weight is then positive.
-    4. Norms, per slot i, of the members with positive weight: ``T_i = factor × b_i`` with
-       ``b_i`` their median norm chosen as the weights' (the own norm picks between the lower
-       and upper median; skipped when ``b_i`` is 0). A tensor with ‖Δ_m,i‖ > T_i
-       is scaled to norm T_i (``clip``), or its member is dropped from the merge (``drop``,
-       reason ``outlier``); the own Δ too. With an even count the own norm picks between the
-       two medians, so two colluders of 4 that send tiny Δ cannot shrink the honest ones to
-       their norm, and two that send huge Δ cannot raise the bound above an honest norm.
-    5. Directions, per slot i, against a reference direction R_i:
-       * ``own`` given, kept, and Δ_own,i ≠ 0: R_i = Δ_own,i, the reducer's own pseudo-gradient,
-         which it knows to be honest (FLTrust's root gradient, see Sources). Every other
-         member's weight in slot i is multiplied by the score
-         ``s = clamp(cos(Δ_m,i, R_i) / full_trust_cosine, 0, 1)``: whole for a Δ at least that
-         aligned, proportional below, 0 at or below orthogonal (then the pair is
-         ``misaligned``: left out of slot i), with ``drop`` as with ``clip``: one learner's Δ
-         is evidence enough to mute a tensor, not to drop a member (honest learners of a small
-         model early in a run point against each other now and then: dropped, they lost their
-         rounds, tests/test_trust_integration.py).
-       * otherwise, when at least 3 members with positive weight and a nonzero Δ are left:
-         R_i = coordinate-wise median of their unit vectors; a member whose cosine with R_i is
-         below −max(0.1, 3/√numel_i) points against the group. If such members are a strict
-         minority, each is left out of slot i's merge (``clip``) or dropped (``drop``, reason
-         ``misaligned``). No scores: a median is only as good as its honest majority.
-    6. Merge the kept members slot by slot with :func:`merge_tensor`.
+    1. a member with a non-finite element (``non_finite``) or weight (``bad_weight``) is dropped;
+    2. ``policy == "off"``: merge the rest with ``weights × trust``, nothing else;
+    3. weights above the median of the positive weights are cut to it (the lower median, or
+       max(lower, min(w_own, upper)) with ``own``), then multiplied by ``trust``;
+    4. per slot, a Δ with norm above ``factor`` × the median norm chosen as the weights' is
+       scaled to that bound (``clip``) or its member dropped (``drop``, ``outlier``);
+    5. per slot, with a nonzero own Δ as reference R: each other weight × clamp(cos(Δ, R) /
+       ``full_trust_cosine``, 0, 1) (0: ``misaligned`` in that slot); else, with 3 or more
+       members, R = the coordinate-wise median of their unit vectors and a strict minority
+       with cos below −max(0.1, 3/√numel) is left out of the slot (``drop``: dropped);
+    6. the kept members are merged slot by slot with :func:`merge_tensor`.
 
-    Why the own reference: each reducer is a member and merges its part of the fragment alone
-    (``net.rounds.allreduce``); its own Δ is the one contribution it can trust, whereas a median
-    direction is steered by colluders that make up half of a group of 4. The score is a
-    Δ's share of FLTrust's ReLU-cosine trust; ``full_trust_cosine`` (0.2) lies below the
-    cosines honest learners' Δ of this project's model have with each other (measured, per
-    tensor, 0.36 to 0.98 for 4 learners of the default GPT after 300 steps, >= 0.92 at the
-    start; ``bench/merge_attacks.py``), so an honest group's merge is the plain merge up to the
-    median cap and the norm bound, and far above a random direction's cosine (about
-    1/√numel). Measured on real pseudo-gradients (docs/trust.md §5): one poisoner of 4 at 1.7x
-    the median norm in a direction of its choice reaches a cosine of at most ~0.05 with that
-    direction, two of 4 sending −2x their Δ leave the progress along the honest direction at
-    1.0. Limits: a Δ with cosine ``full_trust_cosine`` towards the reference and the rest of its
-    norm in a direction of its choice gets full weight (at most 1/4 of the directional sum in a
-    group of 4); colluders with honest-looking Δ can shrink the merged norm (their norms count
-    in the magnitude average) but not turn it; a reducer that is itself malicious controls its
-    part of the fragment (signed, so attributable). Groups of larger models whose honest Δ are
-    nearly orthogonal need a lower ``full_trust_cosine``.
-
-    The lower median (``statistics.median_low``) is an element of the set, so with two
-    members the smaller norm bounds the larger. With the default ``factor`` 1.25 one scaled-up
-    contribution among M raises a radial-directional merge's magnitude by at most
-    (M + 0.25)/M over equal honest norms (1.06 for M = 4); honest spread (a learner that missed
-    a round brings about twice the norm) is trimmed.
-
-    Sources: the token-weighted radial-directional merge: arXiv 2604.21428. Clipping every
-    update to the median of the update norms is FLAME's bound (Nguyen et al., "FLAME: Taming
-    Backdoors in Federated Learning", USENIX Security 2022, arXiv 2101.02281); norm bounding of
-    updates against scaled ("model replacement") updates: Sun et al., "Can You Really Backdoor
-    Federated Learning?", arXiv 1911.07963. Trust scores ReLU(cos) against a trusted root
-    gradient, and magnitudes normalised to it: FLTrust (Cao et al., "FLTrust: Byzantine-robust
-    Federated Learning via Trust Bootstrapping", NDSS 2021, arXiv 2012.13995); here the root
-    gradient is the reducer's own Δ and the score saturates at ``full_trust_cosine``. The
-    median fallback: coordinate-wise median (Yin et al., "Byzantine-Robust Distributed
-    Learning: Towards Optimal Statistical Rates", ICML 2018, arXiv 1803.01498).
-
-    Deterministic: Python float64 for medians, cosines, scores and thresholds, fp32 tensor
-    arithmetic in member order, so one reducer's result is reproducible from its inputs.
+    Sources: the token-weighted radial-directional merge, arXiv 2604.21428; the median norm
+    bound, FLAME (arXiv 2101.02281) and Sun et al. (arXiv 1911.07963); the ReLU-cosine score
+    against a trusted root gradient (here the reducer's own Δ), FLTrust (arXiv 2012.13995);
+    the coordinate-wise median, Yin et al. (arXiv 1803.01498). Deterministic: Python float64
+    for medians, cosines, scores and thresholds, fp32 tensor arithmetic in member order.
 
     Raises:
         ValueError: unknown policy, ``factor`` <= 1, ``full_trust_cosine`` not in (0, 1],
-            ``own`` out of range, ``trust`` of another length or outside [0, 1], or inputs of
-            mismatched lengths or shapes.
+            ``own`` out of range, ``trust`` of another length or outside [0, 1], inputs of
+            mismatched lengths or shapes, or no contribution left to merge.
     """
+    trusts = _checked_inputs(per_member, weights, embedding_mask, policy, factor, own, trust, full_trust_cosine)
+    n_slots = len(embedding_mask)
+    dropped, ws = _screened(per_member, weights)
+    alive = [m for m in range(len(per_member)) if m not in dropped]
+    deltas = {m: [t.detach().to(torch.float32) for t in per_member[m]] for m in alive}
+    ref = own if own in deltas else None
+    robust = policy != "off" and len(alive) > 1
+    positive = [ws[m] for m in alive if ws[m] > 0]
+    if robust and positive:
+        cap = _median_towards(positive, ws[ref] if ref is not None and ws[ref] > 0 else None)
+        ws = [min(w, cap) if m in deltas else w for m, w in enumerate(ws)]
+    ws = [w * x for w, x in zip(ws, trusts)]
+    steps = _Steps(slot_ws=[ws] * n_slots)
+    if robust:
+        steps = _norms_and_directions(alive, deltas, ws, ref, n_slots, policy, factor, full_trust_cosine, dropped)
+    kept = tuple(m for m in alive if m not in dropped)
+    if not kept:
+        raise ValueError(f"no contribution left to merge: {dropped}")
+    merged = [merge_tensor([deltas[m][i] for m in kept], [steps.slot_ws[i][m] for m in kept], embedding_mask[i])
+              for i in range(n_slots)]
+    used = tuple(ws[m] if m in kept else 0.0 for m in range(len(per_member)))
+    return RobustMerge(merged, kept, dropped, tuple(steps.clipped), tuple(sorted(steps.misaligned)), used,
+                       tuple(steps.scores), ref if ref in kept else None)
+
+
+def _checked_inputs(per_member: Sequence[Sequence[Tensor]], weights: Sequence[float], embedding_mask: Sequence[bool],
+                    policy: str, factor: float, own: int | None, trust: Sequence[float] | None,
+                    full_trust_cosine: float) -> list[float]:
+    """The arguments of :func:`robust_merge` checked (ValueError as it says); returns the
+    per-member trust multipliers (1.0 each without ``trust``)."""
     if policy not in OUTLIER_POLICIES:
         raise ValueError(f"unknown outlier policy {policy!r}; choose one of {OUTLIER_POLICIES}")
     if not factor > 1 or not math.isfinite(factor):
@@ -275,10 +248,15 @@ def robust_merge(
     trusts = [1.0] * len(per_member) if trust is None else [float(x) for x in trust]
     if len(trusts) != len(per_member) or not all(0.0 <= x <= 1.0 for x in trusts):
         raise ValueError(f"trust must be {len(per_member)} numbers in [0, 1], got {trusts}")
-    n_slots = len(embedding_mask)
     for m, ts in enumerate(per_member):
-        if len(ts) != n_slots:
-            raise ValueError(f"member {m} has {len(ts)} tensors, expected {n_slots}")
+        if len(ts) != len(embedding_mask):
+            raise ValueError(f"member {m} has {len(ts)} tensors, expected {len(embedding_mask)}")
+    return trusts
+
+
+def _screened(per_member: Sequence[Sequence[Tensor]], weights: Sequence[float]) -> tuple[dict[int, str], list[float]]:
+    """Step 1 of :func:`robust_merge`: (member -> ``non_finite`` or ``bad_weight``, the weights
+    as Python floats)."""
     dropped: dict[int, str] = {}
     ws = [float(w) for w in weights]
     for m, ts in enumerate(per_member):
@@ -286,47 +264,43 @@ def robust_merge(
             dropped[m] = "non_finite"
         elif not (math.isfinite(ws[m]) and ws[m] >= 0):
             dropped[m] = "bad_weight"
-    alive = [m for m in range(len(per_member)) if m not in dropped]
-    deltas = {m: [t.detach().to(torch.float32) for t in per_member[m]] for m in alive}
-    ref = own if own in deltas else None
+    return dropped, ws
+
+
+@dataclass
+class _Steps:
+    """Steps 4 and 5 of :func:`robust_merge`: per-slot weights and what was clipped, muted, scored."""
+
+    slot_ws: list[list[float]]
+    clipped: list[tuple[int, int]] = field(default_factory=list)
+    misaligned: list[tuple[int, int]] = field(default_factory=list)
+    scores: list[tuple[int, int, float]] = field(default_factory=list)
+
+
+def _norms_and_directions(alive: Sequence[int], deltas: dict[int, list[Tensor]], ws: list[float], ref: int | None,
+                          n_slots: int, policy: str, factor: float, full: float, dropped: dict[int, str]) -> _Steps:
+    """Steps 4 and 5 of :func:`robust_merge` over the ``alive`` members: clips ``deltas`` in
+    place and adds the members it drops to ``dropped``."""
     clipped: list[tuple[int, int]] = []
-    misaligned: list[tuple[int, int]] = []
-    scores: list[tuple[int, int, float]] = []
-    robust = policy != "off" and len(alive) > 1
-    positive = [ws[m] for m in alive if ws[m] > 0]
-    if robust and positive:
-        cap = _median_towards(positive, ws[ref] if ref is not None and ws[ref] > 0 else None)
-        ws = [min(w, cap) if m in deltas else w for m, w in enumerate(ws)]
-    ws = [w * x for w, x in zip(ws, trusts)]
-    slot_ws = [ws] * n_slots
-    if robust:
-        live = [m for m in alive if ws[m] > 0]
-        outliers = _clip_norms(live, deltas, n_slots, factor, ref, policy == "drop", clipped)
-        for m in sorted(outliers):
-            dropped[m] = "outlier"
-        clipped = [(m, i) for m, i in clipped if m not in outliers]
-        members = [m for m in live if m not in outliers]
-        own_slots = [i for i in range(n_slots) if ref is not None and _norm(deltas[ref][i]) > 0]
-        slot_ws, scores, muted = _aligned(members, deltas, n_slots, own_slots, ref, ws, full_trust_cosine)
-        by_median = _misaligned(members, deltas, [i for i in range(n_slots) if i not in own_slots])
-        against = {m for m, _ in by_median}  # against the own reference: muted (score 0), never dropped
-        if policy == "drop":
-            for m in sorted(against):
-                dropped[m] = "misaligned"
-        else:
-            muted += by_median
-            for m, i in by_median:
-                slot_ws[i][m] = 0.0
-        misaligned = [(m, i) for m, i in muted if m not in dropped]
-        scores = [(m, i, s) for m, i, s in scores if m not in dropped]
-    kept = tuple(m for m in alive if m not in dropped)
-    if not kept:
-        raise ValueError(f"no contribution left to merge: {dropped}")
-    merged = [merge_tensor([deltas[m][i] for m in kept], [slot_ws[i][m] for m in kept], embedding_mask[i])
-              for i in range(n_slots)]
-    used = tuple(ws[m] if m in kept else 0.0 for m in range(len(per_member)))
-    return RobustMerge(merged, kept, dropped, tuple(clipped), tuple(sorted(misaligned)), used, tuple(scores),
-                       ref if ref in kept else None)
+    live = [m for m in alive if ws[m] > 0]
+    outliers = _clip_norms(live, deltas, n_slots, factor, ref, policy == "drop", clipped)
+    for m in sorted(outliers):
+        dropped[m] = "outlier"
+    clipped = [(m, i) for m, i in clipped if m not in outliers]
+    members = [m for m in live if m not in outliers]
+    own_slots = [i for i in range(n_slots) if ref is not None and _norm(deltas[ref][i]) > 0]
+    slot_ws, scores, muted = _aligned(members, deltas, n_slots, own_slots, ref, ws, full)
+    by_median = _misaligned(members, deltas, [i for i in range(n_slots) if i not in own_slots])
+    against = {m for m, _ in by_median}  # against the own reference: muted (score 0), never dropped
+    if policy == "drop":
+        for m in sorted(against):
+            dropped[m] = "misaligned"
+    else:
+        muted += by_median
+        for m, i in by_median:
+            slot_ws[i][m] = 0.0
+    return _Steps(slot_ws, clipped, [(m, i) for m, i in muted if m not in dropped],
+                  [(m, i, s) for m, i, s in scores if m not in dropped])
 
 
 def _clip_norms(live: Sequence[int], deltas: dict[int, list[Tensor]], n_slots: int, factor: float,

@@ -287,22 +287,9 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
     """
     if not (math.isfinite(lr) and lr >= 0):
         raise ValueError(f"outer lr must be finite and >= 0, got {lr}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
-    if not (0.0 <= fraction <= 1.0 and fraction * FRACTION_GRID == round(fraction * FRACTION_GRID)):
-        raise ValueError(f"fraction must be a multiple of 1/{FRACTION_GRID} in [0, 1], got {fraction}")
     if len(merged) != len(state.theta):
         raise ValueError(f"{len(merged)} merged tensors for {len(state.theta)} slots")
-    if fraction == 1.0:  # DiLoCo's step, bit for bit the float32 computation of its formula
-        keep, kick, carry = momentum, 1.0, momentum
-    else:
-        units = round(fraction * FRACTION_GRID)
-        same = ledger is not None and ledger.period_start == state.ledger.period_start >= 0 and \
-            ledger.period_fraction == min(FRACTION_GRID, state.ledger.period_fraction + units)  # round_fraction's continuation
-        used = state.ledger.period_fraction / FRACTION_GRID if same else 0.0
-        left = 1.0 - used * (1.0 - momentum)  # d: the share of the period-start buffer still in b, >= μ
-        keep = max(0.0, 1.0 - fraction * (1.0 - momentum) / left) if left > 0 else 0.0
-        kick, carry = fraction, (momentum * momentum / left if left > 0 else 0.0)
+    keep, kick, carry = _step_scalars(state, momentum, fraction, ledger)
     theta, buf = [], []
     for th, b, d in zip(state.theta, state.momentum, merged):
         if d.shape != th.shape:
@@ -316,6 +303,26 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
         theta.append(th.sub(u.mul_(lr * fraction)))  # Θ ← Θ − (lr·f)·u
         buf.append(nb)
     return FragmentState._seal(state.index, state.version + 1, theta, buf, state.ledger if ledger is None else ledger)
+
+
+def _step_scalars(state: FragmentState, momentum: float, fraction: float,
+                  ledger: Ledger | None) -> tuple[float, float, float]:
+    """(c, f, μ²/d) of :func:`nesterov_outer_step`: b ← c·b + f·Δ; Θ ← Θ − (lr·f)·((1 + μ)·Δ +
+    (μ²/d)·b_old), in Python floats; (μ, 1, μ) for a whole period, DiLoCo's step. Raises
+    ValueError on μ outside [0, 1) or f outside [0, 1] or off the grid."""
+    if not 0 <= momentum < 1:
+        raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
+    if not (0.0 <= fraction <= 1.0 and fraction * FRACTION_GRID == round(fraction * FRACTION_GRID)):
+        raise ValueError(f"fraction must be a multiple of 1/{FRACTION_GRID} in [0, 1], got {fraction}")
+    if fraction == 1.0:  # DiLoCo's step, bit for bit the float32 computation of its formula
+        return momentum, 1.0, momentum
+    units = round(fraction * FRACTION_GRID)
+    same = ledger is not None and ledger.period_start == state.ledger.period_start >= 0 and \
+        ledger.period_fraction == min(FRACTION_GRID, state.ledger.period_fraction + units)  # round_fraction's continuation
+    used = state.ledger.period_fraction / FRACTION_GRID if same else 0.0
+    left = 1.0 - used * (1.0 - momentum)  # d: the share of the period-start buffer still in b, >= μ
+    keep = max(0.0, 1.0 - fraction * (1.0 - momentum) / left) if left > 0 else 0.0
+    return keep, fraction, (momentum * momentum / left if left > 0 else 0.0)
 
 
 def apply_round(state: FragmentState, merged: Sequence[Tensor], tokens: int, position: int, first: float,

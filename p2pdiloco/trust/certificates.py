@@ -28,14 +28,10 @@ in the revocation list.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import msgpack
@@ -45,79 +41,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.errors import AccessDenied, CertificateError
 from p2pdiloco.trust.identity import is_peer_id, peer_id_of, public_key_of
+from p2pdiloco.trust.keyfiles import (decode_swarm_key, fingerprint, iso_time, parse_public_key, read_text, write_private,
+                                     write_text)
 
 __all__ = ["SwarmKey", "Certificate", "RevocationList", "Membership", "parse_public_key", "fingerprint",
            "CLOCK_SKEW", "decode_swarm_key"]
 
 CLOCK_SKEW = 300  # seconds a certificate may be "issued in the future" (clocks differ)
 _FORMAT = 1
-
-
-def fingerprint(public_key: bytes) -> str:
-    """Short name of a swarm key: the first 16 hex digits of its sha256."""
-    return hashlib.sha256(public_key).hexdigest()[:16]
-
-
-def _hex_key(text: str) -> bytes | None:
-    """32 bytes from exactly 64 hex digits, else None."""
-    if len(text) != 64:
-        return None
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        return None
-
-
-def parse_public_key(text: str) -> bytes:
-    """A raw Ed25519 public key from 64 hex digits or from a peer ID ("12D3KooW...").
-
-    Raises:
-        CertificateError: neither form (reason ``malformed``).
-    """
-    text = text.strip()
-    if (key := _hex_key(text)) is not None:
-        return key
-    try:
-        return public_key_of(text)
-    except ValueError:
-        pass
-    raise CertificateError(f"{text[:70]!r} is not a public key: give 64 hex digits or a node's peer ID "
-                           "(12D3KooW..., printed by `p2pdiloco swarm identity`)", "malformed")
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text(path: Path, comments: Iterable[str], data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(f"# {c}\n" for c in comments) + base64.b64encode(data).decode() + "\n")
-    tmp.replace(path)
-
-
-def _read_text(path: Path, what: str) -> bytes:
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        raise CertificateError(f"{what} file {path} does not exist", "missing") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CertificateError(f"{what} file {path} cannot be read: {e}", "malformed") from None
-    body = "".join(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
-    try:
-        return base64.b64decode(body, validate=True)
-    except (binascii.Error, ValueError):
-        raise CertificateError(f"{what} file {path} is not base64 text", "malformed") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,7 +73,7 @@ class SwarmKey:
         pem = self.private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                              serialization.NoEncryption())
         try:
-            _write_private(key_path, pem)
+            write_private(key_path, pem)
         except FileExistsError:
             raise CertificateError(f"{key_path} exists already; a new swarm key would lock out every member "
                                    "admitted with it (remove it yourself if that is what you want)", "exists") from None
@@ -242,23 +173,23 @@ class Certificate:
             raise CertificateError(f"the certificate of {who} does not carry a valid signature of swarm "
                                    f"{fingerprint(swarm)}", "bad_signature")
         if now + CLOCK_SKEW < self.issued:
-            raise CertificateError(f"the certificate of {who} is not valid before {_iso(self.issued)}",
+            raise CertificateError(f"the certificate of {who} is not valid before {iso_time(self.issued)}",
                                    "not_yet_valid")
         if now >= self.expires:
-            raise CertificateError(f"the certificate of {who} expired at {_iso(self.expires)}; the swarm owner "
+            raise CertificateError(f"the certificate of {who} expired at {iso_time(self.expires)}; the swarm owner "
                                    f"renews it with `p2pdiloco swarm admit {peer_id_of(member)}`", "expired")
         if revocations is not None and self.member in revocations.revoked:
             raise CertificateError(f"the certificate of {who} was revoked (revocation list #{revocations.serial})",
                                    "revoked")
 
     def save(self, path: Path) -> None:
-        _write_text(Path(path), [f"p2pdiloco membership certificate for {self.member_peer_id}",
+        write_text(Path(path), [f"p2pdiloco membership certificate for {self.member_peer_id}",
                                  f"swarm {fingerprint(self.swarm)} ({self.swarm.hex()})",
-                                 f"valid {_iso(self.issued)} to {_iso(self.expires)}"], self.encode())
+                                 f"valid {iso_time(self.issued)} to {iso_time(self.expires)}"], self.encode())
 
     @classmethod
     def load(cls, path: Path) -> Certificate:
-        return cls.decode(_read_text(Path(path), "certificate"))
+        return cls.decode(read_text(Path(path), "certificate"))
 
 
 @dataclass(frozen=True)
@@ -299,13 +230,13 @@ class RevocationList:
         return cls(sw, serial, issued, frozenset(revoked), sig)
 
     def save(self, path: Path) -> None:
-        _write_text(Path(path), [f"p2pdiloco revocation list #{self.serial} of swarm {fingerprint(self.swarm)}",
-                                 f"issued {_iso(self.issued)}; {len(self.revoked)} revoked:",
+        write_text(Path(path), [f"p2pdiloco revocation list #{self.serial} of swarm {fingerprint(self.swarm)}",
+                                 f"issued {iso_time(self.issued)}; {len(self.revoked)} revoked:",
                                  *(peer_id_of(m) for m in sorted(self.revoked))], self.encode())
 
     @classmethod
     def load(cls, path: Path, swarm: bytes) -> RevocationList:
-        return cls.decode(_read_text(Path(path), "revocation list"), swarm)
+        return cls.decode(read_text(Path(path), "revocation list"), swarm)
 
 
 @dataclass
@@ -405,20 +336,3 @@ class Membership:
         if len(self._verified) > 4096:
             self._verified.clear()
         self._verified[peer_id] = (bytes(certificate), cert.expires)
-
-
-def decode_swarm_key(text: str) -> bytes:
-    """The swarm public key from ``trust.swarm_key``: 64 hex digits, or a path to ``swarm.pub``.
-
-    Raises:
-        CertificateError: neither.
-    """
-    text = text.strip()
-    if (key := _hex_key(text)) is not None:
-        return key
-    path = Path(text).expanduser()
-    if path.is_file() and path.stat().st_size < 200 and (key := _hex_key(path.read_text().strip())) is not None:
-        return key
-    raise CertificateError(f"trust.swarm_key {text[:70]!r}: expected the swarm's public key (64 hex digits, "
-                           "printed by `p2pdiloco swarm init`) or the path of its swarm.pub", "malformed")
-

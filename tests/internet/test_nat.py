@@ -1,4 +1,4 @@
-"""Nodes behind NAT on a simulated internet (tests/internet/topology.py): a bootstrap peer and
+"""Nodes behind NAT on a simulated internet (bench/internet.py): a bootstrap peer and
 a public node on the public segment, home nodes each behind its own NAT router. Real nodes,
 real p2pd, one command each with default reachability settings; assertions on status and
 report JSON only. Minutes long (a relay slot comes about 180 s after a NATed node's start):
@@ -15,7 +15,7 @@ import pytest
 
 from p2pdiloco.procs import Proc
 from tests.conftest import TINY, read_report, wait_for
-from tests.internet.topology import Internet, unavailable
+from bench.internet import Internet, unavailable
 
 pytestmark = pytest.mark.usefixtures("no_daemon_left")
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .topology import Internet, namespaces, run_cmd, unavailable
+from bench.internet import Internet, namespaces, run_cmd, unavailable
 
 _reason = unavailable()
 if _reason:

@@ -72,7 +72,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
+from typing import NoReturn
 
 import torch
 
@@ -107,64 +109,19 @@ class AllReducer(Reducer):
             RoundFailed: some reducer did not answer with a verified statement, or the
                 reducers' contributor sets have no member in common.
         """
-        frag, me, members = group.key.fragment, self.swarm.peer_id, group.members
+        me, members = self.swarm.peer_id, group.members
         if members == (me,):  # a lone round: nothing is sent, so nothing is quantised
-            if not is_finite_contribution(contrib.delta):
-                self.stats.failed += 1
-                raise RoundFailed(f"round {group.round_id}: our own contribution is not finite")
-            self.stats.rounds += 1
-            tokens, position, first = self._counters([(contrib.tokens, contrib.steps, contrib.span, contrib.position)])
-            return RoundResult([t.detach().to("cpu", torch.float32).clone() for t in contrib.delta], tokens, position,
-                               first / FRACTION_GRID, (me,))
+            return self._lone(group, contrib)
         self.expect(group)
-        parts = self._parts(frag, len(members), group.shares)
+        parts = self._parts(group.key.fragment, len(members), group.shares)
         reducers = [r for r in range(len(members)) if parts[r]]
-        base = {"round": group.round_id, "g": group_fingerprint(group), "tokens": contrib.tokens,
-                "steps": contrib.steps, "span": contrib.span, "pos": contrib.position}
-
         received: dict[int, torch.Tensor] = {}  # slot -> what the reducers decode from our slices
-
-        async def phase1(r: int) -> tuple[int, tuple[int, ...], tuple[int, int, int], bytes, bytes]:
-            payload = wire.encode([contrib.delta[i] for i in parts[r]], self.precision)
-            if self.precision != "fp32":  # lossy: keep what was lost for error feedback
-                received.update(zip(parts[r], wire.decode(payload, self._shapes(frag, parts[r]), self.precision)))
-            fields = signing.contribution_fields(self.run_id, frag, group.key.version, group.key.digest,
-                                                 group.round_id, members, r, contrib.tokens, contrib.steps,
-                                                 contrib.span, contrib.position,
-                                                 self._digest(payload, signing_side=True), group.shares)
-            head, payload = self._outgoing(r, dict(base, r=r, sig=self._sign("ar.contrib", fields)), payload)
-            if members[r] == me:
-                reply, body = await self._receive(me, head, payload)
-                if "error" in reply:
-                    raise RoundFailed(f"own reducer part: {reply['error']}")
-            else:
-                reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload,
-                                                    timeout=self._call_timeout(group), max_reply=self._slice_bytes(group, r))
-            contributors, counters = self._check_answer(group, r, 1, reply, body)
-            return r, contributors, counters, reply["sig"], body
-
-        answers = await self._each_reducer(group, reducers, phase1, "")
+        answers = await self._each_reducer(group, reducers, functools.partial(self._phase1, group, contrib, parts,
+                                                                              received), "")
         sets = {c for c, _, _, _ in answers.values()}
-        if len(sets) == 1:
-            common = next(iter(sets))
-        else:
-            common = tuple(sorted(set.intersection(*(set(c) for c in sets))))
-            self.stats.reconciled += 1
-            log.info("round %s f%d: reducers used different contributor sets %s; merging over %s",
-                     group.round_id, frag, sorted(sets), list(common))
-        mine = members.index(me)
-        if mine not in common:
-            self.stats.failed += 1
-            self.stats.excluded += 1
-            why = f"round {group.round_id} of fragment {frag} was merged without our contribution " \
-                  f"(contributor sets {sorted(sets)})"
-            result = None
-            if len(sets) == 1:  # the bodies are the round's result, which the included members commit
-                with contextlib.suppress(RoundFailed):
-                    result = self._audited(group, parts, self._result(group, parts, answers, common), contrib)
-                if result is not None and result.suspects:  # suspect parts of a round without us: follow instead
-                    result = None
-            raise ContributionExcluded(why, result)
+        common = self._common(group, sets)
+        if members.index(me) not in common:
+            self._excluded(group, parts, answers, sets, common, contrib)
         if len(sets) > 1:
             answers = await self._phase2(group, reducers, answers, common)
         try:
@@ -177,6 +134,71 @@ class AllReducer(Reducer):
                 contrib.delta[i].detach().to("cpu", torch.float32) - received[i] for i in range(len(result.delta))])
         self.stats.rounds += 1
         return result
+
+    def _lone(self, group: Group, contrib: Contribution) -> RoundResult:
+        """A round of this node alone: its Δ in fp32 with its own counters (RoundFailed when
+        it is not finite)."""
+        if not is_finite_contribution(contrib.delta):
+            self.stats.failed += 1
+            raise RoundFailed(f"round {group.round_id}: our own contribution is not finite")
+        self.stats.rounds += 1
+        tokens, position, first = self._counters([(contrib.tokens, contrib.steps, contrib.span, contrib.position)])
+        return RoundResult([t.detach().to("cpu", torch.float32).clone() for t in contrib.delta], tokens, position,
+                           first / FRACTION_GRID, (self.swarm.peer_id,))
+
+    async def _phase1(self, group: Group, contrib: Contribution, parts: tuple[tuple[int, ...], ...],
+                      received: dict[int, torch.Tensor],
+                      r: int) -> tuple[int, tuple[int, ...], tuple[int, int, int], bytes, bytes]:
+        """Send reducer ``r`` our signed slices of its part; returns (r, its contributor set,
+        its counters, its signature, its merged slices). Lossy codecs record in ``received``
+        what the reducer decodes, for error feedback."""
+        frag, members, me = group.key.fragment, group.members, self.swarm.peer_id
+        base = {"round": group.round_id, "g": group_fingerprint(group), "tokens": contrib.tokens,
+                "steps": contrib.steps, "span": contrib.span, "pos": contrib.position}
+        payload = wire.encode([contrib.delta[i] for i in parts[r]], self.precision)
+        if self.precision != "fp32":  # lossy: keep what was lost for error feedback
+            received.update(zip(parts[r], wire.decode(payload, self._shapes(frag, parts[r]), self.precision)))
+        fields = signing.contribution_fields(self.run_id, frag, group.key.version, group.key.digest,
+                                             group.round_id, members, r, contrib.tokens, contrib.steps,
+                                             contrib.span, contrib.position,
+                                             self._digest(payload, signing_side=True), group.shares)
+        head, payload = self._outgoing(r, dict(base, r=r, sig=self._sign("ar.contrib", fields)), payload)
+        if members[r] == me:
+            reply, body = await self._receive(me, head, payload)
+            if "error" in reply:
+                raise RoundFailed(f"own reducer part: {reply['error']}")
+        else:
+            reply, body = await self.swarm.call(members[r], "ar.reduce", head, payload,
+                                                timeout=self._call_timeout(group), max_reply=self._slice_bytes(group, r))
+        contributors, counters = self._check_answer(group, r, 1, reply, body)
+        return r, contributors, counters, reply["sig"], body
+
+    def _common(self, group: Group, sets: set[tuple[int, ...]]) -> tuple[int, ...]:
+        """The contributor set the round merges over: the reducers' one set, or the members
+        every reducer used (phase 2 then merges again over it)."""
+        if len(sets) == 1:
+            return next(iter(sets))
+        common = tuple(sorted(set.intersection(*(set(c) for c in sets))))
+        self.stats.reconciled += 1
+        log.info("round %s f%d: reducers used different contributor sets %s; merging over %s",
+                 group.round_id, group.key.fragment, sorted(sets), list(common))
+        return common
+
+    def _excluded(self, group: Group, parts: tuple[tuple[int, ...], ...], answers: dict,
+                  sets: set[tuple[int, ...]], common: tuple[int, ...], contrib: Contribution) -> NoReturn:
+        """Raise ContributionExcluded for a round merged without our contribution, with its
+        result when the reducers agreed on one set and no part is suspect (we follow it)."""
+        self.stats.failed += 1
+        self.stats.excluded += 1
+        why = f"round {group.round_id} of fragment {group.key.fragment} was merged without our contribution " \
+              f"(contributor sets {sorted(sets)})"
+        result = None
+        if len(sets) == 1:  # the bodies are the round's result, which the included members commit
+            with contextlib.suppress(RoundFailed):
+                result = self._audited(group, parts, self._result(group, parts, answers, common), contrib)
+            if result is not None and result.suspects:  # suspect parts of a round without us: follow instead
+                result = None
+        raise ContributionExcluded(why, result)
 
     def _result(self, group: Group, parts: tuple[tuple[int, ...], ...], answers: dict,
                 common: tuple[int, ...]) -> RoundResult:

@@ -352,16 +352,9 @@ class Server:
         remote = live.remote
         await asyncio.sleep(0)  # the answers started last run first: busy ones are written and gone
         first = asyncio.get_running_loop().time() + HEADER_TIMEOUT  # the first request, whole, by then
-        while True:  # readexactly consumes nothing unless it returns: a timeout loses no byte
-            try:
-                async with asyncio.timeout(HEADER_TIMEOUT if not live.requests else sessions.SERVER_IDLE_S):
-                    length = await reader.readexactly(LENGTH_BYTES)
-                break
-            except TimeoutError:
-                if not live.requests or not live.tasks:
-                    return False  # idle, or never used (a caller that gave up while it opened): closed
-            except (asyncio.IncompleteReadError, ConnectionError, OSError):
-                return False  # closed between requests (or evicted)
+        length = await self._next_length(live, reader)
+        if length is None:
+            return False
         live.reading = True  # from its length prefix until it is being answered: not evicted
         try:
             async with asyncio.timeout_at(first) if not live.requests else asyncio.timeout(HEADER_TIMEOUT):
@@ -397,19 +390,40 @@ class Server:
         if len(live.tasks) >= 2 * MAX_STREAMS_PER_PEER:  # answers not read either: a caller that does not read
             self.swarm.drop(remote, "busy")
             return False
+        self._start_answer(live, rid, name, served[0], header, request)
+        return True
+
+    async def _next_length(self, live: _Live, reader: asyncio.StreamReader) -> bytes | None:
+        """The next request's length prefix; None when the session ends: idle past
+        ``sessions.SERVER_IDLE_S`` with nothing being answered, never used within
+        ``HEADER_TIMEOUT``, or closed between requests (or evicted)."""
+        while True:  # readexactly consumes nothing unless it returns: a timeout loses no byte
+            try:
+                async with asyncio.timeout(HEADER_TIMEOUT if not live.requests else sessions.SERVER_IDLE_S):
+                    return await reader.readexactly(LENGTH_BYTES)
+            except TimeoutError:
+                if not live.requests or not live.tasks:
+                    return None  # idle, or never used (a caller that gave up while it opened): closed
+            except (asyncio.IncompleteReadError, ConnectionError, OSError):
+                return None  # closed between requests (or evicted)
+
+    def _start_answer(self, live: _Live, rid: int, name: str, handler: Handler, header: Header,
+                      request: bytes) -> None:
+        """Answer a session's request in a task of its own, or busy when the peer or the
+        server is at its limit (``MAX_STREAMS_PER_PEER``, ``MAX_STREAMS``)."""
+        remote = live.remote
         if (why := self._over_limit(remote)) is not None:
             self._refused(remote, why)
             task = asyncio.create_task(self._session_reply(live, rid, {"error": why}, b""))
         else:
             self._streams[remote] += 1
             self._streams_total += 1
-            task = asyncio.create_task(self._session_answer(live, name, served[0], rid, header, request))
+            task = asyncio.create_task(self._session_answer(live, name, handler, rid, header, request))
             task.add_done_callback(lambda _: self._served(remote))  # also if cancelled before it started
         live.tasks.add(task)
         task.add_done_callback(live.tasks.discard)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return True
 
     async def _session_answer(self, live: _Live, name: str, handler: Handler, rid: int, header: Header,
                               payload: bytes) -> None:
