@@ -20,9 +20,9 @@ import psutil
 from p2pdiloco.atomic import write_json_atomic
 from p2pdiloco.config import NodeConfig, SwarmConfig
 from p2pdiloco.core.outer import run_tokens
-from p2pdiloco.data import bits_per_byte, evaluate
+from p2pdiloco.data import bits_per_byte, evaluate, loss_unit
 from p2pdiloco.errors import ConfigError, NetworkError, P2PDilocoError
-from p2pdiloco.footprint import check_memory, rss_mib
+from p2pdiloco.footprint import check_memory, peak_rss_mib, rss_mib
 from p2pdiloco import owners
 from p2pdiloco.manifest import RunManifest, published, run_settings
 from p2pdiloco.net.records.parse import HeadsRecord
@@ -152,7 +152,11 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "step": tr.step if tr else 0, "tokens": tr.tokens if tr else 0,
         "tokens_per_s": round(tr.tokens_per_s, 1) if tr else 0.0,
         "blocked_s": round(node.training.blocked_s, 2) if node.training else 0.0,
+        "checkpoint": {"count": node.training.checkpoints if node.training else 0,
+                       "last_s": round(node.training.checkpoint_s, 2) if node.training else 0.0,
+                       "max_s": round(node.training.checkpoint_max_s, 2) if node.training else 0.0},
         "loss": _num(tr.loss) if tr else None, "heldout_loss": _num(tr.heldout_loss) if tr else None,
+        "loss_unit": loss_unit(node.cfg.data.tokenizer),
         "heldout_rising": tr.heldout_rising if tr else False,
         "rounds_committed": st.rounds_committed, "rounds_failed": st.rounds_failed,
         "rounds_superseded": node.committed.superseded,
@@ -239,11 +243,13 @@ async def live_progress(board: Board) -> None:
 
 
 def hardware(cfg: NodeConfig, setup: Setup | None) -> dict[str, Any]:
-    """Where the node trains: device, torch threads, resident memory (MiB) and its limit."""
+    """Where the node trains: device, torch threads, resident memory (MiB), its limit and the
+    memory estimate shown at start (``p2pdiloco.footprint.Footprint.as_dict``, MiB)."""
     rss = rss_mib()
     return {"device": str(next(setup.model.parameters()).device) if setup else cfg.device, "threads": cfg.threads,
-            "rss_mib": round(rss), "memory_limit_mib": cfg.memory_limit or None,
-            "over_memory_limit": bool(cfg.memory_limit and rss > cfg.memory_limit)}
+            "rss_mib": round(rss), "peak_rss_mib": round(peak_rss_mib()), "memory_limit_mib": cfg.memory_limit or None,
+            "over_memory_limit": bool(cfg.memory_limit and rss > cfg.memory_limit),
+            "memory_estimate": setup.footprint.as_dict() if setup and setup.footprint else None}
 
 
 MANIFEST_REPUBLISH_S = 60.0  # a node that joined with a run manifest stores it in the DHT this often
@@ -332,10 +338,13 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         # model and data first: a setting or a data folder that cannot work is refused in one
         # line before any daemon starts (the peer ID, which seeds the data order, is the identity's)
         # its memory before the model is built: a run manifest may name any model size (docs/trust.md)
-        checked = await asyncio.to_thread(check_memory, cfg)
+        before = psutil.Process().memory_info().rss  # the process without the model (footprint.estimate)
+        footprint = await asyncio.to_thread(check_memory, cfg)
         setup = await asyncio.to_thread(Setup.build, cfg, name, trust.identity.peer_id)
-        if not checked:  # a factory model that cannot be built on the meta device: its count now
-            check_memory(cfg, sum(p.numel() for p in setup.model.parameters()))
+        if footprint is None:  # a factory model that cannot be built on the meta device: its count now
+            footprint = check_memory(cfg, sum(p.numel() for p in setup.model.parameters()), before)
+        setup.footprint = footprint
+        log.info("%s: %s", name, footprint.line())
         swarm = await start_swarm(sw, trust)
         try:
             return await _serve(cfg, name, setup, swarm, board, status_path, report_path, on_ready, progress, manifest)
@@ -430,11 +439,11 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
     report = snapshot(node, swarm, maddrs, view, board.extra())
     final = await asyncio.to_thread(evaluate, setup.global_model(node.committed), setup.heldout)
     start = node.training.stats.heldout_history[0][1]
-    report.update(start_loss=start, end_loss=final, end_bits_per_byte=bits_per_byte(final),
+    report.update(start_loss=start, end_loss=final, end_bits_per_byte=bits_per_byte(final, setup.bytes_per_token),
                   heldout_history=node.training.stats.heldout_history, state="stopped")
     board.current = lambda: {**report, **board.extra()}
-    log.info("%s done: held-out loss %.3f -> %.3f nats/byte, %d rounds, digest %s",
-             name, start, final, node.stats.rounds_committed, report["global_digest"])
+    log.info("%s done: held-out loss %.3f -> %.3f %s (%.3f bits/byte), %d rounds, digest %s", name, start, final,
+             report["loss_unit"], report["end_bits_per_byte"], node.stats.rounds_committed, report["global_digest"])
     reached = report["rounds_with_peers"] + report["rounds_excluded"] + report["catchups"]  # followed the swarm: not alone
     report["exit_code"] = node.solo.exit_code(reached, budget_ended=not signalled)
     if not report["rounds_with_peers"]:

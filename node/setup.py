@@ -19,6 +19,7 @@ from p2pdiloco.data import (PIECE_BYTES, BatchSampler, Corpus, EmptyShard, defau
                             load_corpus, min_text_bytes)
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.exported import load_global
+from p2pdiloco.footprint import Footprint
 from p2pdiloco.formats import collect_files
 from p2pdiloco.model import build_model
 
@@ -106,6 +107,8 @@ class Setup:
     sampler: BatchSampler
     heldout: list
     notes: tuple[tuple[int, str], ...] = ()  # (logging level, message) for :meth:`log_notes`
+    footprint: Footprint | None = None  # the memory estimate checked at start (p2pdiloco.footprint)
+    bytes_per_token: float = 1.0  # of the held-out text (p2pdiloco.data.Corpus.bytes_per_token)
 
     @classmethod
     def build(cls, cfg: NodeConfig, name: str, peer_id: str) -> Setup:
@@ -161,7 +164,8 @@ class Setup:
         if note := topk2_note(cfg.outer):
             notes += [(logging.WARNING, f"{name}: {note}")]
         learner = Learner(model, fragments, cfg.inner)
-        return cls(cfg, name, model, tuple(fragments), learner, sampler, heldout, tuple(notes))
+        return cls(cfg, name, model, tuple(fragments), learner, sampler, heldout, tuple(notes),
+                   bytes_per_token=corpus.bytes_per_token)
 
     def log_notes(self) -> None:
         """Log what :meth:`build` found (model size, data share, a fallback to all of the text),

@@ -219,7 +219,8 @@ def node_lines(s: dict[str, Any]) -> Table:
     if "step" in s:
         g.add_row("training", f"inner step {s.get('step', 0)}   {fmt_count(s.get('tokens'))} tokens   "
                               f"{fmt_num(s.get('tokens_per_s'), ',.0f')} tokens/s")
-        g.add_row("loss", f"training {fmt_num(s.get('loss'))}   held-out {fmt_num(s.get('heldout_loss'))} (nats/byte)")
+        g.add_row("loss", f"training {fmt_num(s.get('loss'))}   held-out {fmt_num(s.get('heldout_loss'))} "
+                          f"({s.get('loss_unit') or 'nats/byte'})")
         g.add_row("rounds", f"{s.get('rounds_committed', 0)} committed ({s.get('rounds_alone', 0)} alone), "
                             f"{s.get('rounds_failed', 0)} failed ({s.get('rounds_superseded', 0)} superseded), "
                             f"{s.get('rounds_late', 0)} late, "

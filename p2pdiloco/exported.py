@@ -51,7 +51,7 @@ from p2pdiloco.model import build_model
 from p2pdiloco.model_config import ModelConfig
 
 __all__ = ["MODEL_FILE", "CONFIG_FILE", "EXPORT_FILE", "FORMAT", "HF_DIR", "settings_config", "data_path_of", "read_json", "load_global",
-           "write_export", "write_hf", "Exported", "load_export", "heldout_of", "generate"]
+           "write_export", "write_hf", "Exported", "load_export", "heldout_of", "heldout_with_bytes", "generate"]
 
 MODEL_FILE, CONFIG_FILE, EXPORT_FILE, HF_DIR = "model.safetensors", "config.json", "export.json", "hf"
 FORMAT = 1
@@ -226,14 +226,21 @@ def heldout_of(cfg: NodeConfig, data_path: str) -> list[tuple[Tensor, Tensor]]:
     Raises:
         ConfigError: the path does not exist, holds no usable text, or too little held-out text.
     """
+    return heldout_with_bytes(cfg, data_path)[0]
+
+
+def heldout_with_bytes(cfg: NodeConfig, data_path: str) -> tuple[list[tuple[Tensor, Tensor]], float]:
+    """:func:`heldout_of`'s batches and the held-out text's mean bytes per token
+    (:attr:`p2pdiloco.data.Corpus.bytes_per_token`, 1.0 without a tokenizer). Raises as :func:`heldout_of`."""
     try:
         files = collect_files(Path(data_path), cfg.data.format) if data_path else default_corpus_files()
         tok = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None  # as the node read its text
         corpus = load_corpus(files, 0, 1, cfg.data.heldout_fraction, cfg.data.max_bytes or None,
                              fmt=cfg.data.format, text_field=cfg.data.text_field, tokenizer=tok)
-        return heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)
+        batches = heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)
     except (ValueError, OSError) as e:
         raise ConfigError(f"--data: {e}") from None
+    return batches, corpus.bytes_per_token
 
 
 @torch.no_grad()

@@ -57,8 +57,11 @@ class Status(Starting):
     tokens: Annotated[int, "tokens trained by this node"]
     tokens_per_s: Annotated[float, "its training rate, tokens/s"]
     blocked_s: Annotated[float, "seconds its training waited on outer rounds"]
-    loss: Annotated[float | None, "training loss, nats/byte"]
-    heldout_loss: Annotated[float | None, "held-out loss of its own parameters, nats/byte"]
+    checkpoint: Annotated[dict[str, Any], "local checkpoints written (count) and how long training waited for the "
+                                          "last and the longest (last_s, max_s; seconds)"]
+    loss: Annotated[float | None, "training loss, in loss_unit"]
+    heldout_loss: Annotated[float | None, "held-out loss of its own parameters, in loss_unit"]
+    loss_unit: Annotated[str, "nats/byte (the tokens are bytes) or nats/token (data.tokenizer)"]
     heldout_rising: Annotated[bool, "held-out loss rose at the last evaluations (a warning)"]
     rounds_committed: Annotated[int, "outer rounds it committed"]
     rounds_failed: Annotated[int, "outer rounds discarded (a member failed, or superseded)"]
@@ -115,7 +118,8 @@ class Status(Starting):
     swarm: Annotated[dict[str, Any] | None, "the swarm's records: peers, learners, newest, behind, read_age_s"]
     global_digest: Annotated[str, "one hash over every fragment's (version, digest): equal iff the models are"]
     time: Annotated[float, "Unix time of the snapshot, s"]
-    hardware: Annotated[dict[str, Any], "device, threads, rss_mib, memory_limit_mib, over_memory_limit"]
+    hardware: Annotated[dict[str, Any], "device, threads, rss_mib, peak_rss_mib, memory_limit_mib, over_memory_limit, "
+                                        "memory_estimate (total_mib and its parts, p2pdiloco.footprint)"]
     outer: Annotated[dict[str, Any], "the outer settings it runs (config.OuterConfig): fragments, sync_every, lr, "
                                      "momentum, wire_precision, error_feedback_decay, min_quorum"]
     progress: Annotated[dict[str, Any], "the run's progress: tokens, target_tokens, done, tokens_per_s, eta_s, share"]
@@ -125,9 +129,9 @@ class Status(Starting):
 class Report(Status):
     """The final report: the last snapshot plus the held-out losses."""
 
-    start_loss: Annotated[float, "held-out loss of the initial model, nats/byte"]
-    end_loss: Annotated[float, "held-out loss of the final global model, nats/byte"]
-    end_bits_per_byte: Annotated[float, "end_loss in bits/byte"]
+    start_loss: Annotated[float, "held-out loss of the initial model, in loss_unit"]
+    end_loss: Annotated[float, "held-out loss of the final global model, in loss_unit"]
+    end_bits_per_byte: Annotated[float, "end_loss in bits per byte of held-out text (per token / bytes per token / ln 2)"]
     heldout_history: Annotated[list[list[float]], "[inner step, held-out loss] at each evaluation"]
     exit_code: Annotated[int, "the node's exit code: 0, or 3 when it was given peers to join, ran to the end of its "
                               "budget and reached no other node (no round with one, none taken without its "
