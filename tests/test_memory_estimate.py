@@ -86,3 +86,67 @@ def test_a_node_shows_its_estimate_in_its_status_and_stays_within_it(tmp_path):
     # measured peak of the whole run against the estimate shown at start
     assert hw["peak_rss_mib"] <= 1.5 * est["total_mib"], hw
     assert math.isfinite(hw["rss_mib"]) and hw["memory_limit_mib"] == 4000 and not hw["over_memory_limit"]
+
+
+def test_a_downloaded_state_is_held_once():
+    """A state's payload is read into one buffer (not pieces and their join) and its tensors
+    are views of that buffer (not copies): traced memory peaks at about one payload."""
+    import asyncio
+    import tracemalloc
+
+    import torch
+
+    from p2pdiloco.core.outer import FragmentState
+    from p2pdiloco.net.codecs import wire
+    from p2pdiloco.net.transport.framing import CHUNK_BYTES, read_payload
+
+    shapes = [(2048, 1024), (1024,)] * 2  # theta and momentum of one fragment, 16 MiB
+    tensors = [torch.randn(s) for s in shapes]
+    data = wire.encode(tensors, "fp32")
+    n = len(data)
+    assert n > 2 * CHUNK_BYTES
+
+    async def send(reader: asyncio.StreamReader) -> None:  # as a socket delivers it: a piece at a time
+        for i in range(0, n, 1 << 16):
+            reader.feed_data(data[i:i + (1 << 16)])
+            await asyncio.sleep(0)
+        reader.feed_eof()
+
+    async def receive() -> FragmentState:
+        reader = asyncio.StreamReader(limit=2**30)
+        sender = asyncio.create_task(send(reader))
+        body = await read_payload(reader, n)
+        await sender
+        got = wire.decode(body, shapes, "fp32", adopt=True)
+        assert all(t.data_ptr() for t in got)
+        return FragmentState.adopt(0, 1, got[:2], got[2:])
+
+    tracemalloc.start()
+    try:
+        state = asyncio.run(receive())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # one payload and the stream's few pieces in flight (held twice would be 2 n: pieces and their join)
+    assert peak < n + 4 * CHUNK_BYTES < 1.5 * n, (peak, n)
+    assert all(torch.equal(a, b) for a, b in zip(state.theta + state.momentum, tensors))
+    base = state.theta[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in state.theta + state.momentum)  # one buffer
+    assert state.digest == FragmentState.create(0, 1, tensors[:2], tensors[2:]).digest
+
+
+def test_a_tokenized_loss_is_reported_in_bits_per_byte_of_text(tmp_path):
+    pytest.importorskip("tokenizers")
+    from p2pdiloco.data import bits_per_byte, load_corpus, loss_unit
+    from p2pdiloco.tokenizer import load, train
+
+    corpus = tmp_path / "text"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 4000)  # 176 kB: 3 pieces
+    train([corpus / "a.txt"], 300, tmp_path / "tok.json")
+    got = load_corpus([corpus / "a.txt"], 0, 1, 0.3, tokenizer=load(tmp_path / "tok.json"))
+    plain = load_corpus([corpus / "a.txt"], 0, 1, 0.3)
+    assert got.heldout_bytes == plain.heldout.numel() and plain.bytes_per_token == 1.0
+    assert got.bytes_per_token == plain.heldout.numel() / got.heldout.numel() > 1.5  # merges: several bytes a token
+    assert bits_per_byte(2.0, got.bytes_per_token) == pytest.approx(2.0 / got.bytes_per_token / math.log(2))
+    assert (loss_unit(""), loss_unit(str(tmp_path / "tok.json"))) == ("nats/byte", "nats/token")
