@@ -1,6 +1,6 @@
 """A transformers Llama-style model of 100M+ parameters through the full protocol, with its memory measured.
 
-    python -m bench.big_model                         # 101M parameters, about 20 minutes
+    python -m bench.big_model                         # 101M parameters, about 16 minutes
     python -m bench.big_model --n-layer 2 --n-embd 256 --duration 90 --join-at 30   # a smoke run
 
 Two nodes start training ``p2pdiloco.models.hf:llama`` (transformers' ``LlamaForCausalLM``,
@@ -196,8 +196,8 @@ def write(args: dict, m: dict, seconds: float, data: dict) -> tuple[Path, bool]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=780.0, help="seconds of training of the first two nodes")
-    parser.add_argument("--join-at", type=float, default=240.0,
+    parser.add_argument("--duration", type=float, default=660.0, help="seconds of training of the first two nodes")
+    parser.add_argument("--join-at", type=float, default=200.0,
                         help="seconds after the first two train when the third starts (it trains until they stop)")
     parser.add_argument("--startup", type=float, default=60.0,
                         help="seconds the newcomer is expected to take from its start to training (its download)")
@@ -206,7 +206,7 @@ def main() -> int:
     parser.add_argument("--n-head", type=int, default=16)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--fragments", type=int, default=8)
+    parser.add_argument("--fragments", type=int, default=16)
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--eval-every", type=int, default=40)
     parser.add_argument("--checkpoint-every", type=float, default=60.0)

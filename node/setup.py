@@ -18,7 +18,7 @@ from p2pdiloco import tokenizer as tokenizers
 from p2pdiloco.data import (PIECE_BYTES, BatchSampler, Corpus, EmptyShard, default_corpus_files, heldout_batches,
                             load_corpus, min_text_bytes)
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.exported import load_global
+from p2pdiloco.exported import GlobalView
 from p2pdiloco.footprint import Footprint
 from p2pdiloco.formats import collect_files
 from p2pdiloco.model import build_model
@@ -181,6 +181,7 @@ class Setup:
                             synchronous=out.synchronous, keep_flight=out.on_arrival == "keep")
 
     def global_model(self, states) -> nn.Module:
-        """A copy of the model holding the global parameters Θ of ``states``."""
-        model = build_model(self.cfg.model, self.cfg.seed).to(next(self.model.parameters()).device)
-        return load_global(model, self.fragments, states)
+        """The model as if it held the global parameters Θ of ``states``, for evaluation
+        (:class:`p2pdiloco.exported.GlobalView`: no copy of the weights, so checking a state
+        adds no model-sized memory, p2pdiloco.footprint; training may go on meanwhile)."""
+        return GlobalView(self.model, self.fragments, states)

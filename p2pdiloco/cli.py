@@ -339,6 +339,9 @@ def _swarm_status(args: argparse.Namespace) -> int:
 
 def _node_run(args: argparse.Namespace) -> int:
     from p2pdiloco.config import load_config, parse_overrides  # noqa: PLC0415
+    from p2pdiloco.footprint import bound_heap  # noqa: PLC0415
+
+    bound_heap()  # before torch allocates: resident memory follows the estimate (p2pdiloco.footprint)
     from p2pdiloco.net.transport.addresses import JOIN_HINT, check_any_reachable, check_listen_port  # noqa: PLC0415
 
     try:

@@ -25,7 +25,7 @@ def test_the_estimate_of_a_small_model_adds_up_by_hand():
     n = (256 + 64) * 64 + 2 * (12 * 64 * 64 + 4 * 64) + 2 * 64  # the built-in GPT: embeddings, 2 blocks, last LayerNorm
     assert n == 119_424 and model_size(cfg.model) == (n, 0)
     fp = estimate(cfg, n, process_bytes=100 * MIB)
-    assert fp.weights == fp.gradients == fp.global_state == fp.outer_momentum == fp.evaluation == 4 * 119_424
+    assert fp.weights == fp.gradients == fp.global_state == fp.outer_momentum == fp.round_log == 4 * 119_424
     assert fp.adamw == 8 * 119_424  # two moments
     assert fp.transfers == 6 * 4 * 29_856  # six fp32 copies of the largest fragment, ceil(119424 / 4)
     tokens = 16 * 64
