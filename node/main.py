@@ -343,8 +343,8 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         setup = await asyncio.to_thread(Setup.build, cfg, name, trust.identity.peer_id)
         if footprint is None:  # a factory model that cannot be built on the meta device: its count now
             footprint = check_memory(cfg, sum(p.numel() for p in setup.model.parameters()), before)
-        setup.footprint = footprint
-        log.info("%s: %s", name, footprint.line())
+        setup.footprint = footprint  # shown once the node is up (Setup.log_notes): a refused node says one line
+        setup.notes += ((logging.INFO, f"{name}: {footprint.line()}"),)
         swarm = await start_swarm(sw, trust)
         try:
             return await _serve(cfg, name, setup, swarm, board, status_path, report_path, on_ready, progress, manifest)
