@@ -68,10 +68,11 @@ def fragment_sizes(values: dict[str, str]) -> tuple[int, list[dict]]:
     return sum(p.numel() for p in model.parameters()), rows
 
 
-def node_argv(maddr: str, name: str, d: Path, shard: int, duration: float, values: dict[str, str]) -> list[str]:
+def node_argv(maddr: str, name: str, d: Path, shard: int, duration: float, values: dict[str, str],
+              run_id: str = "own-model") -> list[str]:
     return [c.PY, "-m", "node", "run", "--initial-peers", maddr, "--host", "127.0.0.1", "--port", "0",
             "--name", name, "--data-dir", str(d), "--status-file", str(d / "status.json"),
-            "--report-file", str(d / "report.json"), "--run-id", "own-model", "--no-progress",
+            "--report-file", str(d / "report.json"), "--run-id", run_id, "--no-progress",
             "--duration", f"{duration:g}", *c.set_args({**values, "data.shard_index": str(shard)})]
 
 

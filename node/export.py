@@ -23,10 +23,10 @@ from torch import nn
 from p2pdiloco.config import NodeConfig, load_config, parse_overrides
 from p2pdiloco.core.fragments import balanced_fragments
 from p2pdiloco.core.outer import FragmentState
-from p2pdiloco.data import bits_per_byte, evaluate
+from p2pdiloco.data import bits_per_byte, evaluate, loss_unit
 from p2pdiloco.errors import ConfigError, P2PDilocoError
-from p2pdiloco.exported import (MODEL_FILE, data_path_of, generate, heldout_of, load_export, load_global, read_json,
-                                settings_config, write_export)
+from p2pdiloco.exported import (MODEL_FILE, data_path_of, generate, heldout_with_bytes, load_export, load_global,
+                                read_json, settings_config, write_export)
 from p2pdiloco.model import build_model
 
 from node.checkpoint import NODE_CONFIG, NODE_CONFIG_FORMAT, checkpoint_path, read_global_states
@@ -169,11 +169,13 @@ def _export_from_swarm(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     exported = load_export(Path(args.model))
     data = exported.data_path if args.data is None else args.data
-    loss = evaluate(exported.model, heldout_of(exported.cfg, data))
-    view = {"model": str(args.model), "data": data or "python-stdlib", "loss": loss,
-            "bits_per_byte": bits_per_byte(loss), "global_digest": exported.info.get("global_digest")}
+    batches, bytes_per_token = heldout_with_bytes(exported.cfg, data)
+    loss = evaluate(exported.model, batches)
+    unit = loss_unit(exported.cfg.data.tokenizer)
+    view = {"model": str(args.model), "data": data or "python-stdlib", "loss": loss, "loss_unit": unit,
+            "bits_per_byte": bits_per_byte(loss, bytes_per_token), "global_digest": exported.info.get("global_digest")}
     print(json.dumps(view, indent=1) if args.json else
-          f"held-out loss {loss:.4f} nats/byte ({bits_per_byte(loss):.4f} bits/byte) on {view['data']}")
+          f"held-out loss {loss:.4f} {unit} ({view['bits_per_byte']:.4f} bits/byte) on {view['data']}")
     return 0
 
 

@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from p2pdiloco.atomic import write_json_atomic
 from p2pdiloco.config import NodeConfig, SwarmConfig
 from p2pdiloco.data import bits_per_byte, evaluate
@@ -178,10 +180,13 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
         # model and data first: a setting or a data folder that cannot work is refused in one
         # line before any daemon starts (the peer ID, which seeds the data order, is the identity's)
         # its memory before the model is built: a run manifest may name any model size (docs/trust.md)
-        checked = await asyncio.to_thread(check_memory, cfg)
+        before = psutil.Process().memory_info().rss  # the process without the model (footprint.estimate)
+        footprint = await asyncio.to_thread(check_memory, cfg)
         setup = await asyncio.to_thread(Setup.build, cfg, name, trust.identity.peer_id)
-        if not checked:  # a factory model that cannot be built on the meta device: its count now
-            check_memory(cfg, sum(p.numel() for p in setup.model.parameters()))
+        if footprint is None:  # a factory model that cannot be built on the meta device: its count now
+            footprint = check_memory(cfg, sum(p.numel() for p in setup.model.parameters()), before)
+        setup.footprint = footprint  # shown once the node is up (Setup.log_notes): a refused node says one line
+        setup.notes += ((logging.INFO, f"{name}: {footprint.line()}"),)
         swarm = await start_swarm(sw, trust)
         try:
             return await _serve(cfg, name, setup, swarm, board, status_path, report_path, on_ready, progress, manifest)
@@ -253,7 +258,7 @@ async def _report(node: Node, setup: Setup, board: Board, last: Callable[[], Sta
     start = node.training.stats.heldout_history[0][1]
     reached = status.rounds_with_peers + status.rounds_excluded + status.catchups  # followed the swarm: not alone
     report = Report(**{**vars(status), "state": "stopped"}, start_loss=start, end_loss=final,
-                    end_bits_per_byte=bits_per_byte(final), heldout_history=node.training.stats.heldout_history,
+                    end_bits_per_byte=bits_per_byte(final, setup.bytes_per_token), heldout_history=node.training.stats.heldout_history,
                     exit_code=node.solo.exit_code(reached, budget_ended=not signalled))
     board.current = lambda: replace(report, **board.extra())
     return report
@@ -297,8 +302,9 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
                 task.cancel()
     report = await _report(node, setup, board, lambda: snapshot(node, swarm, maddrs, view, board.extra()),
                            bool(signalled))
-    log.info("%s done: held-out loss %.3f -> %.3f nats/byte, %d rounds, digest %s",
-             name, report.start_loss, report.end_loss, node.stats.rounds_committed, report.global_digest)
+    log.info("%s done: held-out loss %.3f -> %.3f %s (%.3f bits/byte), %d rounds, digest %s", name, report.start_loss,
+             report.end_loss, report.loss_unit, report.end_bits_per_byte, node.stats.rounds_committed,
+             report.global_digest)
     if not report.rounds_with_peers:
         log.warning("%s never merged with another node: its training reached nobody%s", name,
                     f" ({node.solo.alone.detail})" if node.solo.alone else "")

@@ -18,7 +18,8 @@ from p2pdiloco import tokenizer as tokenizers
 from p2pdiloco.data import (PIECE_BYTES, BatchSampler, Corpus, EmptyShard, default_corpus_files, heldout_batches,
                             load_corpus, min_text_bytes)
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.exported import load_global
+from p2pdiloco.exported import GlobalView
+from p2pdiloco.footprint import Footprint
 from p2pdiloco.formats import collect_files
 from p2pdiloco.model import build_model
 
@@ -106,6 +107,8 @@ class Setup:
     sampler: BatchSampler
     heldout: list
     notes: tuple[tuple[int, str], ...] = ()  # (logging level, message) for :meth:`log_notes`
+    footprint: Footprint | None = None  # the memory estimate checked at start (p2pdiloco.footprint)
+    bytes_per_token: float = 1.0  # of the held-out text (p2pdiloco.data.Corpus.bytes_per_token)
 
     @classmethod
     def build(cls, cfg: NodeConfig, name: str, peer_id: str) -> Setup:
@@ -161,7 +164,8 @@ class Setup:
         if note := topk2_note(cfg.outer):
             notes += [(logging.WARNING, f"{name}: {note}")]
         learner = Learner(model, fragments, cfg.inner)
-        return cls(cfg, name, model, tuple(fragments), learner, sampler, heldout, tuple(notes))
+        return cls(cfg, name, model, tuple(fragments), learner, sampler, heldout, tuple(notes),
+                   bytes_per_token=corpus.bytes_per_token)
 
     def log_notes(self) -> None:
         """Log what :meth:`build` found (model size, data share, a fallback to all of the text),
@@ -177,6 +181,7 @@ class Setup:
                             synchronous=out.synchronous, keep_flight=out.on_arrival == "keep")
 
     def global_model(self, states) -> nn.Module:
-        """A copy of the model holding the global parameters Θ of ``states``."""
-        model = build_model(self.cfg.model, self.cfg.seed).to(next(self.model.parameters()).device)
-        return load_global(model, self.fragments, states)
+        """The model as if it held the global parameters Θ of ``states``, for evaluation
+        (:class:`p2pdiloco.exported.GlobalView`: no copy of the weights, so checking a state
+        adds no model-sized memory, p2pdiloco.footprint; training may go on meanwhile)."""
+        return GlobalView(self.model, self.fragments, states)

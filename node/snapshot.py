@@ -18,12 +18,13 @@ import psutil
 
 from p2pdiloco.config import NodeConfig
 from p2pdiloco.core.outer import run_tokens
-from p2pdiloco.footprint import rss_mib
+from p2pdiloco.data import loss_unit
+from p2pdiloco.footprint import peak_rss_mib, rss_mib
 from p2pdiloco.manifest import RunManifest
 from p2pdiloco.net.records.parse import HeadsRecord
 from p2pdiloco.net.transport.swarm import Swarm
-from p2pdiloco.status import (Alone, Connecting, FragmentStatus, Hardware, Manifest, Outer, Sessions, Snapshot, Starting,
-                              Status, SwarmFigures)
+from p2pdiloco.status import (Alone, Checkpoints, Connecting, FragmentStatus, Hardware, Manifest, Outer, Sessions,
+                              Snapshot, Starting, Status, SwarmFigures)
 
 from node.committed import global_digest
 from node.status_view import progress, swarm_rate
@@ -44,11 +45,13 @@ def num(x: Any, ndigits: int = 4) -> float | None:
 
 
 def hardware(cfg: NodeConfig, setup: Setup | None) -> Hardware:
-    """Where the node trains: device, torch threads, resident memory (MiB) and its limit."""
+    """Where the node trains: device, torch threads, resident memory (MiB), its limit and the
+    memory estimate shown at start (``p2pdiloco.footprint.Footprint.as_dict``, MiB)."""
     rss = rss_mib()
     return Hardware(device=str(next(setup.model.parameters()).device) if setup else cfg.device, threads=cfg.threads,
-                    rss_mib=round(rss), memory_limit_mib=cfg.memory_limit or None,
-                    over_memory_limit=bool(cfg.memory_limit and rss > cfg.memory_limit))
+                    rss_mib=round(rss), peak_rss_mib=round(peak_rss_mib()), memory_limit_mib=cfg.memory_limit or None,
+                    over_memory_limit=bool(cfg.memory_limit and rss > cfg.memory_limit),
+                    memory_estimate=setup.footprint.as_dict() if setup and setup.footprint else None)
 
 
 class SwarmRead(Protocol):
@@ -113,7 +116,10 @@ def _training(node: Node) -> dict[str, Any]:
         step=tr.step if tr else 0, tokens=tr.tokens if tr else 0,
         tokens_per_s=round(tr.tokens_per_s, 1) if tr else 0.0,
         blocked_s=round(node.training.blocked_s, 2) if node.training else 0.0,
+        checkpoint=Checkpoints(count=node.training.checkpoints, last_s=round(node.training.checkpoint_s, 2),
+                               max_s=round(node.training.checkpoint_max_s, 2)) if node.training else Checkpoints(),
         loss=num(tr.loss) if tr else None, heldout_loss=num(tr.heldout_loss) if tr else None,
+        loss_unit=loss_unit(node.cfg.data.tokenizer),
         heldout_rising=tr.heldout_rising if tr else False,
         rounds_committed=st.rounds_committed, rounds_failed=st.rounds_failed,
         rounds_superseded=node.committed.superseded, rounds_late=st.rounds_late, rounds_alone=st.rounds_alone,

@@ -167,7 +167,7 @@ def _training_rows(g: Table, s: Status) -> None:
     """Training, loss, rounds, rejections, all-reduce, traffic and the global digest."""
     g.add_row("training", f"inner step {s.step}   {fmt_count(s.tokens)} tokens   "
                           f"{fmt_num(s.tokens_per_s, ',.0f')} tokens/s")
-    g.add_row("loss", f"training {fmt_num(s.loss)}   held-out {fmt_num(s.heldout_loss)} (nats/byte)")
+    g.add_row("loss", f"training {fmt_num(s.loss)}   held-out {fmt_num(s.heldout_loss)} ({s.loss_unit})")
     g.add_row("rounds", f"{s.rounds_committed} committed ({s.rounds_alone} alone), "
                         f"{s.rounds_failed} failed ({s.rounds_superseded} superseded), {s.rounds_late} late, "
                         f"{s.rounds_excluded} excluded (kept); "

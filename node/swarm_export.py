@@ -57,7 +57,7 @@ async def export_from_swarm(cfg: NodeConfig, data_path: str, out: Path, *, wait:
     """Join the swarm of ``cfg.swarm`` (initial peers, run ID, ``[trust]`` identity and
     membership) as a client, export the best claimed global state (module docstring) to ``out``
     and return export.json's content (per fragment ``version`` and ``digest``,
-    ``global_digest``, ``heldout_loss`` in nats per byte, ``holders``: the peer IDs that claimed
+    ``global_digest``, ``heldout_loss`` in nats per token (per byte without a tokenizer), ``holders``: the peer IDs that claimed
     it). ``data_path``: the text whose held-out split scores candidates ("" = the Python
     standard library's source, the nodes' default). ``wait``: seconds to wait for a record;
     ``seed``: the order candidates are picked in (None: random). The daemon ends before this

@@ -47,8 +47,8 @@ class TrainingStats:
 
     step: int = 0
     tokens: int = 0  # tokens trained by this node
-    loss: float = float("nan")  # EMA of the training loss (nats per byte)
-    heldout_loss: float = float("nan")  # last evaluation of the local model (nats per byte)
+    loss: float = float("nan")  # EMA of the training loss (nats per token: per byte without a tokenizer)
+    heldout_loss: float = float("nan")  # last evaluation of the local model (nats per token)
     heldout_history: list[tuple[int, float]] = field(default_factory=list)
     heldout_rising: bool = False  # the held-out loss went RISING above its best (warned once)
     tokens_per_s: float = 0.0
@@ -82,7 +82,9 @@ class TrainingLoop:
         self._sent: dict[int, Contribution] = {}  # what each pending fragment's round carries
         self.checkpoint: Callable[[], None] | None = None  # called from this thread
         self.checkpoint_every = 0.0  # seconds
-        self.checkpoint_s = 0.0  # how long the last checkpoint took (seconds)
+        self.checkpoint_s = 0.0  # how long the last checkpoint took (seconds): training waited that long
+        self.checkpoint_max_s = 0.0  # the longest one (seconds)
+        self.checkpoints = 0  # written by this process
         self.sends = [0] * schedule.P  # rounds started per fragment, over the data dir's life (node.checkpoint)
         self._maybe_merged: set[int] = set()  # progress holds a contribution that left and may be merged
         self.blocked_s = 0.0  # seconds the inner loop waited for rounds (synchronous mode only)
@@ -167,7 +169,7 @@ class TrainingLoop:
         return [p for p in range(self.schedule.P) if p not in self.pending and p not in self._maybe_merged]
 
     def evaluate(self) -> float:
-        """Held-out loss of the local model (nats/byte), recorded in ``stats``. Warns once when
+        """Held-out loss of the local model (nats per token), recorded in ``stats``. Warns once when
         it rises ``RISING`` above its best so far: training that makes the model worse (too
         little text, repeated over and over; a learning rate too high) should not go unseen."""
         loss = evaluate(self.learner.model, self.heldout)
@@ -177,7 +179,7 @@ class TrainingLoop:
         best = min(x for _, x in history)
         if not self.stats.heldout_rising and len(history) >= 3 and loss > (1 + RISING) * best:
             self.stats.heldout_rising = True
-            log.warning("held-out loss rose to %.3f nats/byte, %.0f%% above its best (%.3f): the training text may be "
+            log.warning("held-out loss rose to %.3f nats/token, %.0f%% above its best (%.3f): the training text may be "
                         "too small (each node repeats its share) or a learning rate too high", loss,
                         100 * (loss / best - 1), best)
         return loss
@@ -226,6 +228,7 @@ class TrainingLoop:
                 self.checkpoint()
                 last_checkpoint = time.monotonic()
                 self.checkpoint_s = last_checkpoint - t0
+                self.checkpoint_max_s, self.checkpoints = max(self.checkpoint_max_s, self.checkpoint_s), self.checkpoints + 1
         self._drain()
         if not self.stop.is_set():
             # budget spent: send every fragment's unsent progress once more, so the end of a

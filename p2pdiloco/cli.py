@@ -20,7 +20,7 @@ from typing import Any
 from p2pdiloco.cli_args import add_node_parser, add_swarm_parser
 from p2pdiloco.cli_common import (Parser, interrupted, load_native_libraries, report_error, run_async, setup_logging,
                                   sigint_held)
-from p2pdiloco.errors import P2PDilocoError
+from p2pdiloco.errors import ConfigError, P2PDilocoError
 from p2pdiloco.run_cli import add_run_parser, pin_owner, run_command
 from p2pdiloco.status import Snapshot, StatusError, parse_status
 
@@ -135,6 +135,9 @@ def _swarm_status(args: argparse.Namespace) -> int:
 
 
 def _node_run(args: argparse.Namespace) -> int:
+    from p2pdiloco.footprint import bound_heap  # noqa: PLC0415
+
+    bound_heap()  # before torch allocates: resident memory follows the estimate (p2pdiloco.footprint)
     try:
         loaded = _node_settings(args)
     except P2PDilocoError as e:

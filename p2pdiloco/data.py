@@ -27,7 +27,7 @@ from torch import Tensor
 from p2pdiloco.formats import check_not_empty, collect_text_files, document_bytes, file_size, kind_of
 
 __all__ = ["PIECE_BYTES", "min_text_bytes", "default_corpus_files", "collect_text_files", "Corpus", "load_corpus",
-           "BatchSampler", "heldout_batches", "evaluate", "bits_per_byte"]
+           "BatchSampler", "heldout_batches", "evaluate", "bits_per_byte", "loss_unit"]
 
 
 PIECE_BYTES = 1 << 16  # unit of the held-out / shard split, so one large file can feed many shards
@@ -51,10 +51,20 @@ def default_corpus_files() -> list[Path]:
 @dataclass(frozen=True)
 class Corpus:
     """train: [N] tokens of this node's shard; heldout: [M] tokens common to all nodes. uint8
-    bytes, or int32 token IDs with a tokenizer."""
+    bytes, or int32 token IDs with a tokenizer; heldout_bytes: the bytes of text the held-out
+    tokens encode (None: the tokens are bytes)."""
 
     train: Tensor
     heldout: Tensor
+    heldout_bytes: int | None = None
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Mean bytes of text per held-out token (1.0 without a tokenizer): turns a loss in nats
+        per token into nats per byte (:func:`bits_per_byte`)."""
+        if self.heldout_bytes is None or not self.heldout.numel():
+            return 1.0
+        return self.heldout_bytes / self.heldout.numel()
 
 
 def _unit_hash(salt: bytes, key: str) -> int:
@@ -158,7 +168,7 @@ def load_corpus(files: Sequence[Path], shard_index: int, num_shards: int,
     if tokenizer is not None:
         from p2pdiloco.tokenizer import encode  # noqa: PLC0415
 
-        train, heldout = encode(tokenizer, train), encode(tokenizer, heldout)
+        return Corpus(encode(tokenizer, train), encode(tokenizer, heldout), heldout.numel())
     return Corpus(train, heldout)
 
 
@@ -215,6 +225,13 @@ def evaluate(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> floa
     return total / count
 
 
-def bits_per_byte(loss: float) -> float:
-    """Convert a loss in nats per byte to bits per byte."""
-    return loss / math.log(2)
+def bits_per_byte(loss: float, bytes_per_token: float = 1.0) -> float:
+    """A loss in nats per token as bits per byte of text: loss / ``bytes_per_token`` / ln 2
+    (``bytes_per_token``: :attr:`Corpus.bytes_per_token`, 1.0 when the tokens are bytes)."""
+    return loss / bytes_per_token / math.log(2)
+
+
+def loss_unit(tokenizer: str) -> str:
+    """The unit of a loss over tokens of ``tokenizer`` (``data.tokenizer``; "": bytes):
+    ``nats/byte`` without one, ``nats/token`` with one."""
+    return "nats/token" if tokenizer else "nats/byte"

@@ -22,6 +22,7 @@ Tokens are raw bytes (:mod:`p2pdiloco.data`); generation emits bytes.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -51,7 +52,8 @@ from p2pdiloco.model import build_model
 from p2pdiloco.model_config import ModelConfig
 
 __all__ = ["MODEL_FILE", "CONFIG_FILE", "EXPORT_FILE", "FORMAT", "HF_DIR", "settings_config", "data_path_of", "read_json", "load_global",
-           "write_export", "write_hf", "Exported", "load_export", "heldout_of", "generate"]
+           "global_parameters", "GlobalView",
+           "write_export", "write_hf", "Exported", "load_export", "heldout_of", "heldout_with_bytes", "generate"]
 
 MODEL_FILE, CONFIG_FILE, EXPORT_FILE, HF_DIR = "model.safetensors", "config.json", "export.json", "hf"
 FORMAT = 1
@@ -112,22 +114,53 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def load_global(model: nn.Module, fragments: Sequence[Fragment], states: Sequence[FragmentState]) -> nn.Module:
-    """Copy the global parameters Θ of ``states`` (fp32, slot shapes) into ``model``'s
-    parameters, by the slot names of ``fragments`` (state p into fragment p); returns
-    ``model``. Raises ValueError when the counts or a shape differ."""
+def global_parameters(fragments: Sequence[Fragment], states: Sequence[FragmentState]) -> dict[str, Tensor]:
+    """The global parameters Θ of ``states`` (fp32, slot shapes) by the slot names of
+    ``fragments`` (state p for fragment p): {parameter name: tensor}, the states' own tensors.
+    Raises ValueError when the counts or a shape differ."""
     if len(states) != len(fragments):
         raise ValueError(f"{len(states)} fragment states for {len(fragments)} fragments")
+    out = {}
+    for frag, state in zip(fragments, states):
+        if len(state.theta) != len(frag.slots):
+            raise ValueError(f"fragment {frag.index}: {len(state.theta)} tensors, expected {len(frag.slots)}")
+        for slot, theta in zip(frag.slots, state.theta):
+            if tuple(theta.shape) != slot.shape:
+                raise ValueError(f"{slot.name}: shape {tuple(theta.shape)}, the model's is {slot.shape}")
+            out[slot.name] = theta
+    return out
+
+
+def load_global(model: nn.Module, fragments: Sequence[Fragment], states: Sequence[FragmentState]) -> nn.Module:
+    """Copy the global parameters Θ of ``states`` (:func:`global_parameters`) into ``model``'s
+    parameters; returns ``model``. Raises ValueError when the counts or a shape differ."""
     named = dict(model.named_parameters())
     with torch.no_grad():
-        for frag, state in zip(fragments, states):
-            if len(state.theta) != len(frag.slots):
-                raise ValueError(f"fragment {frag.index}: {len(state.theta)} tensors, expected {len(frag.slots)}")
-            for slot, theta in zip(frag.slots, state.theta):
-                if tuple(theta.shape) != slot.shape:
-                    raise ValueError(f"{slot.name}: shape {tuple(theta.shape)}, the model's is {slot.shape}")
-                named[slot.name].copy_(theta)
+        for name, theta in global_parameters(fragments, states).items():
+            named[name].copy_(theta)
     return model
+
+
+class GlobalView(nn.Module):
+    """``model`` as if it held the global parameters Θ of ``states``, without a copy of its
+    weights: its module tree copied without its tensors (``copy.deepcopy`` with every
+    parameter and buffer memoized as itself), called with Θ in place of the parameters
+    (``torch.func.functional_call``). ``model`` itself is never touched, so another thread may
+    train it meanwhile; the view is for evaluation (``forward(idx)`` as ``model``'s, under
+    ``torch.no_grad``). Raises ValueError as :func:`global_parameters`."""
+
+    def __init__(self, model: nn.Module, fragments: Sequence[Fragment], states: Sequence[FragmentState]) -> None:
+        super().__init__()
+        theta = global_parameters(fragments, states)
+        device = next(model.parameters()).device
+        if device.type != "cpu":  # the states are CPU tensors (invariant I1); the model's device runs the view
+            theta = {k: v.to(device) for k, v in theta.items()}
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        self.tree = copy.deepcopy(model, memo=shared)
+        self._theta = theta
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return torch.func.functional_call(self.tree, self._theta, (idx,))
 
 
 def write_export(out: Path, model: nn.Module, cfg: NodeConfig, data_path: str,
@@ -226,14 +259,21 @@ def heldout_of(cfg: NodeConfig, data_path: str) -> list[tuple[Tensor, Tensor]]:
     Raises:
         ConfigError: the path does not exist, holds no usable text, or too little held-out text.
     """
+    return heldout_with_bytes(cfg, data_path)[0]
+
+
+def heldout_with_bytes(cfg: NodeConfig, data_path: str) -> tuple[list[tuple[Tensor, Tensor]], float]:
+    """:func:`heldout_of`'s batches and the held-out text's mean bytes per token
+    (:attr:`p2pdiloco.data.Corpus.bytes_per_token`, 1.0 without a tokenizer). Raises as :func:`heldout_of`."""
     try:
         files = collect_files(Path(data_path), cfg.data.format) if data_path else default_corpus_files()
         tok = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None  # as the node read its text
         corpus = load_corpus(files, 0, 1, cfg.data.heldout_fraction, cfg.data.max_bytes or None,
                              fmt=cfg.data.format, text_field=cfg.data.text_field, tokenizer=tok)
-        return heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)
+        batches = heldout_batches(corpus.heldout, cfg.data.batch_size, cfg.model.block_size, cfg.data.eval_batches)
     except (ValueError, OSError) as e:
         raise ConfigError(f"--data: {e}") from None
+    return batches, corpus.bytes_per_token
 
 
 @torch.no_grad()

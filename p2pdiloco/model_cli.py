@@ -43,7 +43,7 @@ def add_model_parser(sub: argparse._SubParsersAction) -> None:
                              "swarm: the run's settings, unless --join gives them)")
     export.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="a node setting, as for node run (instead of node-config.json)")
-    ev = msub.add_parser("eval", help="held-out loss of an exported model (nats/byte and bits/byte)")
+    ev = msub.add_parser("eval", help="held-out loss of an exported model (nats per byte or per token, and bits per byte)")
     ev.add_argument("--model", required=True, metavar="EXPORT_DIR", help="a folder written by model export")
     ev.add_argument("--data", default=None, metavar="PATH",
                     help="text file or folder whose held-out split to use (default: what the node trained on)")

@@ -27,7 +27,7 @@ from typing import Annotated, Any
 
 from p2pdiloco.typed_json import FormError, JsonForm, conforms, type_name
 
-__all__ = ["Alone", "Connecting", "FragmentStatus", "Hardware", "Manifest", "Outer", "Progress", "Report",
+__all__ = ["Alone", "Checkpoints", "Connecting", "FragmentStatus", "Hardware", "Manifest", "Outer", "Progress", "Report",
            "RoundRecord", "Sessions", "Snapshot", "Starting", "Status", "StatusError", "SwarmFigures", "conforms",
            "keys", "parse_status", "read_status", "schema_table"]
 
@@ -110,13 +110,26 @@ class SwarmFigures(JsonForm):
 
 @dataclass(frozen=True, kw_only=True)
 class Hardware(JsonForm):
-    """Where a node trains: device, torch threads, resident memory (MiB) and its limit."""
+    """Where a node trains: device, torch threads, resident memory (MiB; now and its peak), its
+    limit and the memory estimate shown at start (``p2pdiloco.footprint.Footprint.as_dict``:
+    ``parameters``, each part's ``*_mib`` and ``total_mib``)."""
 
     device: str = ""
     threads: int = 1
     rss_mib: int = 0
+    peak_rss_mib: int = 0
     memory_limit_mib: int | None = None
     over_memory_limit: bool = False
+    memory_estimate: dict[str, int] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoints(JsonForm):
+    """Local checkpoints written and how long training waited for them (seconds)."""
+
+    count: int = 0
+    last_s: float = 0.0
+    max_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,8 +224,11 @@ class Status(JsonForm):
     tokens: Annotated[int, "tokens trained by this node"] = 0
     tokens_per_s: Annotated[float, "its training rate, tokens/s"] = 0.0
     blocked_s: Annotated[float, "seconds its training waited on outer rounds"] = 0.0
-    loss: Annotated[float | None, "training loss, nats/byte"] = None
-    heldout_loss: Annotated[float | None, "held-out loss of its own parameters, nats/byte"] = None
+    checkpoint: Annotated[Checkpoints, "local checkpoints written (count) and how long training waited for the "
+                                       "last and the longest (last_s, max_s; seconds)"] = field(default_factory=Checkpoints)
+    loss: Annotated[float | None, "training loss, in loss_unit"] = None
+    heldout_loss: Annotated[float | None, "held-out loss of its own parameters, in loss_unit"] = None
+    loss_unit: Annotated[str, "nats/byte (the tokens are bytes) or nats/token (data.tokenizer)"] = "nats/byte"
     heldout_rising: Annotated[bool, "held-out loss rose at the last evaluations (a warning)"] = False
     rounds_committed: Annotated[int, "outer rounds it committed"] = 0
     rounds_failed: Annotated[int, "outer rounds discarded (a member failed, or superseded)"] = 0
@@ -269,7 +285,8 @@ class Status(JsonForm):
     swarm: Annotated[SwarmFigures | None, "the swarm's records: peers, learners, newest, behind, read_age_s"] = None
     global_digest: Annotated[str, "one hash over every fragment's (version, digest): equal iff the models are"] = ""
     time: Annotated[float, "Unix time of the snapshot, s"] = 0.0
-    hardware: Annotated[Hardware, "device, threads, rss_mib, memory_limit_mib, over_memory_limit"] = field(default_factory=Hardware)
+    hardware: Annotated[Hardware, "device, threads, rss_mib, peak_rss_mib, memory_limit_mib, over_memory_limit, "
+                                   "memory_estimate (total_mib and its parts, p2pdiloco.footprint)"] = field(default_factory=Hardware)
     outer: Annotated[Outer, "the outer settings it runs (config.OuterConfig): fragments, sync_every, lr, "
                      "momentum, wire_precision, error_feedback_decay, min_quorum"] = field(default_factory=Outer)
     progress: Annotated[Progress, "the run's progress: tokens, target_tokens, done, tokens_per_s, eta_s, share"] = field(default_factory=Progress)
@@ -283,9 +300,10 @@ class Status(JsonForm):
 class Report(Status):
     """The final report: the last snapshot plus the held-out losses."""
 
-    start_loss: Annotated[float, "held-out loss of the initial model, nats/byte"] = 0.0
-    end_loss: Annotated[float, "held-out loss of the final global model, nats/byte"] = 0.0
-    end_bits_per_byte: Annotated[float, "end_loss in bits/byte"] = 0.0
+    start_loss: Annotated[float, "held-out loss of the initial model, in loss_unit"] = 0.0
+    end_loss: Annotated[float, "held-out loss of the final global model, in loss_unit"] = 0.0
+    end_bits_per_byte: Annotated[float, "end_loss in bits per byte of held-out text (per token / bytes per token / "
+                                        "ln 2)"] = 0.0
     heldout_history: Annotated[list[list[float]], "[inner step, held-out loss] at each evaluation"] = field(default_factory=list)
     exit_code: Annotated[int, "the node's exit code: 0, or 3 when it was given peers to join, ran to the end of its "
                          "budget and reached no other node (no round with one, none taken without its "

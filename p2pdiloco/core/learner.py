@@ -195,11 +195,14 @@ class Learner:
         self._since[p] = state.version
         self.global_states[p] = state
 
-    def state_dict(self) -> dict:
-        """A deep copy of everything needed to resume: model, optimizer, inner config, step,
-        counters and the versions they started at, global states (tensors, versions, digests). The lr schedule is a pure
-        function of ``step``, so restoring the step restores it."""
-        return copy.deepcopy({
+    def state_dict(self, *, copy_tensors: bool = True) -> dict:
+        """Everything needed to resume: model, optimizer, inner config, step, counters and the
+        versions they started at, global states (tensors, versions, digests). The lr schedule is
+        a pure function of ``step``, so restoring the step restores it. A deep copy, or with
+        ``copy_tensors=False`` the live tensors themselves (no memory added: 20 bytes per
+        parameter less), valid only until the next step or install, for a caller that
+        serializes them at once in the training thread (node/checkpoint.py)."""
+        live = {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "inner": asdict(self.inner), "step": self.step, "rewarm_from": self.rewarm_from,
             "tokens": list(self._tokens), "steps": list(self._steps), "since": list(self._since),
@@ -207,7 +210,8 @@ class Learner:
                                "momentum": list(s.momentum), "digest": s.digest,
                                "ledger": s.ledger.to_list()}
                               for s in self.global_states],
-        })
+        }
+        return copy.deepcopy(live) if copy_tensors else live
 
     def load_state_dict(self, d: dict) -> None:
         """Restore from ``state_dict()``. Raises ValueError when the fragment count differs or a

@@ -131,6 +131,18 @@ class FragmentState:
         return cls._seal(index, version, [_fp32_cpu(t) for t in theta], [_fp32_cpu(t) for t in momentum], ledger)
 
     @classmethod
+    def adopt(cls, index: int, version: int, theta: Sequence[Tensor], momentum: Sequence[Tensor],
+              ledger: Ledger = Ledger()) -> FragmentState:
+        """As :meth:`create`, without copying: ``theta`` and ``momentum`` must be fp32
+        contiguous CPU tensors that nothing else holds or writes (a decoded download's own
+        buffer, p2pdiloco.net.state.downloads), so a state is held once. Raises ValueError as
+        :meth:`create`, and on tensors that are not fp32 contiguous CPU ones."""
+        if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                   for t in (*theta, *momentum)):
+            raise ValueError("adopt needs fp32 contiguous CPU tensors")
+        return cls._seal(index, version, list(theta), list(momentum), ledger)
+
+    @classmethod
     def _seal(cls, index: int, version: int, theta: Sequence[Tensor], momentum: Sequence[Tensor],
               ledger: Ledger) -> FragmentState:
         """Wrap tensors that are already private fp32 contiguous CPU copies."""

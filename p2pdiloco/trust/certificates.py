@@ -28,7 +28,6 @@ in the revocation list.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field

@@ -137,6 +137,15 @@ def encode(tensors: Sequence[torch.Tensor], precision: str = "fp32") -> bytes:
     return data if sys.byteorder == "little" else _swap(data, flat.element_size())
 
 
+def encode_view(tensors: Sequence[torch.Tensor]) -> memoryview:
+    """:func:`encode` at ``fp32`` as a read-only view of one flat copy of ``tensors``, not
+    ``bytes``: one copy of a state being served, where ``encode`` holds two while it returns."""
+    if sys.byteorder != "little" or not tensors:
+        return memoryview(encode(tensors, "fp32"))
+    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+    return memoryview(flat.view(torch.uint8).numpy()).toreadonly()
+
+
 def _dequantize(data: bytes, numels: list[int], precision: str) -> torch.Tensor:
     n_scales = sum(_num_chunks(n) for n in numels)
     raw = bytearray(data[:4 * n_scales])
@@ -160,8 +169,11 @@ def _dequantize(data: bytes, numels: list[int], precision: str) -> torch.Tensor:
     return torch.cat(out) if out else torch.empty(0)
 
 
-def decode(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp32") -> list[torch.Tensor]:
-    """Inverse of :func:`encode`: fp32 tensors of ``shapes``.
+def decode(data: bytes | bytearray, shapes: Sequence[tuple[int, ...]], precision: str = "fp32", *,
+           adopt: bool = False) -> list[torch.Tensor]:
+    """Inverse of :func:`encode`: fp32 tensors of ``shapes``. ``adopt`` (fp32 on a little-endian
+    machine, ``data`` a ``bytearray``): the tensors are views of ``data`` itself, no copy; the
+    caller hands the buffer over and must not use it again.
 
     Raises:
         ProtocolError: the byte count does not match the shapes.
@@ -181,7 +193,10 @@ def decode(data: bytes, shapes: Sequence[tuple[int, ...]], precision: str = "fp3
         flat = _dequantize(data, numels, precision)
     else:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        raw = bytearray(data) if sys.byteorder == "little" else bytearray(_swap(data, itemsize))
+        if adopt and isinstance(data, bytearray) and sys.byteorder == "little" and dtype == torch.float32:
+            raw = data
+        else:
+            raw = bytearray(data) if sys.byteorder == "little" else bytearray(_swap(data, itemsize))
         flat = torch.frombuffer(raw, dtype=dtype).to(torch.float32)
     return [chunk.reshape(s) for chunk, s in zip(flat.split(numels), shapes)]
 

@@ -167,8 +167,8 @@ class Downloads:
             self.swarm.ban(donor, f"malformed state answer: {e}")
             raise StateSyncError(f"malformed state answer from {donor[-8:]}: {e}") from None
         shapes = [s.shape for s in self.fragments[fragment].slots]
-        try:
-            tensors = wire.decode(body, shapes + shapes, "fp32")
+        try:  # the tensors are views of the payload, which the transport read into one buffer: held once
+            tensors = wire.decode(body, shapes + shapes, "fp32", adopt=True)
         except ProtocolError as e:  # the transport read exactly the size it declared: no honest answer
             self.swarm.ban(donor, f"state answer for fragment {fragment} of the wrong size ({e})")
             raise StateSyncError(f"malformed state from {donor[-8:]}: {e}") from None
@@ -177,5 +177,5 @@ class Downloads:
         if fragment_digest(fragment, answer.version, theta, momentum, answer.ledger) != answer.digest:
             self.swarm.ban(donor, f"state answer for fragment {fragment} does not match the digest it states")
             raise StateSyncError(f"state from {donor[-8:]} does not match its digest")
-        return FragmentState.create(fragment, answer.version, theta, momentum, answer.ledger)
+        return FragmentState.adopt(fragment, answer.version, theta, momentum, answer.ledger)
 

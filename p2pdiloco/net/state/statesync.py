@@ -477,6 +477,6 @@ class StateSync(Downloads):
             self.swarm.drop(peer, "state_request")
             raise
         state = self.committed()[request.fragment]
-        body = wire.encode(list(state.theta) + list(state.momentum), "fp32")
+        body = wire.encode_view(list(state.theta) + list(state.momentum))  # one copy, not two
         return {"v": state.version, "d": rec.wire_digest(state.digest), "l": state.ledger.to_list()}, body
 

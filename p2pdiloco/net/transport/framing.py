@@ -104,19 +104,23 @@ async def read_header(reader: asyncio.StreamReader, *, length: bytes | None = No
     return header, n
 
 
-async def read_payload(reader: asyncio.StreamReader, n: int) -> bytes:
+async def read_payload(reader: asyncio.StreamReader, n: int) -> bytes | bytearray:
     """Read exactly ``n`` bytes in pieces of at most ``CHUNK_BYTES``. No deadline of its own.
+    A payload over one piece is written into one ``bytearray`` of ``n`` bytes as it arrives, so
+    it is held once (plus one piece), never as pieces and their join (a model's state: docs/operating.md, "Memory").
 
     Raises:
         asyncio.IncompleteReadError: the stream ended first.
     """
     if n <= CHUNK_BYTES:
         return await reader.readexactly(n) if n else b""
-    parts, left = [], n
-    while left:
-        parts.append(await reader.readexactly(min(left, CHUNK_BYTES)))
-        left -= len(parts[-1])
-    return b"".join(parts)
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        piece = await reader.readexactly(min(n - got, CHUNK_BYTES))
+        view[got:got + len(piece)] = piece
+        got += len(piece)
+    return out
 
 
 async def write_message(writer: asyncio.StreamWriter, header: Header, payload: bytes, *,
