@@ -10,7 +10,7 @@ bootstrap peer on 127.0.0.1, writing local checkpoints; a third node joins midwa
 every fragment's state before it trains. Each node's resident memory is sampled every
 ``--sample-every`` seconds (psutil) and its own peak read from its report (``getrusage``); both
 are compared with the estimate the node showed at start (``hardware.memory_estimate``,
-p2pdiloco.footprint). Goals (issue "Real models on real hardware", item 4): held-out loss falls
+p2pdiloco.footprint). Goals (docs/benchmarks/README.md, "Real models"): held-out loss falls
 on every node, equal final global digests, the newcomer downloads the full state, peak resident
 memory within 1.5x of the estimate and under 8 x the model's fp32 bytes + 1 GiB on every node.
 
@@ -28,12 +28,8 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT.parent))
-
-import common as c  # noqa: E402
-import own_model as om  # noqa: E402
+from bench import common as c
+from bench import own_model as om
 
 FACTORY = "p2pdiloco.models.hf:llama"
 MIB = 2**20

@@ -2,8 +2,8 @@
 swarm against the sum of the nodes' standalone throughputs, for p2pdiloco, DDP and
 synchronous DiLoCo.
 
-    python bench/stragglers.py           # about 5 minutes on a 2-core machine
-    python bench/stragglers.py --quick   # a smoke run (short windows)
+    python -m bench.stragglers           # about 5 minutes on a 2-core machine
+    python -m bench.stragglers --quick   # a smoke run (short windows)
 
 The slowdown is real CPU starvation: once it trains, every process of a system is moved into
 its own CPU-quota cgroup (CFS bandwidth control, ``cpu.cfs_quota_us``), ``--cap`` cores for
@@ -163,7 +163,7 @@ def write(a: argparse.Namespace, results: dict[str, list[dict]], m: dict, second
                 "swarm_window": 60.0, "repeats": 1}
     changed = [f"--{k.replace('_', '-')} {getattr(a, k)}" for k, v in defaults.items()
                if getattr(a, k) != v and not a.quick]  # --quick sets the windows itself
-    cmd = " ".join(["python bench/stragglers.py", *changed, *(f"--set {kv}" for kv in a.overrides),
+    cmd = " ".join(["python -m bench.stragglers", *changed, *(f"--set {kv}" for kv in a.overrides),
                     *([f"--doc {a.doc}"] if a.doc != "stragglers" else []), *(["--quick"] if a.quick else [])])
     doc = c.Doc(a.doc, f"Benchmark 2: a {a.slow:g}x-slowed node", cmd)
     doc.intro = [
