@@ -26,9 +26,22 @@ def test_daemon_options_per_mode():
                                                     "use_auto_relay": True, "trusted_relays": [BOOT]}
     assert daemon_options("private", True, []) == {"use_relay": True, "force_reachability": "private",
                                                    "use_auto_relay": True, "trusted_relays": None}
+    # forced private with initial peers: they are its static relays, a slot reserved at once (daemon.start_daemon)
+    assert daemon_options("private", True, [BOOT]) == {"use_relay": True, "force_reachability": "private",
+                                                       "static_relays": [BOOT]}
     # a public node serves relays (p2pd's relay service runs on public nodes) and reserves none
     assert daemon_options("public", True, [BOOT]) == {"use_relay": True, "force_reachability": "public"}
     assert daemon_options("private", False, [BOOT]) == {"use_relay": False, "force_reachability": "private"}
+
+
+def test_static_relays_one_address_per_peer():
+    """p2pd counts each static relay string as a relay, and autorelay waits for that many
+    distinct ones before it reserves: one address per peer, the first given, in order."""
+    from p2pdiloco.net.transport.daemon import one_addr_per_peer
+
+    other = BOOT.replace(RELAY, ME)
+    assert one_addr_per_peer([BOOT, f"/dns4/relay.example/tcp/31337/p2p/{RELAY}", other, "/ip4/1.2.3.4/tcp/1"]) \
+        == [BOOT, other]
 
 
 def test_addresses_ports_relays_and_observed_ip():
@@ -71,6 +84,36 @@ def test_a_lost_relay_slot_is_said_with_its_remedy():
     assert status["state"] == "behind NAT" and status["lost_relay"] is True and "restart the node" in status["advice"]
     r.maddrs.append(f"/ip4/203.0.113.10/tcp/1/p2p/{RELAY}/p2p-circuit")  # holds a slot again: nothing to advise
     assert r.state() == "relayed" and r.advice() is None
+
+
+@pytest.mark.asyncio
+async def test_the_loss_of_every_relay_slot_is_timed():
+    """A slot held, then missing from ``LOST_AFTER`` refreshes in a row: ``lost_relay`` and
+    ``lost_at`` (Unix time) set; a slot again clears both. Only the addresses are read."""
+
+    class Daemon:  # the two answers Reachability.refresh reads from the swarm
+        stats = type("Stats", (), {"relayed": frozenset()})()
+        maddrs: list[str] = []
+
+        async def visible_maddrs(self, latest=False):
+            return list(self.maddrs)
+
+        async def connections(self):
+            return {}
+
+    relayed = [f"/ip4/203.0.113.10/tcp/1/p2p/{RELAY}/p2p-circuit/p2p/{ME}"]
+    sw, r = Daemon(), Reachability("private", True, "unreachable")
+    sw.maddrs = relayed
+    await r.refresh(sw)
+    assert r.state() == "relayed" and r.lost_at is None
+    sw.maddrs = ["/ip4/10.1.0.2/tcp/1"]
+    for _ in range(reach.LOST_AFTER):
+        assert r.lost_at is None
+        await r.refresh(sw)
+    assert r.lost_relay and r.lost_at is not None and r.state() == "behind NAT"
+    sw.maddrs = relayed
+    await r.refresh(sw)
+    assert not r.lost_relay and r.lost_at is None
 
 
 @pytest.mark.asyncio

@@ -38,6 +38,7 @@ import contextlib
 import ipaddress
 import logging
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,7 +74,9 @@ def daemon_options(mode: ReachabilityMode | None, relay: bool, initial_peers: Se
     if mode is None:
         return {}
     options: dict[str, Any] = {"use_relay": relay, "force_reachability": None if mode == "auto" else mode}
-    if relay and mode != "public":
+    if relay and mode == "private" and initial_peers:  # a slot at once (daemon.start_daemon, static relays)
+        options["static_relays"] = list(initial_peers)
+    elif relay and mode != "public":
         options.update(use_auto_relay=True, trusted_relays=list(initial_peers) or None)
     return options
 
@@ -115,7 +118,8 @@ class Reachability:
     restarted: bool = False  # p2pd was restarted forced private after the check
     maddrs: list[str] = field(default_factory=list)  # announced addresses, last read
     relayed_peers: frozenset[str] = frozenset()  # peers connected to us only through a relay
-    lost_relay: bool = False  # held a relay slot, then lost it (its connection was reset)
+    lost_relay: bool = False  # held a relay slot, then lost every one (its connection was reset, the relay gone)
+    lost_at: float | None = None  # Unix time (s) of that loss; None while it holds a slot
     _relay_misses: int = 0  # refreshes in a row without the relay address once held
 
     async def check(self, swarm: Swarm, initial_peers: Sequence[str]) -> Verdict:
@@ -160,11 +164,11 @@ class Reachability:
         returns the number of peers connected now."""
         had, self.maddrs = relays_in(self.maddrs) or self._relay_misses, await swarm.visible_maddrs(latest=True)
         if relays_in(self.maddrs):
-            self.lost_relay, self._relay_misses = False, 0
+            self.lost_relay, self.lost_at, self._relay_misses = False, None, 0
         elif had:  # a slot held, now gone: lost after LOST_AFTER refreshes in a row (not a blip)
             self._relay_misses += 1
             if self._relay_misses == LOST_AFTER:
-                self.lost_relay = True
+                self.lost_relay, self.lost_at = True, time.time()
                 log.warning("lost the relay slot: peers cannot dial this node until it gets one again")
         conns = await swarm.connections()
         self.relayed_peers = frozenset(p for p, addrs in conns.items()
