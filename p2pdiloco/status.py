@@ -50,8 +50,8 @@ class Status(Starting):
     bytes_relayed: Annotated[int, "RPC bytes, both directions, with peers reached only through a relay"]
     p2pd_pid: Annotated[int | None, "process ID of its libp2p daemon"]
     alone: Annotated[dict[str, Any] | None, "why it merges with no other node, else null: reason (started_alone, "
-                                            "no_peers, quorum: from the first seconds; other_settings, unreachable, "
-                                            "no_rounds: after alone_after s), detail, since_s (node.alone)"]
+                                            "no_peers, quorum, no_relay: from the first seconds; other_settings, "
+                                            "unreachable, no_rounds: after alone_after s), detail, since_s (node.alone)"]
     merging: Annotated[list[int], "fragments with an outer round in flight"]
     step: Annotated[int, "inner steps done"]
     tokens: Annotated[int, "tokens trained by this node"]

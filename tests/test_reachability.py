@@ -78,6 +78,15 @@ def test_state_and_advice(mode, relay, verdict, maddrs, state, advice):
     assert status["relays"] == ([RELAY] if state == "relayed" else [])
 
 
+def test_how_p2pd_runs_after_the_check():
+    assert Reachability("auto", True, "unreachable", observed="203.0.113.21").restart_mode() == "private"
+    assert Reachability("auto", True, "reachable", observed="203.0.113.11").restart_mode() == "public"  # relays
+    assert Reachability("auto", True, "reachable", observed="127.0.0.1").restart_mode() is None  # one machine
+    assert Reachability("auto", True, "unknown").restart_mode() is None
+    assert Reachability("auto", False, "unreachable", observed="203.0.113.21").restart_mode() is None
+    assert Reachability("private", True, "unreachable").restart_mode() is None  # no check, as set
+
+
 def test_a_lost_relay_slot_is_said_with_its_remedy():
     r = Reachability("private", True, "unreachable", maddrs=["/ip4/10.1.0.2/tcp/1"], lost_relay=True)
     status = r.status(bytes_relayed=0)
@@ -87,33 +96,25 @@ def test_a_lost_relay_slot_is_said_with_its_remedy():
 
 
 @pytest.mark.asyncio
-async def test_the_loss_of_every_relay_slot_is_timed():
-    """A slot held, then missing from ``LOST_AFTER`` refreshes in a row: ``lost_relay`` and
-    ``lost_at`` (Unix time) set; a slot again clears both. Only the addresses are read."""
+@pytest.mark.timeout(120)
+async def test_a_private_node_runs_its_own_p2pd_with_static_relays(no_daemon_left):
+    """Forced private with initial peers, p2pd is started by us (static relays, joined with
+    ``P2P.replicate``; daemon.start_daemon): it runs with the node's identity, answers RPCs
+    both ways, is the daemon the swarm names, and ends with the swarm."""
+    import psutil
 
-    class Daemon:  # the two answers Reachability.refresh reads from the swarm
-        stats = type("Stats", (), {"relayed": frozenset()})()
-        maddrs: list[str] = []
+    from p2pdiloco.net.transport.swarm import Swarm
 
-        async def visible_maddrs(self, latest=False):
-            return list(self.maddrs)
-
-        async def connections(self):
-            return {}
-
-    relayed = [f"/ip4/203.0.113.10/tcp/1/p2p/{RELAY}/p2p-circuit/p2p/{ME}"]
-    sw, r = Daemon(), Reachability("private", True, "unreachable")
-    sw.maddrs = relayed
-    await r.refresh(sw)
-    assert r.state() == "relayed" and r.lost_at is None
-    sw.maddrs = ["/ip4/10.1.0.2/tcp/1"]
-    for _ in range(reach.LOST_AFTER):
-        assert r.lost_at is None
-        await r.refresh(sw)
-    assert r.lost_relay and r.lost_at is not None and r.state() == "behind NAT"
-    sw.maddrs = relayed
-    await r.refresh(sw)
-    assert not r.lost_relay and r.lost_at is None
+    async with swarms(1) as (boot,):
+        peers = await boot.visible_maddrs()
+        node = await Swarm.start(initial_peers=peers, reachability="private")
+        try:
+            assert node.daemon_pid is not None and psutil.Process(node.daemon_pid).name() == "p2pd"
+            assert "-relayDiscovery=0" in psutil.Process(node.daemon_pid).cmdline()
+            assert await boot.hello(node.peer_id) == await node.hello(boot.peer_id)
+        finally:
+            await node.shutdown()
+        assert not psutil.pid_exists(node.daemon_pid) or psutil.Process(node.daemon_pid).status() == "zombie"
 
 
 @pytest.mark.asyncio

@@ -9,6 +9,7 @@ measured (and printed) rather than cut off; the assertion is ``FIRST_MERGE_S``."
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 
@@ -68,5 +69,47 @@ def test_two_nat_nodes_merge_within_seconds_and_say_when_their_only_relay_is_gon
                                             f"{_status(d).get('reach')}", every=0.5, tick=harness.track_daemons)
         assert _status(d)["reachability"] == "behind NAT"
     for h, (proc, d) in nodes.items():
-        proc.terminate()
+        proc.signal_group(signal.SIGTERM)
+        harness.wait(proc, 60, d / "node.log")
+
+
+@pytest.mark.timeout(600)
+def test_two_nat_nodes_keep_merging_through_a_member_relay_once_the_bootstrap_is_gone(internet, harness):
+    """boot (bootstrap peer), pub (a node of the run on the public segment) and h1, h2 behind
+    two NAT routers, given boot and pub as initial peers, default settings. pub's dial-back
+    check says reachable: it runs p2pd forced public, a relay. h1 and h2 reserve slots on both
+    at once and merge within ``FIRST_MERGE_S``. boot is killed: they keep merging, h1 and h2
+    through pub's relay (their traffic with a peer reached only through a relay grows)."""
+    hosts = Hosts(internet, harness)
+    maddr = hosts.bootstrap("boot")
+    settings = {**TINY, "settle": "0", "alone_after": "600"}
+    pub = hosts.node("pub", maddr, {**settings, "swarm.announce": f"/dns4/{PUB_NAME}/tcp/4001"}, duration=300)[1]
+    pub_id = wait_for(lambda: _status(pub).get("reach", {}).get("restarted") and _status(pub).get("peer_id"), 90,
+                      lambda: f"pub restarted public after its check: {_status(pub).get('reach')}", every=0.5,
+                      tick=harness.track_daemons)
+    assert _status(pub)["reachability"] == "public"
+    t0 = time.monotonic()
+    nodes = {h: hosts.node(h, [maddr, f"/dns4/{PUB_NAME}/tcp/4001/p2p/{pub_id}"], settings, duration=240)
+             for h in ("h1", "h2")}
+    wait_for(lambda: all(_merged(d) > 0 and pub_id in (_status(d).get("reach") or {}).get("relays", [])
+                         for _, d in nodes.values()), FIRST_MERGE_WAIT_S,
+             lambda: f"h1 and h2 merging, relayed by pub: {[_status(d).get('reach') for _, d in nodes.values()]}",
+             every=0.5, tick=harness.track_daemons)
+    first = time.monotonic() - t0
+    print(f"\nfirst merged round on both NATed nodes {first:.1f} s after their start (with a member relay)")
+    assert first <= FIRST_MERGE_S, f"first merge {first:.1f} s after the start"
+
+    internet.kill_host("boot")
+    at_kill = {h: (_merged(d), _status(d).get("bytes_relayed", 0)) for h, (_, d) in nodes.items()}
+
+    def going_on() -> bool:
+        return all(_merged(d) >= at_kill[h][0] + 3 and _status(d).get("bytes_relayed", 0) > at_kill[h][1]
+                   for h, (_, d) in nodes.items())
+
+    wait_for(going_on, 150, lambda: f"h1 and h2 merging without boot: {at_kill} -> "
+                                    f"{[(_merged(d), _status(d).get('bytes_relayed')) for _, d in nodes.values()]}",
+             every=1, tick=harness.track_daemons)
+    for h, (proc, d) in nodes.items():
+        assert _status(d).get("alone") is None, (h, _status(d).get("alone"))
+        proc.signal_group(signal.SIGTERM)
         harness.wait(proc, 60, d / "node.log")

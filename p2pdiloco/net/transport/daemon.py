@@ -103,6 +103,7 @@ async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_ma
     return p2p, daemon[0] if daemon else None
 
 
+_watching: set[asyncio.Future] = set()  # tasks that drain our p2pd's stderr and wait for its exit
 IDLE_TIMEOUT_S = 365 * 24 * 3600  # p2pd's idle timeout: quiet inner phases must not kill the daemon
 
 
@@ -161,8 +162,10 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
         async for line in proc.stderr:
             errors.append(line.decode(errors="replace").strip()[:500])
 
-    drainer = asyncio.ensure_future(drain())
-    proc_done = asyncio.ensure_future(proc.wait())
+    drainer, proc_done = asyncio.ensure_future(drain()), asyncio.ensure_future(proc.wait())
+    for task in (drainer, proc_done):  # held until p2pd exits (the loop keeps only weak references)
+        _watching.add(task)
+        task.add_done_callback(_watching.discard)
     try:
         async with asyncio.timeout(startup_timeout):
             while not sock.exists():

@@ -11,19 +11,31 @@ one: ``unreachable``; no answer: ``unknown``.
 
 Modes (``swarm.reachability``; :func:`daemon_options`):
 
-* ``auto`` (default): check; a node found unreachable with relays on restarts p2pd forced
-  private with autorelay (the initial peers its trusted relays), so that it reserves a
-  slot on a relay and announces a ``/p2p-circuit`` address (circuit relay v2).
+* ``auto`` (default): check; then (:meth:`Reachability.restart_mode`) a node found
+  unreachable with relays on restarts p2pd forced private with its initial peers as static
+  relays, so that it reserves a slot on them at once and announces a ``/p2p-circuit``
+  address (circuit relay v2); a node found reachable (not on loopback) restarts it forced
+  public, so that it relays for the run's nodes behind NAT.
 * ``public``: p2pd forced public, no check; with relays on it serves as a relay for others
   (p2pd's relay service runs only on a public node). Bootstrap peers run this way.
-* ``private``: forced private with autorelay, no check.
+* ``private``: forced private with the initial peers as static relays, no check.
 
-Measured with hivemind 1.1.12's p2pd in network namespaces (tests/internet): autorelay
-reserves its first slot ``RELAY_BOOT_DELAY_S`` after the start (go-libp2p autorelay's boot
-delay, which p2pd does not expose); until then the node merges only with peers it can dial
-or that hold a connection to it. Relay limits are p2pd's defaults, which hivemind's
-``P2P.create`` cannot change: 128 reservations, 16 circuits per peer, each relayed
-connection reset after 30 min or 4 GiB each way (our RPCs then open a new one).
+Measured with hivemind 1.1.12's p2pd (go-libp2p v0.32.1) in network namespaces
+(tests/internet/test_nat_fast.py: two nodes each behind its own NAT router, one public
+bootstrap peer): started through ``P2P.create``, which leaves p2pd's relay discovery on,
+autorelay waits for 4 candidate relays or its 3-minute boot delay (``RELAY_BOOT_DELAY_S``)
+before its first reservation: first merged round FIRST_BEFORE after the start. With static
+relays (p2pd ``-relayDiscovery=0 -trustedRelays``, which ``P2P.create`` cannot pass:
+``daemon.start_daemon`` starts that p2pd itself and joins it with ``P2P.replicate``) the slot
+comes at once: first merged round FIRST_AFTER after the start. Autorelay then waits for every
+static relay: one initial peer that is down or serves no relay (a NATed one) brings back the
+3-minute wait. Hole punching (DCUtR) is on (p2pd's ``-autonat``), but go-libp2p starts it only
+once the node knows a public address of its own, confirmed by 4 peers' observations: not in
+tests/internet, where each home node has one direct peer. Once every relay is gone, a NATed
+node says so (``lost_relay``, ``lost_at``; the node's "alone" reason ``no_relay``). Relay
+limits are p2pd's defaults, which hivemind's ``P2P.create`` cannot change: 128 reservations,
+16 circuits per peer, each relayed connection reset after 30 min or 4 GiB each way (our RPCs
+then open a new one).
 
 Served checks are bounded: one per peer per ``MIN_INTERVAL_S``, ``MAX_CONCURRENT`` at once and
 ``MAX_PER_INTERVAL`` per ``MIN_INTERVAL_S`` in all, at most ``records.MAX_DIALBACK_PORTS`` ports, each a single TCP connect with a
@@ -64,7 +76,7 @@ MIN_INTERVAL_S = 10.0  # a peer gets one check per this many seconds ...
 MAX_CONCURRENT = 4  # ... at most this many checks run at once ...
 MAX_PER_INTERVAL = 32  # ... and at most this many start per MIN_INTERVAL_S (peer IDs are free to make)
 MAX_REMEMBERED = 4096  # peers whose last check time is kept (oldest forgotten)
-RELAY_BOOT_DELAY_S = 180.0  # measured: autorelay's first reservation after the start
+RELAY_BOOT_DELAY_S = 180.0  # autorelay's boot delay: its first reservation with relay discovery, < 4 candidates
 LOST_AFTER = 2  # refreshes in a row (5 s apart) without the relay address before a slot counts as lost
 
 
@@ -176,6 +188,19 @@ class Reachability:
         swarm.stats.relayed = self.relayed_peers
         return len(conns)
 
+    def restart_mode(self) -> ReachabilityMode | None:
+        """How p2pd should run after the check in mode ``auto`` with relays on: ``private``
+        (unreachable: static relays, a slot at once), ``public`` (a checker dialled us back at
+        a non-loopback address: serve as a relay), None (keep it as it is: unknown, or a
+        loopback-only swarm)."""
+        if self.mode != "auto" or not self.relay:
+            return None
+        if self.verdict == "unreachable":
+            return "private"
+        if self.verdict == "reachable" and self.observed is not None and not ipaddress.ip_address(self.observed).is_loopback:
+            return "public"
+        return None
+
     def state(self, maddrs: Sequence[str] | None = None) -> str:
         """One of: ``relayed`` (behind NAT, reachable through a relay), ``behind NAT`` (not
         dialable, no relay slot yet or relays off), ``public`` (a peer dialled us back),
@@ -201,12 +226,13 @@ class Reachability:
             return ("peers cannot dial this node and relays are off (swarm.relay = false): it merges only with peers "
                     "it can dial itself; turn relays on, or forward a port and set swarm.announce")
         if self.lost_relay:
-            return ("this node lost its relay slot (the connection to the relay was reset) and libp2p's autorelay "
+            return ("this node lost every relay slot (the relay is gone, or the connection to it was reset) and libp2p's autorelay "
                     "may not reserve one again for a long while: it merges only with peers it can dial itself; "
                     "restart the node to reserve a new slot, or forward a port and set swarm.announce")
-        return (f"peers cannot dial this node yet: it asked its initial peers for a relay slot (the first comes "
-                f"about {RELAY_BOOT_DELAY_S:.0f} s after the start); until then it merges only with peers it can "
-                "dial itself. A forwarded port with swarm.announce avoids the relay")
+        return (f"peers cannot dial this node yet: it asked its initial peers for a relay slot (seconds after the "
+                f"start when every initial peer serves as a relay, else about {RELAY_BOOT_DELAY_S:.0f} s: give only "
+                "public peers as initial peers); until then it merges only with peers it can dial itself. A forwarded "
+                "port with swarm.announce avoids the relay")
 
     def status(self, bytes_relayed: int, maddrs: Sequence[str] | None = None) -> dict[str, Any]:
         """JSON-able: ``state`` (:meth:`state`), ``mode``, ``relay`` (relays on), ``check``
