@@ -114,7 +114,7 @@ async def test_a_private_node_runs_its_own_p2pd_with_static_relays(no_daemon_lef
             assert await boot.hello(node.peer_id) == await node.hello(boot.peer_id)
         finally:
             await node.shutdown()
-        assert not psutil.pid_exists(node.daemon_pid) or psutil.Process(node.daemon_pid).status() == "zombie"
+        assert not psutil.pid_exists(node.daemon_pid) or psutil.Process(node.daemon_pid).status() == psutil.STATUS_ZOMBIE
 
 
 @pytest.mark.asyncio

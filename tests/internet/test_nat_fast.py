@@ -40,6 +40,12 @@ def _merged(d) -> int:
     return _status(d).get("rounds_with_peers", 0)
 
 
+def _running(nodes) -> None:
+    """Fail at once, with its log's end, when a node has exited."""
+    for h, (proc, d) in nodes.items():
+        assert proc.poll() is None, (h, (d / "node.log").read_text()[-2000:])
+
+
 @pytest.mark.timeout(600)
 def test_two_nat_nodes_merge_within_seconds_and_say_when_their_only_relay_is_gone(internet, harness):
     """boot (bootstrap peer, the only public peer, a relay), h1 and h2 behind two NAT
@@ -52,7 +58,7 @@ def test_two_nat_nodes_merge_within_seconds_and_say_when_their_only_relay_is_gon
     settings = {**TINY, "settle": "0", "alone_after": "600"}
     t0 = time.monotonic()
     nodes = {h: hosts.node(h, maddr, settings, duration=240) for h in ("h1", "h2")}
-    wait_for(lambda: all(_merged(d) > 0 for _, d in nodes.values()), FIRST_MERGE_WAIT_S,
+    wait_for(lambda: _running(nodes) or all(_merged(d) > 0 for _, d in nodes.values()), FIRST_MERGE_WAIT_S,
              lambda: f"h1 and h2 merging: {[(_status(d).get('reach'), _merged(d)) for _, d in nodes.values()]}",
              every=0.5, tick=harness.track_daemons)
     first = time.monotonic() - t0
@@ -91,7 +97,7 @@ def test_two_nat_nodes_keep_merging_through_a_member_relay_once_the_bootstrap_is
     t0 = time.monotonic()
     nodes = {h: hosts.node(h, [maddr, f"/dns4/{PUB_NAME}/tcp/4001/p2p/{pub_id}"], settings, duration=240)
              for h in ("h1", "h2")}
-    wait_for(lambda: all(_merged(d) > 0 and pub_id in (_status(d).get("reach") or {}).get("relays", [])
+    wait_for(lambda: _running(nodes) or all(_merged(d) > 0 and pub_id in (_status(d).get("reach") or {}).get("relays", [])
                          for _, d in nodes.values()), FIRST_MERGE_WAIT_S,
              lambda: f"h1 and h2 merging, relayed by pub: {[_status(d).get('reach') for _, d in nodes.values()]}",
              every=0.5, tick=harness.track_daemons)

@@ -135,9 +135,10 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
     those ``P2P.create`` passes with its defaults (p2pd ``-help``), hole punching (DCUtR)
     included: ``-autonat`` turns on both AutoNAT service and hole punching in p2pd.
 
-    p2pd runs in a process group of its own (a signal to the node's group reaches only the
-    node, as with :func:`_create_shielded`) and exits when the node's control connection
-    closes. Raises what ``P2P.replicate`` raises, or RuntimeError naming p2pd's last error
+    p2pd runs in a session (so a process group) of its own: a signal to the node's group
+    reaches only the node, as with :func:`_create_shielded` (uvloop's subprocess takes
+    ``start_new_session`` but no ``process_group``), and p2pd exits when the node's control
+    connection closes. Raises what ``P2P.replicate`` raises, or RuntimeError naming p2pd's last error
     line when it exits or does not answer within ``startup_timeout`` seconds."""
     binary = importlib.resources.files("hivemind.hivemind_cli") / "p2pd"
     sock = Path(tempfile.gettempdir()) / f"p2pdiloco-p2pd-{secrets.token_urlsafe(8)}.sock"
@@ -154,7 +155,7 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
     env = {**os.environ, "GOLOG_LOG_LEVEL": "error"}
     proc = await asyncio.create_subprocess_exec(str(binary), *(f"-{k}={v}" for k, v in flags.items()),
                                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                stderr=subprocess.PIPE, env=env, process_group=0)
+                                                stderr=subprocess.PIPE, env=env, start_new_session=True)
     spawned.append(proc.pid)
     errors: deque[str] = deque(maxlen=5)  # p2pd's last error lines, drained so that it never blocks on stderr
 
