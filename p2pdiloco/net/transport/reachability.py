@@ -24,10 +24,11 @@ Measured with hivemind 1.1.12's p2pd (go-libp2p v0.32.1) in network namespaces
 (tests/internet/test_nat_fast.py: two nodes each behind its own NAT router, one public
 bootstrap peer): started through ``P2P.create``, which leaves p2pd's relay discovery on,
 autorelay waits for 4 candidate relays or its 3-minute boot delay (``RELAY_BOOT_DELAY_S``)
-before its first reservation: first merged round FIRST_BEFORE after the start. With static
+before its first reservation: no merged round within the nodes' 240 s run (relayed some
+180 s after the start; 194 s to the first merge in an earlier measurement). With static
 relays (p2pd ``-relayDiscovery=0 -trustedRelays``, which ``P2P.create`` cannot pass:
 ``daemon.start_daemon`` starts that p2pd itself and joins it with ``P2P.replicate``) the slot
-comes at once: first merged round FIRST_AFTER after the start. Autorelay then waits for every
+comes at once: first merged round 7.3 s after the start. Autorelay then waits for every
 static relay: one initial peer that is down or serves no relay (a NATed one) brings back the
 3-minute wait. Hole punching (DCUtR) is on (p2pd's ``-autonat``), but go-libp2p starts it only
 once the node knows a public address of its own, confirmed by 4 peers' observations: not in
