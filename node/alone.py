@@ -99,7 +99,7 @@ class AloneWatch:
         quiet = time.time() - self.last_merged
         run, since = self.run_id, self.last_merged
         if relay_lost_at is not None and since <= relay_lost_at:
-            self._set(Alone("no_relay", f"behind NAT, this node lost its only relay {time.time() - relay_lost_at:.0f} s "
+            self._set(Alone("no_relay", f"behind NAT, this node lost every relay slot {time.time() - relay_lost_at:.0f} s "
                                         "ago and merged with no node since: peers cannot dial it; it merges again once "
                                         "a relay is back (restart the node to reserve a slot on its initial peers), or "
                                         "forward a port and set swarm.announce", since))
