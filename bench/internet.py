@@ -197,6 +197,10 @@ class Internet:
         for ns in self._created:
             kill_namespace_processes(ns)
 
+    def kill_host(self, name: str) -> None:
+        """SIGKILL every process running on host ``name`` (a machine switched off)."""
+        kill_namespace_processes(self.ns(name))
+
     def close(self) -> None:
         """Kill the processes in, and delete, every namespace this internet created
         (idempotent); raise RuntimeError if some namespace could not be deleted."""

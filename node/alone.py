@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 NEVER_MERGED_EXIT = 3  # exit code: given peers to join, ran to the end of its budget, merged with nobody
 
-Reason = Literal["started_alone", "no_peers", "quorum", "other_settings", "unreachable", "no_rounds"]
+Reason = Literal["started_alone", "no_peers", "quorum", "no_relay", "other_settings", "unreachable", "no_rounds"]
 
 START_ALONE_HINT = ("no --join or --initial-peers: this node starts a swarm of its own and merges with no other "
                     "node until one joins it; to train with a run pass --join MANIFEST or --initial-peers MULTIADDR")
@@ -31,7 +31,10 @@ class Alone:
         reason: said from the first seconds: "started_alone" (started with no peers to join:
             ``START_ALONE_HINT``), "no_peers" (given peers, yet no other node of the run seen:
             wrong initial peers or run id, or its nodes are gone), "quorum" (fewer nodes of the
-            run with our settings seen than ``outer.min_quorum``: no round can form). Said once
+            run with our settings seen than ``outer.min_quorum``: no round can form), "no_relay"
+            (behind NAT, it lost every relay slot it held and merged nothing since:
+            ``Reachability.lost_relay``; it comes first, as the nodes it no longer sees may be
+            gone only for it). Said once
             nothing merged for ``NodeConfig.alone_after`` seconds: "other_settings" (nodes of
             the run seen, all with other settings: they can never merge with this one),
             "unreachable" (nodes of the run with our settings seen, yet no round with them, and
@@ -82,17 +85,25 @@ class AloneWatch:
             self.alone = None
 
     def check(self, others_seen: int, other_settings: Mapping[str, str], advice: str | None = None,
-              read: bool = True) -> None:
+              read: bool = True, relay_lost_at: float | None = None) -> None:
         """``others_seen``: other nodes of the run with our settings in the last read of the
         records; ``other_settings``: {peer ID: its settings} of nodes of the run that state
         other ones (``StateSync.other_settings``); ``advice``: set when peers cannot dial this
         node (``Reachability.advice``: behind NAT without a relay slot); ``read``: the records
-        were read at least once (before that, only the verdicts that need no read are made).
+        were read at least once (before that, only the verdicts that need no read are made);
+        ``relay_lost_at``: Unix time (s) at which this node, behind NAT, lost its last relay
+        slot (``Reachability.lost_at``), None while it holds one or never held one.
         The first call starts the clock (:meth:`started`) when nothing did."""
         if self.last_merged is None:
             self.started()
         quiet = time.time() - self.last_merged
         run, since = self.run_id, self.last_merged
+        if relay_lost_at is not None and since <= relay_lost_at:
+            self._set(Alone("no_relay", f"behind NAT, this node lost every relay slot {time.time() - relay_lost_at:.0f} s "
+                                        "ago and merged with no node since: peers cannot dial it; it merges again once "
+                                        "a relay is back (restart the node to reserve a slot on its initial peers), or "
+                                        "forward a port and set swarm.announce", since))
+            return
         if read and self.min_quorum > others_seen + 1:
             self._set(Alone("quorum", f"outer.min_quorum is {self.min_quorum} but {others_seen + 1} node(s) of run "
                                       f"'{run}' with this node's settings are seen: no round can form; lower "
@@ -109,7 +120,7 @@ class AloneWatch:
                                             "gone; check --initial-peers and --run-id", since))
             return
         if quiet < self.alone_after:
-            if self.alone is not None and self.alone.reason in ("started_alone", "no_peers", "quorum"):
+            if self.alone is not None and self.alone.reason in ("started_alone", "no_peers", "quorum", "no_relay"):
                 self.alone = None  # nodes of the run are seen now: they get alone_after to merge
             return
         if others_seen and advice:

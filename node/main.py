@@ -200,19 +200,25 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
 
 async def start_swarm(sw: SwarmConfig, trust: NodeTrust) -> Swarm:
     """Start the node's transport (``swarm`` settings, the node's identity and membership). In
-    reachability ``auto`` a node that its initial peers could not dial back starts p2pd again
-    forced private, to reserve a relay slot (``p2pdiloco.net.transport.reachability``); the check's
-    verdict stays in ``swarm.reach``. Raises what :meth:`Swarm.start` raises."""
+    reachability ``auto`` with relays on, the dial-back check decides how p2pd runs
+    (``p2pdiloco.net.transport.reachability``): a node its initial peers could not dial back
+    starts p2pd again forced private, reserving a slot on its initial peers at once; one they
+    dialled back starts it again forced public, so that it relays for the run's nodes behind
+    NAT (p2pd's relay service runs only on a public node, and its AutoNAT never finds a node
+    public without 4 peers to dial it back). The check's verdict stays in ``swarm.reach``.
+    Raises what :meth:`Swarm.start` raises."""
     args = dict(initial_peers=sw.initial_peers, host_maddrs=[f"/ip4/{sw.host}/tcp/{sw.port}"], announce_maddrs=sw.announce,
                 identity=trust.identity, membership=trust.membership, admission_key=f"{sw.run_id}/heads", relay=sw.relay)
     swarm = await Swarm.start(**args, reachability=sw.reachability)
-    if sw.reachability != "auto" or swarm.reach.verdict != "unreachable" or not sw.relay:
+    mode = swarm.reach.restart_mode() if sw.reachability == "auto" and sw.relay else None
+    if mode is None:
         return swarm
-    log.info("peers cannot dial this node (seen as %s): restarting p2pd to reserve a slot on a relay",
-             swarm.reach.observed)
+    log.info("peers %s this node (seen as %s): restarting p2pd forced %s, %s", "cannot dial" if mode == "private"
+             else "can dial", swarm.reach.observed, mode, "to reserve a slot on a relay" if mode == "private"
+             else "to relay for nodes behind NAT")
     checked = swarm.reach
     await swarm.shutdown()
-    swarm = await Swarm.start(**args, reachability="private")
+    swarm = await Swarm.start(**args, reachability=mode)
     swarm.reach = replace(checked, restarted=True, maddrs=await swarm.visible_maddrs())
     return swarm
 

@@ -385,7 +385,8 @@ class Node(CatchUp):
         if self.training is not None and not self.done:
             # peers ignored for not delivering their state are nodes of the run too (behind NAT, say)
             seen = len(self.view.others | self.sync.strikes.ignoring().keys())
-            self.solo.check(seen, self.sync.other_settings(), self.swarm.reach.advice(), read=self.view.read_ok)
+            self.solo.check(seen, self.sync.other_settings(), self.swarm.reach.advice(), read=self.view.read_ok,
+                            relay_lost_at=self.swarm.reach.lost_at)
 
     def state_name(self) -> str:
         """The life-cycle state shown in status and published in the record: ``stats.state``,

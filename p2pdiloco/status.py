@@ -216,7 +216,7 @@ class Status(JsonForm):
     p2pd_pid: P2pdPid = None
     state: State
     alone: Annotated[Alone | None, "why it merges with no other node, else null: reason (started_alone, "
-                     "no_peers, quorum: from the first seconds; other_settings, unreachable, "
+                     "no_peers, quorum, no_relay: from the first seconds; other_settings, unreachable, "
                      "no_rounds: after alone_after s), detail, since_s (node.alone)"] = None
     merging: Annotated[list[int], "fragments with an outer round in flight"] = field(default_factory=list)
     uptime_s: Uptime = 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -119,3 +120,12 @@ def test_the_verdicts_made_from_the_first_seconds_and_the_exit_code():
     assert quorum.alone is None
     quorum.merged()
     assert quorum.alone is None
+    # behind NAT, every relay slot lost: said at once, before "no_peers" (its peers may be gone only for it)
+    nat = AloneWatch(600, "r", "t")
+    nat.started()
+    nat.merged()
+    nat.check(0, {}, relay_lost_at=time.time())
+    assert nat.alone.reason == "no_relay"
+    nat.merged()  # a round with a peer since (a direct path): not alone, even with the relay still lost
+    nat.check(1, {}, relay_lost_at=time.time() - 5)
+    assert nat.alone is None

@@ -26,9 +26,22 @@ def test_daemon_options_per_mode():
                                                     "use_auto_relay": True, "trusted_relays": [BOOT]}
     assert daemon_options("private", True, []) == {"use_relay": True, "force_reachability": "private",
                                                    "use_auto_relay": True, "trusted_relays": None}
+    # forced private with initial peers: they are its static relays, a slot reserved at once (daemon.start_daemon)
+    assert daemon_options("private", True, [BOOT]) == {"use_relay": True, "force_reachability": "private",
+                                                       "static_relays": [BOOT]}
     # a public node serves relays (p2pd's relay service runs on public nodes) and reserves none
     assert daemon_options("public", True, [BOOT]) == {"use_relay": True, "force_reachability": "public"}
     assert daemon_options("private", False, [BOOT]) == {"use_relay": False, "force_reachability": "private"}
+
+
+def test_static_relays_one_address_per_peer():
+    """p2pd counts each static relay string as a relay, and autorelay waits for that many
+    distinct ones before it reserves: one address per peer, the first given, in order."""
+    from p2pdiloco.net.transport.daemon import one_addr_per_peer
+
+    other = BOOT.replace(RELAY, ME)
+    assert one_addr_per_peer([BOOT, f"/dns4/relay.example/tcp/31337/p2p/{RELAY}", other, "/ip4/1.2.3.4/tcp/1"]) \
+        == [BOOT, other]
 
 
 def test_addresses_ports_relays_and_observed_ip():
@@ -65,12 +78,43 @@ def test_state_and_advice(mode, relay, verdict, maddrs, state, advice):
     assert status["relays"] == ([RELAY] if state == "relayed" else [])
 
 
+def test_how_p2pd_runs_after_the_check():
+    assert Reachability("auto", True, "unreachable", observed="203.0.113.21").restart_mode() == "private"
+    assert Reachability("auto", True, "reachable", observed="203.0.113.11").restart_mode() == "public"  # relays
+    assert Reachability("auto", True, "reachable", observed="127.0.0.1").restart_mode() is None  # one machine
+    assert Reachability("auto", True, "unknown").restart_mode() is None
+    assert Reachability("auto", False, "unreachable", observed="203.0.113.21").restart_mode() is None
+    assert Reachability("private", True, "unreachable").restart_mode() is None  # no check, as set
+
+
 def test_a_lost_relay_slot_is_said_with_its_remedy():
     r = Reachability("private", True, "unreachable", maddrs=["/ip4/10.1.0.2/tcp/1"], lost_relay=True)
     status = r.status(bytes_relayed=0)
     assert status["state"] == "behind NAT" and status["lost_relay"] is True and "restart the node" in status["advice"]
     r.maddrs.append(f"/ip4/203.0.113.10/tcp/1/p2p/{RELAY}/p2p-circuit")  # holds a slot again: nothing to advise
     assert r.state() == "relayed" and r.advice() is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_private_node_runs_its_own_p2pd_with_static_relays(no_daemon_left):
+    """Forced private with initial peers, p2pd is started by us (static relays, joined with
+    ``P2P.replicate``; daemon.start_daemon): it runs with the node's identity, answers RPCs
+    both ways, is the daemon the swarm names, and ends with the swarm."""
+    import psutil
+
+    from p2pdiloco.net.transport.swarm import Swarm
+
+    async with swarms(1) as (boot,):
+        peers = await boot.visible_maddrs()
+        node = await Swarm.start(initial_peers=peers, reachability="private")
+        try:
+            assert node.daemon_pid is not None and psutil.Process(node.daemon_pid).name() == "p2pd"
+            assert "-relayDiscovery=0" in psutil.Process(node.daemon_pid).cmdline()
+            assert await boot.hello(node.peer_id) == await node.hello(boot.peer_id)
+        finally:
+            await node.shutdown()
+        assert not psutil.pid_exists(node.daemon_pid) or psutil.Process(node.daemon_pid).status() == psutil.STATUS_ZOMBIE
 
 
 @pytest.mark.asyncio

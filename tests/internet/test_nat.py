@@ -58,10 +58,10 @@ class Hosts:
 
         return wait_for(started, 60, "the bootstrap peer's public multiaddr", every=0.2)
 
-    def node(self, host: str, maddr: str, settings: dict[str, str], duration: int) -> tuple[Proc, Path]:
+    def node(self, host: str, maddr: str | list[str], settings: dict[str, str], duration: int) -> tuple[Proc, Path]:
         d = self.harness.tmp / host
         d.mkdir()
-        args = ["-m", "node", "run", "--initial-peers", maddr, "--host", "0.0.0.0", "--port", "4001", "--name", host,
+        args = ["-m", "node", "run", "--initial-peers", *([maddr] if isinstance(maddr, str) else maddr), "--host", "0.0.0.0", "--port", "4001", "--name", host,
                 "--data-dir", str(d), "--report-file", str(d / "report.json"), "--status-file", str(d / "status.json"),
                 "--run-id", "nat", "--duration", str(duration)]
         for k, v in settings.items():

@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.resources
 import logging
 import os
+import secrets
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from pathlib import Path
@@ -37,6 +41,7 @@ from pathlib import Path
 import psutil
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from p2pdiloco.errors import NetworkError
 from p2pdiloco.net.transport.framing import close_stream, short_error
@@ -62,19 +67,26 @@ async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_ma
     """
     key_file = identity.path if identity.path is not None else identity.write_temporary()
     known = {c.pid for c in psutil.Process().children()}
+    options = dict(options or {})
+    static_relays = options.pop("static_relays", None)
+    spawned: list[int] = []
     try:
         with private_sockets():
-            p2p = await _create_shielded(
-                known,
-                initial_peers=list(initial_peers) or None,
-                host_maddrs=list(host_maddrs),
-                announce_maddrs=list(announce_maddrs) or None,
-                identity_path=str(key_file),
-                check_if_identity_free=False,  # identity_in_use instead: hivemind's check reads RSA keys only
-                startup_timeout=startup_timeout,
-                idle_timeout=365 * 24 * 3600,  # quiet inner phases must not kill the daemon
-                **(options or {}),
-            )
+            if static_relays:
+                p2p = await _spawn_with_static_relays(spawned, static_relays, initial_peers, host_maddrs,
+                                                      announce_maddrs, str(key_file), startup_timeout, **options)
+            else:
+                p2p = await _create_shielded(
+                    known,
+                    initial_peers=list(initial_peers) or None,
+                    host_maddrs=list(host_maddrs),
+                    announce_maddrs=list(announce_maddrs) or None,
+                    identity_path=str(key_file),
+                    check_if_identity_free=False,  # identity_in_use instead: hivemind's check reads RSA keys only
+                    startup_timeout=startup_timeout,
+                    idle_timeout=IDLE_TIMEOUT_S,
+                    **options,
+                )
     except Exception as e:
         if initial_peers and "bootstrap" in str(e):
             raise NetworkError(_no_peers_message(initial_peers)) from None
@@ -87,8 +99,95 @@ async def start_daemon(identity: Identity, initial_peers: Sequence[str], host_ma
     except BaseException:
         await p2p.shutdown()
         raise
-    daemon = _new_daemons(known)
+    daemon = spawned or _new_daemons(known)
     return p2p, daemon[0] if daemon else None
+
+
+_watching: set[asyncio.Future] = set()  # tasks that drain our p2pd's stderr and wait for its exit
+IDLE_TIMEOUT_S = 365 * 24 * 3600  # p2pd's idle timeout: quiet inner phases must not kill the daemon
+
+
+def one_addr_per_peer(maddrs: Sequence[str]) -> list[str]:
+    """The first multiaddr (with /p2p/ID) of each peer in ``maddrs``, in order: p2pd takes
+    each static relay string as one relay, and autorelay waits for as many distinct relays as
+    strings given before it reserves (go-libp2p v0.32 ``autorelay.WithStaticRelays``)."""
+    out: dict[str, str] = {}
+    for m in maddrs:
+        if "/p2p/" in m:
+            out.setdefault(m.rsplit("/p2p/", 1)[1], m)
+    return list(out.values())
+
+
+async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[str], initial_peers: Sequence[str],
+                                    host_maddrs: Sequence[str], announce_maddrs: Sequence[str], identity_path: str,
+                                    startup_timeout: float, use_relay: bool = True,
+                                    force_reachability: str | None = None) -> P2P:
+    """Start hivemind's p2pd binary with autorelay on ``static_relays`` only, and connect to it
+    with hivemind's public ``P2P.replicate``; appends the daemon's PID to ``spawned``.
+
+    Why not ``P2P.create`` (measured in tests/internet, docs/operating.md "Running a node at
+    home"): it starts p2pd with relay discovery on (``-relayDiscovery`` defaults to true and
+    ``P2P.create`` ignores ``use_relay_discovery``), so autorelay takes its candidates from a
+    peer source and, knowing fewer than 4 (go-libp2p v0.32 ``autorelay`` ``minCandidates``),
+    reserves its first slot only after its 3-minute boot delay. With ``-relayDiscovery=0`` and
+    ``-trustedRelays`` p2pd uses ``autorelay.WithStaticRelays``, which waits only for the
+    static relays themselves: the slot comes seconds after the start. The other flags are
+    those ``P2P.create`` passes with its defaults (p2pd ``-help``), hole punching (DCUtR)
+    included: ``-autonat`` turns on both AutoNAT service and hole punching in p2pd.
+
+    p2pd runs in a session (so a process group) of its own: a signal to the node's group
+    reaches only the node, as with :func:`_create_shielded` (uvloop's subprocess takes
+    ``start_new_session`` but no ``process_group``), and p2pd exits when the node's control
+    connection closes. Raises what ``P2P.replicate`` raises, or RuntimeError naming p2pd's last error
+    line when it exits or does not answer within ``startup_timeout`` seconds."""
+    binary = importlib.resources.files("hivemind.hivemind_cli") / "p2pd"
+    sock = Path(tempfile.gettempdir()) / f"p2pdiloco-p2pd-{secrets.token_urlsafe(8)}.sock"
+    flags = {"listen": f"/unix{sock}", "id": identity_path, "hostAddrs": ",".join(host_maddrs), "dhtServer": 1,
+             "autonat": 1, "natPortMap": 1, "connManager": 1, "tls": 1, "relay": int(use_relay), "autoRelay": 1,
+             "relayDiscovery": 0, "trustedRelays": ",".join(one_addr_per_peer(static_relays)),
+             "idleTimeout": f"{IDLE_TIMEOUT_S}s", "q": 1}
+    if initial_peers:
+        flags.update(bootstrapPeers=",".join(initial_peers), b=1)
+    if announce_maddrs:
+        flags["announceAddrs"] = ",".join(announce_maddrs)
+    if force_reachability in ("public", "private"):
+        flags[f"forceReachability{force_reachability.capitalize()}"] = 1
+    env = {**os.environ, "GOLOG_LOG_LEVEL": "error"}
+    proc = await asyncio.create_subprocess_exec(str(binary), *(f"-{k}={v}" for k, v in flags.items()),
+                                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.PIPE, env=env, start_new_session=True)
+    spawned.append(proc.pid)
+    errors: deque[str] = deque(maxlen=5)  # p2pd's last error lines, drained so that it never blocks on stderr
+
+    async def drain() -> None:
+        async for line in proc.stderr:
+            errors.append(line.decode(errors="replace").strip()[:500])
+
+    drainer, proc_done = asyncio.ensure_future(drain()), asyncio.ensure_future(proc.wait())
+    for task in (drainer, proc_done):  # held until p2pd exits (the loop keeps only weak references)
+        _watching.add(task)
+        task.add_done_callback(_watching.discard)
+    try:
+        async with asyncio.timeout(startup_timeout):
+            while not sock.exists():
+                if proc.returncode is not None:
+                    raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
+                await asyncio.sleep(0.02)
+            replica = asyncio.ensure_future(P2P.replicate(Multiaddr(f"/unix{sock}")))
+            await asyncio.wait([replica, proc_done], return_when=asyncio.FIRST_COMPLETED)
+            if not replica.done():
+                replica.cancel()
+                await drainer  # p2pd exited: its last words are in
+                raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
+            p2p = replica.result()
+    except BaseException as e:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        if isinstance(e, TimeoutError):
+            raise RuntimeError(f"p2pd did not answer within {startup_timeout:g} s: "
+                               f"{' | '.join(errors) or 'no message'}") from None
+        raise
+    return p2p
 
 
 OWNER_ONLY = 0o077  # umask while the sockets are created: no permission for group and others

@@ -11,19 +11,32 @@ one: ``unreachable``; no answer: ``unknown``.
 
 Modes (``swarm.reachability``; :func:`daemon_options`):
 
-* ``auto`` (default): check; a node found unreachable with relays on restarts p2pd forced
-  private with autorelay (the initial peers its trusted relays), so that it reserves a
-  slot on a relay and announces a ``/p2p-circuit`` address (circuit relay v2).
+* ``auto`` (default): check; then (:meth:`Reachability.restart_mode`) a node found
+  unreachable with relays on restarts p2pd forced private with its initial peers as static
+  relays, so that it reserves a slot on them at once and announces a ``/p2p-circuit``
+  address (circuit relay v2); a node found reachable (not on loopback) restarts it forced
+  public, so that it relays for the run's nodes behind NAT.
 * ``public``: p2pd forced public, no check; with relays on it serves as a relay for others
   (p2pd's relay service runs only on a public node). Bootstrap peers run this way.
-* ``private``: forced private with autorelay, no check.
+* ``private``: forced private with the initial peers as static relays, no check.
 
-Measured with hivemind 1.1.12's p2pd in network namespaces (tests/internet): autorelay
-reserves its first slot ``RELAY_BOOT_DELAY_S`` after the start (go-libp2p autorelay's boot
-delay, which p2pd does not expose); until then the node merges only with peers it can dial
-or that hold a connection to it. Relay limits are p2pd's defaults, which hivemind's
-``P2P.create`` cannot change: 128 reservations, 16 circuits per peer, each relayed
-connection reset after 30 min or 4 GiB each way (our RPCs then open a new one).
+Measured with hivemind 1.1.12's p2pd (go-libp2p v0.32.1) in network namespaces
+(tests/internet/test_nat_fast.py: two nodes each behind its own NAT router, one public
+bootstrap peer): started through ``P2P.create``, which leaves p2pd's relay discovery on,
+autorelay waits for 4 candidate relays or its 3-minute boot delay (``RELAY_BOOT_DELAY_S``)
+before its first reservation: no merged round within the nodes' 240 s run (relayed some
+180 s after the start; 194 s to the first merge in an earlier measurement). With static
+relays (p2pd ``-relayDiscovery=0 -trustedRelays``, which ``P2P.create`` cannot pass:
+``daemon.start_daemon`` starts that p2pd itself and joins it with ``P2P.replicate``) the slot
+comes at once: first merged round 7.3 s after the start. Autorelay then waits for every
+static relay: one initial peer that is down or serves no relay (a NATed one) brings back the
+3-minute wait. Hole punching (DCUtR) is on (p2pd's ``-autonat``), but go-libp2p starts it only
+once the node knows a public address of its own, confirmed by 4 peers' observations: not in
+tests/internet, where each home node has one direct peer. Once every relay is gone, a NATed
+node says so (``lost_relay``, ``lost_at``; the node's "alone" reason ``no_relay``). Relay
+limits are p2pd's defaults, which hivemind's ``P2P.create`` cannot change: 128 reservations,
+16 circuits per peer, each relayed connection reset after 30 min or 4 GiB each way (our RPCs
+then open a new one).
 
 Served checks are bounded: one per peer per ``MIN_INTERVAL_S``, ``MAX_CONCURRENT`` at once and
 ``MAX_PER_INTERVAL`` per ``MIN_INTERVAL_S`` in all, at most ``records.MAX_DIALBACK_PORTS`` ports, each a single TCP connect with a
@@ -38,6 +51,7 @@ import contextlib
 import ipaddress
 import logging
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,7 +77,7 @@ MIN_INTERVAL_S = 10.0  # a peer gets one check per this many seconds ...
 MAX_CONCURRENT = 4  # ... at most this many checks run at once ...
 MAX_PER_INTERVAL = 32  # ... and at most this many start per MIN_INTERVAL_S (peer IDs are free to make)
 MAX_REMEMBERED = 4096  # peers whose last check time is kept (oldest forgotten)
-RELAY_BOOT_DELAY_S = 180.0  # measured: autorelay's first reservation after the start
+RELAY_BOOT_DELAY_S = 180.0  # autorelay's boot delay: its first reservation with relay discovery, < 4 candidates
 LOST_AFTER = 2  # refreshes in a row (5 s apart) without the relay address before a slot counts as lost
 
 
@@ -73,7 +87,9 @@ def daemon_options(mode: ReachabilityMode | None, relay: bool, initial_peers: Se
     if mode is None:
         return {}
     options: dict[str, Any] = {"use_relay": relay, "force_reachability": None if mode == "auto" else mode}
-    if relay and mode != "public":
+    if relay and mode == "private" and initial_peers:  # a slot at once (daemon.start_daemon, static relays)
+        options["static_relays"] = list(initial_peers)
+    elif relay and mode != "public":
         options.update(use_auto_relay=True, trusted_relays=list(initial_peers) or None)
     return options
 
@@ -115,7 +131,8 @@ class Reachability:
     restarted: bool = False  # p2pd was restarted forced private after the check
     maddrs: list[str] = field(default_factory=list)  # announced addresses, last read
     relayed_peers: frozenset[str] = frozenset()  # peers connected to us only through a relay
-    lost_relay: bool = False  # held a relay slot, then lost it (its connection was reset)
+    lost_relay: bool = False  # held a relay slot, then lost every one (its connection was reset, the relay gone)
+    lost_at: float | None = None  # Unix time (s) of that loss; None while it holds a slot
     _relay_misses: int = 0  # refreshes in a row without the relay address once held
 
     async def check(self, swarm: Swarm, initial_peers: Sequence[str]) -> Verdict:
@@ -160,17 +177,30 @@ class Reachability:
         returns the number of peers connected now."""
         had, self.maddrs = relays_in(self.maddrs) or self._relay_misses, await swarm.visible_maddrs(latest=True)
         if relays_in(self.maddrs):
-            self.lost_relay, self._relay_misses = False, 0
+            self.lost_relay, self.lost_at, self._relay_misses = False, None, 0
         elif had:  # a slot held, now gone: lost after LOST_AFTER refreshes in a row (not a blip)
             self._relay_misses += 1
             if self._relay_misses == LOST_AFTER:
-                self.lost_relay = True
+                self.lost_relay, self.lost_at = True, time.time()
                 log.warning("lost the relay slot: peers cannot dial this node until it gets one again")
         conns = await swarm.connections()
         self.relayed_peers = frozenset(p for p, addrs in conns.items()
                                        if addrs and all("/p2p-circuit" in a for a in addrs))
         swarm.stats.relayed = self.relayed_peers
         return len(conns)
+
+    def restart_mode(self) -> ReachabilityMode | None:
+        """How p2pd should run after the check in mode ``auto`` with relays on: ``private``
+        (unreachable: static relays, a slot at once), ``public`` (a checker dialled us back at
+        a non-loopback address: serve as a relay), None (keep it as it is: unknown, or a
+        loopback-only swarm)."""
+        if self.mode != "auto" or not self.relay:
+            return None
+        if self.verdict == "unreachable":
+            return "private"
+        if self.verdict == "reachable" and self.observed is not None and not ipaddress.ip_address(self.observed).is_loopback:
+            return "public"
+        return None
 
     def state(self, maddrs: Sequence[str] | None = None) -> str:
         """One of: ``relayed`` (behind NAT, reachable through a relay), ``behind NAT`` (not
@@ -197,12 +227,13 @@ class Reachability:
             return ("peers cannot dial this node and relays are off (swarm.relay = false): it merges only with peers "
                     "it can dial itself; turn relays on, or forward a port and set swarm.announce")
         if self.lost_relay:
-            return ("this node lost its relay slot (the connection to the relay was reset) and libp2p's autorelay "
+            return ("this node lost every relay slot (the relay is gone, or the connection to it was reset) and libp2p's autorelay "
                     "may not reserve one again for a long while: it merges only with peers it can dial itself; "
                     "restart the node to reserve a new slot, or forward a port and set swarm.announce")
-        return (f"peers cannot dial this node yet: it asked its initial peers for a relay slot (the first comes "
-                f"about {RELAY_BOOT_DELAY_S:.0f} s after the start); until then it merges only with peers it can "
-                "dial itself. A forwarded port with swarm.announce avoids the relay")
+        return (f"peers cannot dial this node yet: it asked its initial peers for a relay slot (seconds after the "
+                f"start when every initial peer serves as a relay, else about {RELAY_BOOT_DELAY_S:.0f} s: give only "
+                "public peers as initial peers); until then it merges only with peers it can dial itself. A forwarded "
+                "port with swarm.announce avoids the relay")
 
     def status(self, bytes_relayed: int, maddrs: Sequence[str] | None = None) -> dict[str, Any]:
         """JSON-able: ``state`` (:meth:`state`), ``mode``, ``relay`` (relays on), ``check``

@@ -540,4 +540,11 @@ class Swarm:
             log.debug("p2p shutdown: %s", e)
         if self.daemon_pid is not None and psutil.pid_exists(self.daemon_pid):
             with contextlib.suppress(psutil.Error):
-                psutil.Process(self.daemon_pid).kill()
+                daemon = psutil.Process(self.daemon_pid)
+                daemon.kill()
+                # a p2pd we started ourselves (daemon.start_daemon, static relays) is reaped by asyncio's
+                # child watcher, not by hivemind's shutdown: wait for its exit here
+                for _ in range(250):
+                    if daemon.status() == psutil.STATUS_ZOMBIE:
+                        break
+                    await asyncio.sleep(0.02)
