@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -104,18 +105,22 @@ async def read_header(reader: asyncio.StreamReader, *, length: bytes | None = No
     return header, n
 
 
-async def read_payload(reader: asyncio.StreamReader, n: int) -> bytes:
-    """Read exactly ``n`` bytes in pieces of at most ``CHUNK_BYTES``. No deadline of its own.
+async def read_payload(reader: asyncio.StreamReader, n: int,
+                       progress: Callable[[int, int], None] | None = None) -> bytes:
+    """Read exactly ``n`` bytes in pieces of at most ``CHUNK_BYTES``. No deadline of its own;
+    ``progress(received, n)`` is called after each piece (bytes so far, bytes in all).
 
     Raises:
         asyncio.IncompleteReadError: the stream ended first.
     """
-    if n <= CHUNK_BYTES:
+    if n <= CHUNK_BYTES and progress is None:
         return await reader.readexactly(n) if n else b""
     parts, left = [], n
     while left:
         parts.append(await reader.readexactly(min(left, CHUNK_BYTES)))
         left -= len(parts[-1])
+        if progress is not None:
+            progress(n - left, n)
     return b"".join(parts)
 
 
