@@ -29,7 +29,7 @@ from p2pdiloco.net.records.parse import HeadsRecord
 from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.status import Status
 
-from node.alone import START_ALONE_HINT
+from node.alone import DAEMON_LOST_EXIT, START_ALONE_HINT
 from node.checkpoint import save_node_config
 from node.committed import global_digest
 from node.control import ControlServer, start_metrics
@@ -114,6 +114,32 @@ class SwarmView:
         }, frags
 
 
+DAEMON_POLL_S = 1.0  # how often the node checks that its libp2p daemon still runs
+
+
+async def keep_daemon(node: Node, swarm: Swarm, lost: list[str]) -> None:
+    """Check every ``DAEMON_POLL_S`` that p2pd, the node's libp2p daemon, still runs (its
+    process: ``Swarm.daemon_running``); when it died (killed, OOM), start it again under the
+    running node (``Swarm.restart``: same peer ID and port, rejoins the DHT) and store this
+    node's record at once, so that its peers find it again. When the restart fails, the reason
+    goes to ``lost``, one line is logged and the node stops (exit code ``DAEMON_LOST_EXIT``):
+    a node without a daemon would only train alone (docs/operating.md, "Faults of the machine")."""
+    while True:
+        await asyncio.sleep(DAEMON_POLL_S)
+        if swarm.daemon_running():
+            continue
+        log.warning("the libp2p daemon (p2pd, pid %s) exited under the node: starting it again", swarm.daemon_pid)
+        try:
+            await swarm.restart()
+        except P2PDilocoError as e:
+            lost.append(f"the libp2p daemon (p2pd) exited and could not be started again: {e}")
+            log.error("%s; stopping", lost[-1])
+            node.stop()
+            return
+        log.warning("p2pd started again (pid %s) and the node rejoined the swarm", swarm.daemon_pid)
+        await node.republish()
+
+
 async def serve_record(node: Node, swarm: Swarm) -> None:
     """Answer ``st.record`` with this node's heads record as it stands (its states, figures,
     protocol tag, the swarm's time): ``swarm status`` asks every node whose record it finds in
@@ -144,7 +170,9 @@ def snapshot(node: Node, swarm: Swarm, maddrs: list[str], view: SwarmView | None
         "reachability": swarm.reach.state(maddrs), "connections": view.connections if view else None,
         "rejoins": view.rejoins if view else 0,
         "reach": swarm.reach.status(swarm.stats.bytes_relayed, maddrs), "bytes_relayed": swarm.stats.bytes_relayed,
-        "pid": os.getpid(), "p2pd_pid": swarm.daemon_pid, "state": node.state_name(),
+        "pid": os.getpid(), "p2pd_pid": swarm.daemon_pid, "p2pd_restarts": swarm.restarts,
+        "state": node.state_name(),
+        "checkpoint_error": node.checkpoint_error, "started_from": node.started_from,
         "alone": None if node.solo.alone is None else {"reason": node.solo.alone.reason,
                                                        "detail": node.solo.alone.detail,
                                                        "since_s": round(time.time() - node.solo.alone.since, 1)},
@@ -322,7 +350,11 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
     stop_metrics = None
     try:
         if data_dir:  # what `p2pdiloco model export` rebuilds the checkpoint's module from
-            save_node_config(data_dir, cfg)
+            try:
+                save_node_config(data_dir, cfg)
+            except OSError as e:  # a full disk: the node can train; its checkpoints will say so too
+                log.warning("%s not written (%s): `model export` needs it", data_dir / "node-config.json",
+                            e.strerror or e)
         if cfg.metrics_port:
             stop_metrics = start_metrics(cfg.metrics_host, cfg.metrics_port, lambda: board.latest)
         sw = cfg.swarm
@@ -400,7 +432,7 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
         on_ready(swarm.peer_id, maddrs)
 
     async def write_status() -> None:
-        warned = False
+        warned = status_failing = False
         while True:
             board.refresh()
             hw = board.latest.get("hardware") or {}
@@ -409,15 +441,24 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
                 log.warning("%s uses %s MiB, over its memory_limit of %s MiB: lower data.batch_size or use a smaller "
                             "model", name, hw["rss_mib"], hw["memory_limit_mib"])
             if status_path is not None:
-                await asyncio.to_thread(write_json_atomic, status_path, board.latest, durable=False)
+                try:
+                    await asyncio.to_thread(write_json_atomic, status_path, board.latest, durable=False)
+                    status_failing = False
+                except OSError as e:  # a full disk: the status file is stale, the node trains on
+                    if not status_failing:
+                        log.warning("status file %s not written (%s): `node status` still answers", status_path,
+                                    e.strerror or e)
+                    status_failing = True
             # on whole multiples of the period on the clock: the snapshots of several nodes on one
             # machine (the chaos and attack harnesses, a person comparing two nodes) are taken at one
             # instant; the live view redraws every second, so it takes a snapshot every second
             every = 1.0 if progress else cfg.status_every
             await asyncio.sleep(every - time.time() % every)
 
+    lost: list[str] = []  # why the daemon could not be started again (keep_daemon)
     async with asyncio.TaskGroup() as tg:
         background = [tg.create_task(write_status()), tg.create_task(view.refresh_forever(node, swarm)),
+                      tg.create_task(keep_daemon(node, swarm, lost)),
                       tg.create_task(share_manifest(swarm, cfg, manifest))]
         if progress:
             background.append(tg.create_task(live_progress(board)))
@@ -436,11 +477,15 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
     log.info("%s done: held-out loss %.3f -> %.3f nats/byte, %d rounds, digest %s",
              name, start, final, node.stats.rounds_committed, report["global_digest"])
     reached = report["rounds_with_peers"] + report["rounds_excluded"] + report["catchups"]  # followed the swarm: not alone
-    report["exit_code"] = node.solo.exit_code(reached, budget_ended=not signalled)
+    report["exit_code"] = DAEMON_LOST_EXIT if lost else node.solo.exit_code(reached, budget_ended=not signalled)
+    report["exit_reason"] = lost[0] if lost else None
     if not report["rounds_with_peers"]:
         log.warning("%s never merged with another node: its training reached nobody%s", name,
                     f" ({node.solo.alone.detail})" if node.solo.alone else "")
     for path in (status_path, report_path):
         if path is not None:
-            write_json_atomic(path, report)
+            try:
+                write_json_atomic(path, report)
+            except OSError as e:  # a full disk: the report still goes to the caller (and stdout)
+                log.warning("%s not written: %s", path, e.strerror or e)
     return report

@@ -392,7 +392,9 @@ def _node_run(args: argparse.Namespace) -> int:
                                 progress=sys.stdout.isatty() and not args.no_progress, manifest=run)
         print(json.dumps({k: report[k] for k in ("name", "steps", "start_loss", "end_loss", "global_digest")
                           if k in report}))
-        if report.get("exit_code"):  # given peers to join, and its training reached nobody
+        if report.get("exit_reason"):  # its daemon died for good (node.alone.DAEMON_LOST_EXIT)
+            print(f"p2pdiloco: {name}: {report['exit_reason']}", file=sys.stderr)
+        elif report.get("exit_code"):  # given peers to join, and its training reached nobody
             alone = report.get("alone") or {}
             print(f"p2pdiloco: {name} never merged with another node: {alone.get('detail') or 'no round with a peer'}",
                   file=sys.stderr)

@@ -49,6 +49,13 @@ class Status(Starting):
     rejoins: Annotated[int, "times it lost every connection and dialled the initial peers again"]
     bytes_relayed: Annotated[int, "RPC bytes, both directions, with peers reached only through a relay"]
     p2pd_pid: Annotated[int | None, "process ID of its libp2p daemon"]
+    p2pd_restarts: Annotated[int, "times its libp2p daemon died under it and was started again (same peer ID)"]
+    started_from: Annotated[str | None, "where its training began: checkpoint (its data dir's own), swarm (a state "
+                                        "downloaded from a node of the run) or initial (the initial model: the run "
+                                        "started afresh); null while joining"]
+    checkpoint_error: Annotated[dict[str, Any] | None, "the last local checkpoint write failed (a full disk...), "
+                                "else null: errno (ENOSPC, EFBIG...), detail, since (Unix s), failures, kept "
+                                "(an earlier checkpoint is still on disk); training goes on"]
     alone: Annotated[dict[str, Any] | None, "why it merges with no other node, else null: reason (started_alone, "
                                             "no_peers, quorum: from the first seconds; other_settings, unreachable, "
                                             "no_rounds: after alone_after s), detail, since_s (node.alone)"]
@@ -131,7 +138,9 @@ class Report(Status):
     heldout_history: Annotated[list[list[float]], "[inner step, held-out loss] at each evaluation"]
     exit_code: Annotated[int, "the node's exit code: 0, or 3 when it was given peers to join, ran to the end of its "
                               "budget and reached no other node (no round with one, none taken without its "
-                              "contribution, no state from one)"]
+                              "contribution, no state from one), or 4 when its libp2p daemon died and could not be "
+                              "started again"]
+    exit_reason: Annotated[str | None, "why it stopped before its budget ended (exit code 4), else null"]
 
 
 def keys(schema: type) -> dict[str, tuple[Any, Doc]]:
