@@ -519,8 +519,7 @@ class Swarm:
             raise
         except TimeoutError:
             self.stats.calls_failed += 1
-            raise PeerTimeout(f"{name} to {peer_id[-8:]} failed: timeout after {timeout:g} s"
-                              f"{' (stretched by its rate)' if min_rate is not None else ''}") from None
+            raise PeerTimeout(f"{name} to {peer_id[-8:]} failed: timeout after {timeout:g} s") from None
         except Exception as e:
             self.stats.calls_failed += 1
             raise PeerUnreachable(f"{name} to {peer_id[-8:]} failed: {_short(e)}") from None
