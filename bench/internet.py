@@ -87,12 +87,13 @@ def delete_namespaces(names: Sequence[str]) -> list[str]:
     return [ns for ns in names if ns in left]
 
 
-def unavailable() -> str | None:
+def unavailable(nat: bool = True) -> str | None:
     """One line saying why the topology cannot be built here, or None when it can. Checks
-    by building a throwaway namespace with a bridge, a veth pair, a tbf qdisc and nft."""
+    by building a throwaway namespace with a bridge, a veth pair, a tbf qdisc and nft
+    (``nat``: homes behind routers; an internet of public hosts only, ``homes=0``, needs no nft)."""
     if os.geteuid() != 0:
         return f"network namespaces need root (running as uid {os.geteuid()})"
-    missing = [tool for tool in ("ip", "nft", "tc") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "nft", "tc") if shutil.which(tool) is None and (nat or tool != "nft")]
     if missing:
         return f"missing tool(s) on PATH: {', '.join(missing)}"
     ns = f"p2u-{uuid.uuid4().hex[:8]}"
@@ -102,7 +103,7 @@ def unavailable() -> str | None:
                      ["ip", "-n", ns, "link", "add", "va", "type", "veth", "peer", "name", "vb"],
                      x + ["tc", "qdisc", "add", "dev", "va", "root", "tbf", "rate", "10mbit",
                           "burst", "32kbit", "latency", "400ms"],
-                     x + ["nft", "-f", "-"]):
+                     *([x + ["nft", "-f", "-"]] if nat else [])):
             run_cmd(argv, stdin=NAT_RULES if argv[-1] == "-" else None)
     except (RuntimeError, OSError) as e:
         return f"cannot build network namespaces here: {e}"

@@ -16,6 +16,7 @@ from p2pdiloco.net.transport.addresses import JOIN_HINT
 log = logging.getLogger(__name__)
 
 NEVER_MERGED_EXIT = 3  # exit code: given peers to join, ran to the end of its budget, merged with nobody
+DAEMON_LOST_EXIT = 4  # exit code: its libp2p daemon (p2pd) died and could not be started again (node.main.keep_daemon)
 
 Reason = Literal["started_alone", "no_peers", "quorum", "no_relay", "other_settings", "unreachable", "no_rounds"]
 

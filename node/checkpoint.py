@@ -4,7 +4,13 @@ A checkpoint is written to a temporary file in the data dir, fsynced, then renam
 ``checkpoint.pt`` (and the folder fsynced), so a kill at any moment leaves either the old or
 the new checkpoint, never a torn one. A checkpoint that still fails to load (disk error,
 other version) is set aside as ``checkpoint.pt.corrupt`` and the node starts fresh; the
-swarm's state then wins anyway.
+swarm's state then wins anyway. A write that fails (a full disk: ENOSPC; a file-size limit:
+EFBIG) raises the OSError and leaves the previous checkpoint as it was: the old one goes only
+when the new one is in place (docs/operating.md, "Faults of the machine").
+
+A checkpoint whose progress may have left the node since it was written (the journal could not
+record a send: ``set_aside_progress``) is renamed ``checkpoint-sent.pt``, never deleted: a
+resume takes its global states, step and optimizer state, and none of its local progress.
 
 What a resumed node does with the checkpoint's local progress (θ − Θ per fragment) is decided
 here too (``kept_progress``): progress that never left the node is kept, rebased on the
@@ -14,6 +20,7 @@ may be inside a state the swarm merged is dropped, never merged twice (I2).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -44,6 +51,30 @@ def checkpoint_path(data_dir: Path) -> Path:
     return data_dir / "checkpoint.pt"
 
 
+def sent_path(data_dir: Path) -> Path:
+    """Where ``set_aside_progress`` moves a checkpoint whose progress may have been sent since."""
+    return data_dir / "checkpoint-sent.pt"
+
+
+class _KeepsWriteError:
+    """The file ``torch.save`` writes to, keeping the OSError that a write raised: torch reports
+    a failed write to a file object as a RuntimeError without it (``inline_container.cc``), so a
+    full disk would not be told from a bug."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_checkpoint(data_dir: Path, learner: Learner, extra: dict[str, Any]) -> Path:
     """Atomically write the learner's state (model, AdamW, step, counters, global states)
     and ``extra`` (JSON-able) to ``data_dir/checkpoint.pt``. Returns the path.
@@ -51,13 +82,24 @@ def save_checkpoint(data_dir: Path, learner: Learner, extra: dict[str, Any]) -> 
     Must run in the thread that owns the learner (the training thread), between steps: it
     serializes the live tensors, not a copy (a copy would add 20 bytes per parameter to the
     node's peak memory, p2pdiloco.footprint); training waits for the write (how long:
-    ``checkpoint_s`` in the status JSON, at most 5% of the time: node.training.CHECKPOINT_COST)."""
+    ``checkpoint_s`` in the status JSON, at most 5% of the time: node.training.CHECKPOINT_COST).
+
+    Raises:
+        OSError: the file could not be written (ENOSPC, EFBIG, EIO...); the previous
+            checkpoint is left as it was and the temporary file removed. A checkpoint set
+            aside by ``set_aside_progress`` is removed only once this one is in place."""
     path = checkpoint_path(data_dir)
     blob = {"format": FORMAT, "learner": learner.state_dict(copy_tensors=False), "extra": extra}
     fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=".checkpoint.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(blob, f)
+            sink = _KeepsWriteError(f)
+            try:
+                torch.save(blob, sink)
+            except RuntimeError:
+                if sink.error is not None:
+                    raise sink.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -69,7 +111,23 @@ def save_checkpoint(data_dir: Path, learner: Learner, extra: dict[str, Any]) -> 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    sent_path(data_dir).unlink(missing_ok=True)
     return path
+
+
+def set_aside_progress(data_dir: Path) -> None:
+    """The journal could not record that a round sends this node's progress (a full disk), so
+    the checkpoint's word that some progress never left can no longer be checked
+    (``kept_progress``): rename it ``checkpoint-sent.pt`` (a rename needs no free space), whose
+    resume keeps no local progress (docs/architecture.md, I2) but its global states, step and
+    optimizer state. Raises nothing: a failed rename removes the checkpoint instead."""
+    try:
+        os.replace(checkpoint_path(data_dir), sent_path(data_dir))
+    except FileNotFoundError:
+        pass
+    except OSError:
+        with contextlib.suppress(OSError):
+            checkpoint_path(data_dir).unlink(missing_ok=True)
 
 
 def read_global_states(data_dir: Path) -> list[FragmentState] | None:
@@ -106,12 +164,13 @@ def save_node_config(data_dir: Path, cfg: NodeConfig) -> Path:
     return path
 
 
-def load_checkpoint(data_dir: Path, learner: Learner) -> dict[str, Any] | None:
-    """Restore ``learner`` from ``data_dir/checkpoint.pt`` if there is a usable one; returns
-    its ``extra`` dict, or None when there is no checkpoint or it could not be used."""
+def load_checkpoint(data_dir: Path, learner: Learner, path: Path | None = None) -> dict[str, Any] | None:
+    """Restore ``learner`` from ``path`` (default ``data_dir/checkpoint.pt``) if there is a
+    usable one; returns its ``extra`` dict, or None when there is no checkpoint or it could not
+    be used."""
     for stale in data_dir.glob(".checkpoint.*.tmp"):  # left by a kill during a write
         stale.unlink(missing_ok=True)
-    path = checkpoint_path(data_dir)
+    path = path or checkpoint_path(data_dir)
     if not path.exists():
         return None
     try:
@@ -139,12 +198,16 @@ class Resumed:
 def resume(data_dir: Path, learner: Learner) -> Resumed | None:
     """``load_checkpoint`` into ``learner``, then ``kept_progress`` with the data dir's journal;
     the progress of every other fragment is dropped here, before any download (θ_p ← Θ_p, its
-    counters reset), so that no later follow can rebase it. None when there is no usable
-    checkpoint."""
-    extra = load_checkpoint(data_dir, learner)
+    counters reset), so that no later follow can rebase it. Without ``checkpoint.pt``, the
+    checkpoint set aside by ``set_aside_progress`` is loaded, none of its progress kept. None
+    when there is no usable checkpoint."""
+    sent = not checkpoint_path(data_dir).exists()
+    extra = load_checkpoint(data_dir, learner, sent_path(data_dir) if sent else None)
     if extra is None:
         return None
     kept, sends = kept_progress(extra, read_journals(data_dir / JOURNAL_FILE), len(learner.fragments))
+    if sent:
+        kept = set()
     for p, state in enumerate(learner.global_states):
         if p not in kept and learner.counters(p)[1]:
             log.info("fragment %d: checkpointed progress (%d steps at v%d) dropped: it may have been sent since",

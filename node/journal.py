@@ -50,6 +50,7 @@ class Journal:
         self.path, self.max_bytes = path, max_bytes
         self._size = path.stat().st_size if path is not None and path.exists() else 0
         self._torn = self._size > 0 and _last_byte(path) != b"\n"  # a previous process died mid-line
+        self.failing = False  # the last write failed (logged once per streak)
 
     def record(self, event: str, *, sync: bool = False, **fields: Any) -> bool:
         """Append one event (fields JSON-able); sync: on disk before returning (fsync), not only
@@ -73,8 +74,11 @@ class Journal:
                 if sync:
                     os.fsync(f.fileno())
         except OSError as e:
-            log.warning("journal %s: %s", self.path, e)
+            if not self.failing:
+                log.warning("journal %s: %s (events are not recorded until a write succeeds)", self.path, e)
+            self.failing = True
             return False
+        self.failing = False
         return True
 
 

@@ -26,7 +26,7 @@ from p2pdiloco.net.records.parse import HeadsRecord
 from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.status import FragmentStatus, Report, Status, SwarmFigures
 
-from node.alone import START_ALONE_HINT
+from node.alone import DAEMON_LOST_EXIT, START_ALONE_HINT
 from node.checkpoint import save_node_config
 from node.control import ControlServer, start_metrics
 from node.runtime import Node
@@ -77,6 +77,32 @@ class SwarmView:
         """(swarm figures, per-fragment status against the swarm's newest heads):
         :func:`node.snapshot.swarm_summary` of this view."""
         return swarm_summary(self, committed, me, trusted)
+
+
+DAEMON_POLL_S = 1.0  # how often the node checks that its libp2p daemon still runs
+
+
+async def keep_daemon(node: Node, swarm: Swarm, lost: list[str]) -> None:
+    """Check every ``DAEMON_POLL_S`` that p2pd, the node's libp2p daemon, still runs (its
+    process: ``Swarm.daemon_running``); when it died (killed, OOM), start it again under the
+    running node (``Swarm.restart``: same peer ID and port, rejoins the DHT) and store this
+    node's record at once, so that its peers find it again. When the restart fails, the reason
+    goes to ``lost``, one line is logged and the node stops (exit code ``DAEMON_LOST_EXIT``):
+    a node without a daemon would only train alone (docs/operating.md, "Faults of the machine")."""
+    while True:
+        await asyncio.sleep(DAEMON_POLL_S)
+        if swarm.daemon_running():
+            continue
+        log.warning("the libp2p daemon (p2pd, pid %s) exited under the node: starting it again", swarm.daemon_pid)
+        try:
+            await swarm.restart()
+        except P2PDilocoError as e:
+            lost.append(f"the libp2p daemon (p2pd) exited and could not be started again: {e}")
+            log.error("%s; stopping", lost[-1])
+            node.stop()
+            return
+        log.warning("p2pd started again (pid %s) and the node rejoined the swarm", swarm.daemon_pid)
+        await node.republish()
 
 
 async def serve_record(node: Node, swarm: Swarm) -> None:
@@ -170,7 +196,11 @@ async def run_node(cfg: NodeConfig, *, name: str = "node", status_path: Path | N
     stop_metrics = None
     try:
         if data_dir:  # what `p2pdiloco model export` rebuilds the checkpoint's module from
-            save_node_config(data_dir, cfg)
+            try:
+                save_node_config(data_dir, cfg)
+            except OSError as e:  # a full disk: the node can train; its checkpoints will say so too
+                log.warning("%s not written (%s): `model export` needs it", data_dir / "node-config.json",
+                            e.strerror or e)
         if cfg.metrics_port:
             stop_metrics = start_metrics(cfg.metrics_host, cfg.metrics_port, lambda: board.latest)
         sw = cfg.swarm
@@ -239,7 +269,7 @@ def _announce(cfg: NodeConfig, name: str, swarm: Swarm, board: Board, maddrs: li
 async def _write_status(cfg: NodeConfig, name: str, board: Board, status_path: Path | None, progress: bool) -> None:
     """Refresh the board and write the status file (atomically) every ``status_every`` seconds,
     every second with the live view; warn once when the node outgrows its memory limit."""
-    warned = False
+    warned = status_failing = False
     while True:
         hw = getattr(board.refresh(), "hardware", None)
         if hw is not None and hw.over_memory_limit and not warned:
@@ -247,7 +277,14 @@ async def _write_status(cfg: NodeConfig, name: str, board: Board, status_path: P
             log.warning("%s uses %s MiB, over its memory_limit of %s MiB: lower data.batch_size or use a smaller "
                         "model", name, hw.rss_mib, hw.memory_limit_mib)
         if status_path is not None:
-            await asyncio.to_thread(write_json_atomic, status_path, board.latest.to_json(), durable=False)
+            try:
+                await asyncio.to_thread(write_json_atomic, status_path, board.latest.to_json(), durable=False)
+                status_failing = False
+            except OSError as e:  # a full disk: the status file is stale, the node trains on
+                if not status_failing:
+                    log.warning("status file %s not written (%s): `node status` still answers", status_path,
+                                e.strerror or e)
+                status_failing = True
         # on whole multiples of the period on the clock: the snapshots of several nodes on one
         # machine (the chaos and attack harnesses, a person comparing two nodes) are taken at one
         # instant; the live view redraws every second, so it takes a snapshot every second
@@ -255,9 +292,11 @@ async def _write_status(cfg: NodeConfig, name: str, board: Board, status_path: P
         await asyncio.sleep(every - time.time() % every)
 
 
-async def _report(node: Node, setup: Setup, board: Board, last: Callable[[], Status], signalled: bool) -> Report:
+async def _report(node: Node, setup: Setup, board: Board, last: Callable[[], Status], signalled: bool,
+                  lost: list[str]) -> Report:
     """Evaluate the final global model on the held-out bytes and build the report from the
-    ``last`` snapshot; the board shows "evaluating" meanwhile, then the report."""
+    ``last`` snapshot; the board shows "evaluating" meanwhile, then the report. ``lost``: why
+    the node's daemon could not be started again (:func:`keep_daemon`), empty when it ran on."""
     board.current = lambda: replace(last(), state="evaluating")
     status = last()
     final = await asyncio.to_thread(evaluate, setup.global_model(node.committed), setup.heldout)
@@ -265,7 +304,8 @@ async def _report(node: Node, setup: Setup, board: Board, last: Callable[[], Sta
     reached = status.rounds_with_peers + status.rounds_excluded + status.catchups  # followed the swarm: not alone
     report = Report(**{**vars(status), "state": "stopped"}, start_loss=start, end_loss=final,
                     end_bits_per_byte=bits_per_byte(final, setup.bytes_per_token), heldout_history=node.training.stats.heldout_history,
-                    exit_code=node.solo.exit_code(reached, budget_ended=not signalled))
+                    exit_code=DAEMON_LOST_EXIT if lost else node.solo.exit_code(reached, budget_ended=not signalled),
+                    exit_reason=lost[0] if lost else None)
     board.current = lambda: replace(report, **board.extra())
     return report
 
@@ -295,9 +335,11 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
         loop.add_signal_handler(sig, once_per_burst(stop))
     if on_ready is not None:
         on_ready(swarm.peer_id, maddrs)
+    lost: list[str] = []  # why the daemon could not be started again (keep_daemon)
     async with asyncio.TaskGroup() as tg:
         background = [tg.create_task(_write_status(cfg, name, board, status_path, progress)),
                       tg.create_task(view.refresh_forever(node, swarm)),
+                      tg.create_task(keep_daemon(node, swarm, lost)),
                       tg.create_task(share_manifest(swarm, cfg, manifest))]
         if progress:
             background.append(tg.create_task(live_progress(board)))
@@ -307,7 +349,7 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
             for task in background:
                 task.cancel()
     report = await _report(node, setup, board, lambda: snapshot(node, swarm, maddrs, view, board.extra()),
-                           bool(signalled))
+                           bool(signalled), lost)
     log.info("%s done: held-out loss %.3f -> %.3f %s (%.3f bits/byte), %d rounds, digest %s", name, report.start_loss,
              report.end_loss, report.loss_unit, report.end_bits_per_byte, node.stats.rounds_committed,
              report.global_digest)
@@ -316,5 +358,8 @@ async def _serve(cfg: NodeConfig, name: str, setup: Setup, swarm: Swarm, board: 
                     f" ({node.solo.alone.detail})" if node.solo.alone else "")
     for path in (status_path, report_path):
         if path is not None:
-            write_json_atomic(path, report.to_json())
+            try:
+                write_json_atomic(path, report.to_json())
+            except OSError as e:  # a full disk: the report still goes to the caller (and stdout)
+                log.warning("%s not written: %s", path, e.strerror or e)
     return report

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -36,7 +37,7 @@ from p2pdiloco.trust.reputation import Reputation
 from p2pdiloco.data import evaluate
 
 from node.alone import AloneWatch
-from node.checkpoint import Resumed, checkpoint_path, resume, save_checkpoint
+from node.checkpoint import Resumed, checkpoint_path, resume, save_checkpoint, sent_path, set_aside_progress
 from node.committed import CommittedStates
 from node.expected import ExpectedPeers
 from node.journal import FILE as JOURNAL_FILE, Journal, save_round_trace
@@ -101,6 +102,8 @@ class Node(CatchUp):
         self._interrupted = False
         self._stopped_at = 0.0  # time.monotonic() of the stop request
         self._resumed: Resumed | None = None  # from a local checkpoint
+        self.checkpoint_error: dict[str, Any] | None = None  # the last checkpoint write failed: why (_checkpoint)
+        self.started_from: str | None = None  # where training began: "checkpoint", "swarm" or "initial" (run)
         self._joined = False  # took the swarm's inner step (on its first download, or resumed)
         self._stepped: set[int] = set()  # fragments with an own outer step from a round of ours (StateSync.own_step)
         self.solo = AloneWatch(self.cfg.alone_after, self.cfg.swarm.run_id, tag, out.min_quorum, bool(self.cfg.swarm.initial_peers))
@@ -123,6 +126,11 @@ class Node(CatchUp):
             self.journal.record("resumed", step=self.setup.learner.step, kept=sorted(resumed.kept))
         await self.sync.greet(self.record())  # the records of the learners found in the DHT, fresh from them
         await self._catch_up(initial=True)
+        self.started_from = "checkpoint" if self._resumed else "swarm" if self.stats.catchups else "initial"
+        if self.started_from == "initial" and self.cfg.swarm.initial_peers:
+            log.warning("no node of run '%s' served a state and %s: this node starts the run afresh from the "
+                        "initial model", self.cfg.swarm.run_id,
+                        "it has no data dir" if data_dir is None else f"{data_dir} holds no checkpoint")
         deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
         self.training = self.setup.training_loop(self._dispatch, deadline)
         if self._resumed:
@@ -170,8 +178,28 @@ class Node(CatchUp):
                     task.cancel()
 
     def _checkpoint(self, data_dir: Path) -> None:  # in the training thread, or once it ended
-        save_checkpoint(data_dir, self.setup.learner, {"name": self.setup.name, "peer_id": self.swarm.peer_id,
-                                                       "sends": list(self.training.sends), "unsent": self.training.unsent()})
+        """Write the local checkpoint. A write that fails (a full disk, a file-size limit, a disk
+        error) costs the checkpoint, not the run: training goes on, the previous checkpoint stays,
+        ``checkpoint_error`` says why (status), and one line is logged per streak of failures;
+        the next write that succeeds clears it (docs/operating.md, "Faults of the machine")."""
+        try:
+            save_checkpoint(data_dir, self.setup.learner, {"name": self.setup.name, "peer_id": self.swarm.peer_id,
+                                                           "sends": list(self.training.sends),
+                                                           "unsent": self.training.unsent()})
+        except OSError as e:
+            kept = checkpoint_path(data_dir).exists() or sent_path(data_dir).exists()
+            error = {"errno": errno.errorcode.get(e.errno or 0, "EIO"), "detail": e.strerror or str(e),
+                     "since": self.checkpoint_error["since"] if self.checkpoint_error else round(time.time(), 3),
+                     "failures": (self.checkpoint_error or {}).get("failures", 0) + 1, "kept": kept}
+            if self.checkpoint_error is None or self.checkpoint_error["errno"] != error["errno"]:
+                log.warning("checkpoint not saved in %s (%s): training goes on; %s", data_dir, error["detail"],
+                            "the previous checkpoint is kept" if kept else
+                            "nothing is saved, a restart starts from the swarm's state")
+            self.checkpoint_error = error
+            return
+        if self.checkpoint_error is not None:
+            log.info("checkpoint saved again after %d failed writes", self.checkpoint_error["failures"])
+            self.checkpoint_error = None
 
     def stop(self) -> None:
         """Ask the node to leave gracefully (thread-safe); a second call ends the process (p2pd with it)."""
@@ -213,9 +241,8 @@ class Node(CatchUp):
 
     def _start_round(self, p: int, contrib: Contribution, anchor: FragmentState, n: int) -> None:
         if not self.journal.record("send", sync=True, fragment=p, n=n) and self.cfg.data_dir:  # before anything leaves
-            # the checkpoint may say this progress never left: without the journal's word, no checkpoint (kept_progress)
-            with contextlib.suppress(OSError):
-                checkpoint_path(Path(self.cfg.data_dir)).unlink(missing_ok=True)
+            # the checkpoint may say this progress never left: without the journal's word, none of it is kept
+            set_aside_progress(Path(self.cfg.data_dir))
         if self._rounds is None or self.done:
             self.training.deliver(Delivery(p, None, False, round=n))
             return
@@ -499,6 +526,11 @@ class Node(CatchUp):
             await self.sync.publish(self.record(), store=store)
         except NetworkError as e:
             log.debug("publish failed: %s", e)
+
+    async def republish(self) -> None:
+        """Store this node's record in the DHT now (after its daemon was started again: the DHT
+        node is new, its peers dropped their connections to it)."""
+        await self._publish(store=True)
 
     async def _publisher(self) -> None:
         while True:

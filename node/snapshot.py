@@ -23,7 +23,7 @@ from p2pdiloco.footprint import peak_rss_mib, rss_mib
 from p2pdiloco.manifest import RunManifest
 from p2pdiloco.net.records.parse import HeadsRecord
 from p2pdiloco.net.transport.swarm import Swarm
-from p2pdiloco.status import (Alone, Checkpoints, Connecting, FragmentStatus, Hardware, Manifest, Outer, Sessions,
+from p2pdiloco.status import (Alone, CheckpointError, Checkpoints, Connecting, FragmentStatus, Hardware, Manifest, Outer, Sessions,
                               Snapshot, Starting, Status, SwarmFigures)
 
 from node.committed import global_digest
@@ -96,7 +96,7 @@ def _network(swarm: Swarm, maddrs: list[str], view: SwarmRead | None) -> dict[st
         peer_id=swarm.peer_id, maddrs=maddrs, reachability=swarm.reach.state(maddrs),
         connections=view.connections if view else None, rejoins=view.rejoins if view else 0,
         reach=swarm.reach.status(stats.bytes_relayed, maddrs), bytes_relayed=stats.bytes_relayed,
-        pid=os.getpid(), p2pd_pid=swarm.daemon_pid,
+        pid=os.getpid(), p2pd_pid=swarm.daemon_pid, p2pd_restarts=swarm.restarts,
         bytes_out=stats.bytes_out, bytes_in=stats.bytes_in, rpc_calls=stats.calls_out, rpc_failed=stats.calls_failed,
         dht_ops=dict(stats.dht), rpc_by_name={k: [n, stats.header_bytes[k]] for k, n in sorted(stats.calls_by.items())},
         sessions=Sessions(open=len(swarm.sessions()), opened=stats.sessions, serving=swarm.server.serving()),
@@ -110,7 +110,8 @@ def _training(node: Node) -> dict[str, Any]:
     st = node.stats
     alone = node.solo.alone
     return dict(
-        state=node.state_name(), merging=list(node.committed.in_flight()),
+        state=node.state_name(), merging=list(node.committed.in_flight()), started_from=node.started_from,
+        checkpoint_error=None if node.checkpoint_error is None else CheckpointError(**node.checkpoint_error),
         alone=None if alone is None else Alone(reason=alone.reason, detail=alone.detail,
                                                since_s=round(time.time() - alone.since, 1)),
         step=tr.step if tr else 0, tokens=tr.tokens if tr else 0,

@@ -153,7 +153,9 @@ def _node_run(args: argparse.Namespace) -> int:
                                 progress=sys.stdout.isatty() and not args.no_progress, manifest=run)
         print(json.dumps({"name": report.name, "start_loss": report.start_loss, "end_loss": report.end_loss,
                           "global_digest": report.global_digest}))
-        if report.exit_code:  # given peers to join, and its training reached nobody
+        if report.exit_reason:  # its daemon died for good (node.alone.DAEMON_LOST_EXIT)
+            print(f"p2pdiloco: {name}: {report.exit_reason}", file=sys.stderr)
+        elif report.exit_code:  # given peers to join, and its training reached nobody
             detail = report.alone.detail if report.alone else ""
             print(f"p2pdiloco: {name} never merged with another node: {detail or 'no round with a peer'}",
                   file=sys.stderr)

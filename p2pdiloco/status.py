@@ -27,7 +27,7 @@ from typing import Annotated, Any
 
 from p2pdiloco.typed_json import FormError, JsonForm, conforms, type_name
 
-__all__ = ["Alone", "Checkpoints", "Connecting", "FragmentStatus", "Hardware", "Manifest", "Outer", "Progress", "Report",
+__all__ = ["Alone", "CheckpointError", "Checkpoints", "Connecting", "FragmentStatus", "Hardware", "Manifest", "Outer", "Progress", "Report",
            "RoundRecord", "Sessions", "Snapshot", "Starting", "Status", "StatusError", "SwarmFigures", "conforms",
            "keys", "parse_status", "read_status", "schema_table"]
 
@@ -124,6 +124,19 @@ class Hardware(JsonForm):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointError(JsonForm):
+    """The last local checkpoint write failed (node.runtime.Node._checkpoint): its errno's name
+    (ENOSPC, EFBIG...), the system's message, since when (Unix s), failed writes in this streak,
+    and whether an earlier checkpoint is still on disk."""
+
+    errno: str = ""
+    detail: str = ""
+    since: float = 0.0
+    failures: int = 0
+    kept: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class Checkpoints(JsonForm):
     """Local checkpoints written and how long training waited for them (seconds)."""
 
@@ -214,7 +227,14 @@ class Status(JsonForm):
     bytes_relayed: Annotated[int, "RPC bytes, both directions, with peers reached only through a relay"] = 0
     pid: Pid = 0
     p2pd_pid: P2pdPid = None
+    p2pd_restarts: Annotated[int, "times its libp2p daemon died under it and was started again (same peer ID)"] = 0
     state: State
+    started_from: Annotated[str | None, "where its training began: checkpoint (its data dir's own), swarm (a state "
+                                        "downloaded from a node of the run) or initial (the initial model: the run "
+                                        "started afresh); null while joining"] = None
+    checkpoint_error: Annotated[CheckpointError | None, "the last local checkpoint write failed (a full disk...), "
+                                "else null: errno (ENOSPC, EFBIG...), detail, since (Unix s), failures, kept "
+                                "(an earlier checkpoint is still on disk); training goes on"] = None
     alone: Annotated[Alone | None, "why it merges with no other node, else null: reason (started_alone, "
                      "no_peers, quorum, no_relay: from the first seconds; other_settings, unreachable, "
                      "no_rounds: after alone_after s), detail, since_s (node.alone)"] = None
@@ -307,7 +327,9 @@ class Report(Status):
     heldout_history: Annotated[list[list[float]], "[inner step, held-out loss] at each evaluation"] = field(default_factory=list)
     exit_code: Annotated[int, "the node's exit code: 0, or 3 when it was given peers to join, ran to the end of its "
                          "budget and reached no other node (no round with one, none taken without its "
-                         "contribution, no state from one)"] = 0
+                         "contribution, no state from one), or 4 when its libp2p daemon died and could not be "
+                         "started again"] = 0
+    exit_reason: Annotated[str | None, "why it stopped before its budget ended (exit code 4), else null"] = None
 
 
 Snapshot = Starting | Connecting | Status | Report  # what a node's status file holds, by its phase

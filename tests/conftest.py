@@ -130,11 +130,13 @@ class Harness:
     def procs(self) -> list[Proc]:
         return self.processes.procs
 
-    def spawn(self, args: list[str], log: Path, *, session: bool = True) -> Proc:
+    def spawn(self, args: list[str], log: Path, *, session: bool = True, prefix: tuple[str, ...] = ()) -> Proc:
         """Start ``python args`` leading a new session (``session``), else only a new process
         group, as a shell starts a job (a session leader cannot move its p2pd out of its group:
-        ``net.transport.daemon._spawn_group``). Either way the process group's ID is the PID."""
-        return self.processes.start([sys.executable, *args], log, log.parent.name, session=session)
+        ``net.transport.daemon._spawn_group``). Either way the process group's ID is the PID.
+        ``prefix``: a command that sets up and then execs python (the same PID), such as
+        :func:`private_tmpfs`'s."""
+        return self.processes.start([*prefix, sys.executable, *args], log, log.parent.name, session=session)
 
     def track_daemons(self) -> None:
         """Remember every p2pd under our processes (to check that none outlives the test)."""
@@ -156,7 +158,7 @@ class Harness:
         return wait_for(started, 60, "the bootstrap peer's multiaddr", every=0.1)
 
     def node(self, maddr: str, name: str, settings: dict[str, str], *extra: str,
-             session: bool = True, inject: tuple[str, ...] = ()) -> tuple[Proc, Path]:
+             session: bool = True, inject: tuple[str, ...] = (), prefix: tuple[str, ...] = ()) -> tuple[Proc, Path]:
         """A node process of run "test"; with ``inject`` (``--fault KIND@N``, ``--poison KIND``)
         started through ``p2pdiloco.chaos.inject``, which records the faults that fire in
         ``faults.jsonl`` of its data dir."""
@@ -169,7 +171,7 @@ class Harness:
                 "--status-file", str(d / "status.json"), "--run-id", "test", *extra]
         for k, v in settings.items():
             args += ["--set", f"{k}={v}"]
-        return self.spawn(args, d / "node.log", session=session), d
+        return self.spawn(args, d / "node.log", session=session, prefix=prefix), d
 
     def wait(self, proc: Proc | subprocess.Popen, timeout: float, log: Path) -> int:
         try:
@@ -182,6 +184,28 @@ class Harness:
     def close(self) -> None:
         self.track_daemons()
         self.processes.close(grace=15.0)
+
+
+def private_tmpfs(mount: Path, size: str) -> tuple[str, ...] | None:
+    """A command prefix that runs its command in a mount namespace of its own (``unshare -m``;
+    with ``-r``, a user namespace too, when not root) where ``mount`` is a fresh tmpfs of
+    ``size`` (``mount -o size=``: "8m"), a real filesystem that fills up; the command is
+    exec'd, so its PID is the prefix's. Other processes see the files at
+    ``/proc/PID/root/MOUNT`` while it runs. None when this machine cannot make one (no
+    ``unshare``, user namespaces off)."""
+    user = () if os.geteuid() == 0 else ("-r",)
+    script = 'mkdir -p "$0" && mount -t tmpfs -o size="$1" tmpfs "$0" && shift && exec "$@"'
+    prefix = ("unshare", *user, "-m", "sh", "-c", script, str(mount), size)
+    made = [d for d in (mount, *mount.parents) if not d.exists()]  # by the probe's mkdir: removed after it
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    finally:
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return prefix if probe.returncode == 0 else None
 
 
 def read_report(d: Path) -> Report:

@@ -213,3 +213,48 @@ def test_topk2_off_the_settings_it_is_measured_with_is_a_warning_at_start() -> N
     assert topk2_note(off) is not None and topk2_note(load_config(overrides=TINY).outer) is None
     assert logging.WARNING not in levels({f"outer.{k}": str(v) for k, v in TOPK2_RECIPE.items()})
     assert logging.WARNING not in levels({"outer.wire_precision": "int4"})
+
+
+def test_a_write_over_a_file_size_limit_raises_its_oserror_and_keeps_the_previous_checkpoint(tmp_path):
+    """RLIMIT_FSIZE (EFBIG: a full disk gives ENOSPC the same way): the OSError, not torch's
+    RuntimeError, reaches the caller; the previous checkpoint loads as before and no temporary
+    file is left."""
+    import errno  # noqa: PLC0415
+    import resource  # noqa: PLC0415
+
+    a = _setup("a")
+    save_checkpoint(tmp_path, a.learner, {"n": 1})
+    a.learner.inner_step(*a.sampler.next())
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (checkpoint_path(tmp_path).stat().st_size // 2, limit[1]))
+    try:
+        with pytest.raises(OSError) as raised:
+            save_checkpoint(tmp_path, a.learner, {"n": 2})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    assert raised.value.errno == errno.EFBIG
+    assert not list(tmp_path.glob(".checkpoint.*"))
+    b = _setup("b")
+    assert load_checkpoint(tmp_path, b.learner) == {"n": 1} and b.learner.step == 0
+
+
+def test_a_checkpoint_set_aside_resumes_its_states_without_its_progress(tmp_path):
+    """``set_aside_progress`` (the journal could not record a send): ``checkpoint-sent.pt``
+    resumes the global states and step, drops every fragment's local progress, and goes once a
+    new checkpoint is written."""
+    from node.checkpoint import resume, sent_path, set_aside_progress  # noqa: PLC0415
+    from node.journal import FILE as JOURNAL_FILE, Journal  # noqa: PLC0415
+
+    a = _setup("a")
+    for _ in range(3):
+        a.learner.inner_step(*a.sampler.next())
+    save_checkpoint(tmp_path, a.learner, {"sends": [0, 0], "unsent": [0, 1]})
+    Journal(tmp_path / JOURNAL_FILE).record("joined", step=0)  # no send since: checkpoint.pt would keep both
+    set_aside_progress(tmp_path)
+    assert sent_path(tmp_path).exists() and not checkpoint_path(tmp_path).exists()
+    b = _setup("b")
+    resumed = resume(tmp_path, b.learner)
+    assert resumed is not None and resumed.kept == frozenset() and b.learner.step == 3
+    assert all(b.learner.counters(p)[1] == 0 for p in range(len(b.learner.fragments)))
+    save_checkpoint(tmp_path, b.learner, {})
+    assert checkpoint_path(tmp_path).exists() and not sent_path(tmp_path).exists()

@@ -27,7 +27,7 @@ def test_each_schema_extends_the_one_before_and_every_key_is_documented():
     start, status, report = keys(Starting), keys(Status), keys(Report)
     assert set(start) < set(status) < set(report)
     assert set(report) - set(status) == {"start_loss", "end_loss", "end_bits_per_byte", "heldout_history",
-                                           "exit_code"}
+                                           "exit_code", "exit_reason"}
     assert all(doc.strip() for _, doc in report.values())
 
 

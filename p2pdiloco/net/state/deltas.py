@@ -33,6 +33,7 @@ from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net.records import parse as rec
 from p2pdiloco.net.codecs import wire
 from p2pdiloco.net.state.heads import Head
+from p2pdiloco.net.state.downloads import SLOW_DONOR_RATE
 from p2pdiloco.net.records.parse import DeltaStep
 from p2pdiloco.net.rounds.results import RoundResult
 from p2pdiloco.net.transport.swarm import Header, Swarm
@@ -205,7 +206,7 @@ class Deltas:
                    "td": rec.wire_digest(head.digest), "max": self.most[p]}
         try:  # a NetworkError (no answer in time, unreachable) is the caller's to count
             reply, body = await self.swarm.call(donor, "state.deltas", request, timeout=timeout, max_reply=self.most[p],
-                                                first_reply=first_reply)
+                                                first_reply=first_reply, min_rate=SLOW_DONOR_RATE)
         except ProtocolError as e:  # refused: a peer without state.deltas, busy, an answer over max_reply
             log.debug("rounds of fragment %d from %s: %s", p, donor[-8:], e)
             return None

@@ -22,7 +22,8 @@ from p2pdiloco.net.state.heads import Head
 log = logging.getLogger(__name__)
 
 STATE_TIMEOUT_S = 3.0  # seconds of a state download's deadline, plus its size over MIN_RATE
-MIN_RATE = 256 * 1024  # bytes/s: the slowest donor link a download waits for
+MIN_RATE = 256 * 1024  # bytes/s: the donor rate a download's first deadline assumes; ...
+SLOW_DONOR_RATE = 16 * 1024  # ... a donor measured slower, but at least this fast, gets the time its rate needs
 FIRST_REPLY_S = 1.0  # seconds a holder has to begin its answer once the stream is open, before any download...
 FIRST_REPLY_FACTOR = 4.0  # ... then this many times the slowest recent download,
 FIRST_REPLY_MIN_S = 0.5  # ... but never less than this (seconds), nor more than STATE_TIMEOUT_S
@@ -51,7 +52,10 @@ class Downloads:
         at a holder picked by this node's peer ID and the fragment index (round-robin), so
         newcomers spread over donors and one newcomer spreads its fragments over them.
         ``timeout`` (seconds per holder) defaults to ``STATE_TIMEOUT_S`` + size / ``MIN_RATE``
-        (or over this node's measured link rate when slower, at most 16 x: ``LinkMeter.held_to``).
+        (or over this node's measured link rate when slower, at most 16 x: ``LinkMeter.held_to``);
+        a holder whose answer arrives slower, at ``SLOW_DONOR_RATE`` or faster (measured over the
+        bytes received so far), gets the time its rate needs (``Swarm.call``'s ``min_rate``):
+        a donor on a slow link is slow, not a failure.
         ``joining``: this node is joining the swarm; the request says so (``"join"``).
         Concurrent calls for the same head share one transfer.
 
@@ -156,7 +160,8 @@ class Downloads:
         request = {"f": fragment, "join": True} if joining else {"f": fragment}  # "join": a node joining the swarm
         try:
             reply, body = await self.swarm.call(donor, "state.get", request, timeout=timeout,
-                                                max_reply=self.state_bytes(fragment), first_reply=self.first_reply_s())
+                                                max_reply=self.state_bytes(fragment), first_reply=self.first_reply_s(),
+                                                min_rate=SLOW_DONOR_RATE)
         except ReplyTooLarge as e:  # an honest holder answers with exactly the state's bytes
             self.swarm.ban(donor, f"state answer for fragment {fragment} of the wrong size ({e})")
             raise StateSyncError(f"malformed state from {donor[-8:]}: {e}") from None

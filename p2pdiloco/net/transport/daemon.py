@@ -190,6 +190,37 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
     return p2p
 
 
+# hivemind's ControlClient keeps its persistent connection to p2pd in two tasks that nothing
+# awaits (hivemind 1.1.12, p2p_daemon_bindings/control.py): when p2pd dies they end with the
+# connection's error, which asyncio logs with a traceback once the tasks are collected
+_CONTROL_CONN_TASKS = ("ControlClient._read_from_persistent_conn", "ControlClient._write_to_persistent_conn")
+
+
+def quiet_dead_daemon_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Have ``loop`` drop the "Task exception was never retrieved" report of a dead daemon's
+    control-connection tasks (``_CONTROL_CONN_TASKS``, a ConnectionError or a closed transport's
+    RuntimeError: the death is already handled and said in one line by the node); every other
+    report goes to the handler set before (or asyncio's default). Call once the daemon died;
+    calling it again does nothing."""
+    previous = loop.get_exception_handler()
+    if getattr(previous, "quiets_dead_daemons", False):
+        return
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        task = context.get("future")
+        name = getattr(task.get_coro(), "__qualname__", "") if isinstance(task, asyncio.Task) else ""
+        if name in _CONTROL_CONN_TASKS and isinstance(context.get("exception"), (ConnectionError, RuntimeError)):
+            log.debug("the dead daemon's %s ended: %s", name, context.get("exception"))
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handler.quiets_dead_daemons = True  # type: ignore[attr-defined]
+    loop.set_exception_handler(handler)
+
+
 OWNER_ONLY = 0o077  # umask while the sockets are created: no permission for group and others
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -104,15 +105,17 @@ async def read_header(reader: asyncio.StreamReader, *, length: bytes | None = No
     return header, n
 
 
-async def read_payload(reader: asyncio.StreamReader, n: int) -> bytes | bytearray:
-    """Read exactly ``n`` bytes in pieces of at most ``CHUNK_BYTES``. No deadline of its own.
+async def read_payload(reader: asyncio.StreamReader, n: int,
+                       progress: Callable[[int, int], None] | None = None) -> bytes | bytearray:
+    """Read exactly ``n`` bytes in pieces of at most ``CHUNK_BYTES``. No deadline of its own;
+    ``progress(received, n)`` is called after each piece (bytes so far, bytes in all).
     A payload over one piece is written into one ``bytearray`` of ``n`` bytes as it arrives, so
     it is held once (plus one piece), never as pieces and their join (a model's state: docs/operating.md, "Memory").
 
     Raises:
         asyncio.IncompleteReadError: the stream ended first.
     """
-    if n <= CHUNK_BYTES:
+    if n <= CHUNK_BYTES and progress is None:
         return await reader.readexactly(n) if n else b""
     out = bytearray(n)
     view, got = memoryview(out), 0
@@ -120,6 +123,8 @@ async def read_payload(reader: asyncio.StreamReader, n: int) -> bytes | bytearra
         piece = await reader.readexactly(min(n - got, CHUNK_BYTES))
         view[got:got + len(piece)] = piece
         got += len(piece)
+        if progress is not None:
+            progress(got, n)
     return out
 
 

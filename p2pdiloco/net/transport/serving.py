@@ -107,6 +107,14 @@ class Server:
         await self._p2p.add_binary_stream_handler(sessions.RPC, self._serve_session)
         await self.add_handler(sessions.PING, self._ping)
 
+    async def rebind(self, p2p: Any) -> None:
+        """Serve on ``p2p``, a daemon started again after the previous one died
+        (``Swarm.restart``): sessions, and every handler added so far, with its limits."""
+        self._p2p = p2p
+        await p2p.add_binary_stream_handler(sessions.RPC, self._serve_session)
+        for name, (handler, max_payload) in list(self._handlers.items()):
+            await self.add_handler(name, handler, max_payload=max_payload)
+
     @staticmethod
     async def _ping(peer: str, header: Header, payload: bytes) -> tuple[Header, bytes]:
         return {}, b""

@@ -61,7 +61,8 @@ from p2pdiloco.net.transport.framing import (  # noqa: F401  (frame, read_header
 )
 from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.net.transport import sessions
-from p2pdiloco.net.transport.daemon import identity_in_use, private_sockets, rejoin_dht, start_daemon, start_dht
+from p2pdiloco.net.transport.daemon import (identity_in_use, private_sockets, quiet_dead_daemon_tasks, rejoin_dht,
+                                            start_daemon, start_dht)
 from p2pdiloco.net.transport.drops import DropLedger, TrafficStats, record_kind
 from p2pdiloco.net.transport.framing import short_error as _short
 from p2pdiloco.net.transport.reachability import RPC as DIALBACK
@@ -119,6 +120,8 @@ class Swarm:
         self.stats = TrafficStats()
         self.reach = Reachability()  # how peers can dial us (start() sets its mode and checks)
         self.started_at, self.initial_peers = time.time(), []  # start() sets the peers it joined through
+        self.restarts = 0  # times p2pd was started again under this peer (restart)
+        self._daemon_args: dict[str, Any] = {}  # how start() started p2pd and the DHT (restart does it again)
 
     def ban(self, peer: str, reason: str) -> None:
         """Exclude ``peer`` for the rest of the run (logged once)."""
@@ -201,6 +204,9 @@ class Swarm:
             await swarm.add_handler("trust.hello", swarm._on_hello)
             await swarm.add_handler(DIALBACK, DialbackServer(swarm))
         swarm.reach, swarm.initial_peers = Reachability(reachability or "auto", relay), list(initial_peers)
+        swarm._daemon_args = dict(host_maddrs=list(host_maddrs), bound=_bound(host_maddrs, daemon_pid),
+                                  rest=(announce_maddrs, startup_timeout, daemon_options(reachability, relay, initial_peers)),
+                                  bootstrap_timeout=bootstrap_timeout, strict=strict)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
         try:  # on any failure, also cancellation (Ctrl+C), the daemon must not outlive us
             if admission_key is not None:
@@ -211,6 +217,52 @@ class Swarm:
             await swarm.shutdown()
             raise
         return swarm
+
+    async def restart(self) -> None:
+        """Start p2pd again under this running peer after it died (killed, crashed, OOM): the
+        same identity, so the same peer ID; the listen addresses it had (a TCP port picked at
+        start, port 0, is asked for again, so that peers' address books stay right), its
+        announce addresses and options; a new DHT node joins through the initial peers; every
+        handler served before serves again (``Server.rebind``). Sessions and streams of the
+        dead daemon are closed (their calls fail as on a lost connection); the DHT records this
+        node held for others are gone (their owners store them again).
+
+        Raises:
+            NetworkError: the daemon did not start, or none of the initial peers answered; the
+                transport stays down (the caller ends the node).
+        """
+        args = self._daemon_args
+        quiet_dead_daemon_tasks(asyncio.get_running_loop())
+        for session in list(self._sessions.values()):
+            session.close()
+        for task in list(self._opening.values()):
+            task.cancel()
+        await self.server.close()
+        if self._clock_task is not None:
+            self._clock_task.cancel()
+        for old in (self._dht.shutdown(), self._p2p.shutdown()):  # the daemon is gone: each fails or returns at once
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(old, 2.0)
+        with private_sockets():
+            start = (self.identity, self.initial_peers)
+            try:
+                p2p, pid = await start_daemon(*start, args["bound"], *args["rest"])
+            except NetworkError:  # the port it had is taken meanwhile: any port, as at the start
+                if args["bound"] == args["host_maddrs"]:
+                    raise
+                p2p, pid = await start_daemon(*start, args["host_maddrs"], *args["rest"])
+            try:
+                dht = await start_dht(p2p, self.initial_peers, args["bootstrap_timeout"], self.records,
+                                      strict=args["strict"])
+                if p2p.peer_id.to_base58() != self.peer_id:
+                    raise NetworkError(f"p2pd restarted as {p2p.peer_id.to_base58()}, not as {self.peer_id}")
+                await self.server.rebind(p2p)
+            except BaseException:
+                await p2p.shutdown()
+                raise
+        self._p2p, self._dht, self.daemon_pid = p2p, dht, pid
+        self._clock_task = asyncio.create_task(swarm_clock.watch(self.clock, p2p))
+        self.restarts += 1
 
     async def rejoin(self) -> int:
         """Dial the initial peers again, back into the DHT (``daemon.rejoin_dht``); how many answered."""
@@ -411,7 +463,7 @@ class Swarm:
 
     async def call(
         self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float,
-        max_reply: int = DEFAULT_MAX_REPLY, first_reply: float | None = None,
+        max_reply: int = DEFAULT_MAX_REPLY, first_reply: float | None = None, min_rate: float | None = None,
     ) -> tuple[Header, bytes]:
         """Call RPC ``name`` on ``peer_id`` and return its (header, payload).
 
@@ -429,10 +481,14 @@ class Swarm:
                 writing on a session, to the reply's header; None: no separate limit. A handler
                 that answers from memory answers its header about one round trip after the
                 request, so a staller is caught well before a large payload's deadline.
+            min_rate: bytes/s; when given, a reply payload that arrives (on a stream of its
+                own) at least this fast, measured over the bytes received so far, gets the time
+                its rate needs (``stretched_deadline``): a slow peer is slow, not a failure.
 
         Raises:
             PeerSilent: no reply header within ``first_reply`` seconds (a PeerTimeout).
-            PeerTimeout: no full answer within ``timeout`` seconds (a PeerUnreachable).
+            PeerTimeout: no full answer within ``timeout`` seconds, stretched by ``min_rate``
+                (a PeerUnreachable).
             PeerUnreachable: the stream could not be opened or broke.
             AccessDenied: the peer refused us (not a member of its private swarm), or its
                 answer is dropped (it is not a member of ours).
@@ -449,14 +505,15 @@ class Swarm:
             self.stats.calls_failed += 1
             raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as deadline:
                 small = len(payload) <= sessions.MAX_MESSAGE and max_reply <= sessions.MAX_MESSAGE
                 if small and (session := await self._session(peer_id)) is not None:
                     reply, body, received = await session.call(name, header, payload, max_reply=max_reply,
                                                                first_reply=first_reply)
                 else:
                     reply, body, received = await self._stream_call(peer_id, name, header, payload, max_reply,
-                                                                    first_reply)
+                                                                    first_reply, None if min_rate is None else
+                                                                    (deadline, min_rate))
         except (ProtocolError, PeerUnreachable):
             self.stats.calls_failed += 1
             raise
@@ -484,8 +541,11 @@ class Swarm:
         return reply, body
 
     async def _stream_call(self, peer_id: str, name: str, header: Header, payload: bytes, max_reply: int,
-                           first_reply: float | None) -> tuple[Header, bytes, float]:
-        """A call on a stream of its own: (reply header, reply payload, seconds the payload took)."""
+                           first_reply: float | None, stretch: tuple[asyncio.Timeout, float] | None = None
+                           ) -> tuple[Header, bytes, float]:
+        """A call on a stream of its own: (reply header, reply payload, seconds the payload took).
+        ``stretch``: the call's deadline, moved later while the payload arrives at least at the
+        rate given (bytes/s; ``stretched_deadline``)."""
         writer: asyncio.StreamWriter | None = None
         sending: asyncio.Task | None = None
         try:
@@ -503,7 +563,15 @@ class Swarm:
                 self.drop(peer_id, "reply_too_large")
                 raise ReplyTooLarge(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of {max_reply}")
             # a short duration, not a deadline: perf_counter (the loop's clock has 1 ms steps on uvloop)
-            t0, body = time.perf_counter(), await read_payload(reader, n)
+            t0, loop = time.perf_counter(), asyncio.get_running_loop()
+
+            def progress(got: int, total: int) -> None:
+                if stretch is not None and (when := stretch[0].when()) is not None:
+                    later = stretched_deadline(got, total, time.perf_counter() - t0, stretch[1])
+                    if later is not None and loop.time() + later > when:
+                        stretch[0].reschedule(loop.time() + later)
+
+            body = await read_payload(reader, n, progress if stretch is not None else None)
             return reply, body, time.perf_counter() - t0
         finally:
             if sending is not None:
@@ -548,3 +616,35 @@ class Swarm:
                     if daemon.status() == psutil.STATUS_ZOMBIE:
                         break
                     await asyncio.sleep(0.02)
+
+
+def _bound(host_maddrs: Sequence[str], daemon_pid: int | None) -> list[str]:
+    """``host_maddrs`` with a TCP port 0 (any) replaced by the port p2pd listens on, read from
+    the process's sockets (the first listening TCP port; unchanged when it cannot be read)."""
+    ports: list[int] = []
+    with contextlib.suppress(psutil.Error):
+        if daemon_pid is not None:
+            ports = sorted({c.laddr.port for c in psutil.Process(daemon_pid).net_connections("tcp")
+                            if c.status == psutil.CONN_LISTEN})
+    if not ports:
+        return list(host_maddrs)
+    return [m.replace("/tcp/0", f"/tcp/{ports[0]}") if m.endswith("/tcp/0") else m for m in host_maddrs]
+
+
+RATE_SLACK = 1.5  # a payload arriving at a measured rate gets this many times the time that rate needs, ...
+RATE_GRACE_S = 5.0  # ... plus these seconds (a link's rate varies: TCP slow start, a burst of other traffic)
+RATE_SAMPLE_BYTES = 64 << 10  # the rate is measured once this much of the payload arrived
+
+
+def stretched_deadline(got: int, total: int, seconds: float, min_rate: float) -> float | None:
+    """Seconds from now that a payload of ``total`` bytes, of which ``got`` arrived in
+    ``seconds``, may still take: the rest at the rate measured so far, times ``RATE_SLACK``,
+    plus ``RATE_GRACE_S``; None (no more time than the call's own deadline) while fewer than
+    ``RATE_SAMPLE_BYTES`` arrived or when that rate is under ``min_rate`` bytes/s (a peer that
+    trickles its answer to hold us is held to the call's deadline)."""
+    if got < min(total, RATE_SAMPLE_BYTES) or seconds <= 0:
+        return None
+    rate = got / seconds
+    if rate < min_rate:
+        return None
+    return (total - got) / rate * RATE_SLACK + RATE_GRACE_S
