@@ -18,7 +18,7 @@ held-out loss) is then run on the reporting seeds, which no choice saw. Systems:
 Held-out loss (nats per byte) of the final global state, on the same held-out batches for
 every system (those of learner 0's setup of the L-learner runs).
 
-Usage: python -m bench.tuning [--tune-seeds 10] [--seeds 1 2 3] [--steps 1000] [--sync-every 20]
+Usage: python -m bench.tuning [--tune-seeds 10] [--seeds 1 2 3] [--steps 2000] [--sync-every 20]
 Writes docs/benchmarks/tuning.{md,json}.
 """
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--systems", nargs="+", default=list(GRIDS), choices=list(GRIDS))
     ap.add_argument("--tune-seeds", type=int, nargs="+", default=[10])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="reporting seeds")
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--sync-every", type=int, default=20)
     ap.add_argument("--phase", choices=["tune", "report"], default="tune",
                     help="tune: the grids on the tuning seeds (writes tuning_grid.json); report: each system's "
