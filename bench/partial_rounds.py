@@ -20,8 +20,16 @@ the fragment state's ledger and the round's tokens and schedule position, with
 ``span_fraction`` in the first period). The merge is ``merge_pseudo_gradients`` with the
 token weights, the outer step ``nesterov_outer_step``: the code the nodes run.
 
+``--straggler``: 2 learners merged as the nodes merge (``Replica.node_round``: the reducers'
+``robust_merge``, each tensor by its reducer with its own Δ as the reference, then
+``apply_round``), ``merged`` every period or with the second learner skipping every third
+period (the first merges alone, the second follows with its progress rebased and brings two
+periods of it to the next round), under the outer rules of ``--rules`` (OUTER_RULES: the
+nodes' default, Delayed Nesterov's period carry, CGAD's age gate on each Δ).
+
 Usage: python -m bench.partial_rounds [--learners 2 4] [--seeds 0 1 2] [--steps 2000]
-Writes docs/benchmarks/partial_rounds.{md,json}.
+       python -m bench.partial_rounds --straggler [--seeds 0 1 2] [--steps 1000] [--rules fraction ...]
+Writes docs/benchmarks/partial_rounds.{md,json} (--straggler: partial_rounds_straggler.{md,json}).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import Doc, fmt, replica_main, verdict
+from bench.common import Doc, fmt, params, replica_main, verdict
 from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.fragments import assign_parts
@@ -217,16 +225,20 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=100)
     ap.add_argument("--straggler", action="store_true",
                     help="the straggler scenario instead (2 learners; docs/benchmarks/partial_rounds_straggler.md)")
-    ap.add_argument("--rules", nargs="+", default=list(OUTER_RULES), choices=list(OUTER_RULES),
-                    help="--straggler: the outer-step rules to compare")
-    # merged runs the same bits under every rule (f = 1 and span = 1 in each round): once, under the first
-    replica_main(ap, dispatch, lambda a: [("straggler", seed, a.steps, a.sync_every, scenario, rule)
-                                          for rule in a.rules for seed in a.seeds
-                                          for scenario in ("merged", "straggler")
-                                          if scenario == "straggler" or rule == a.rules[0]] if a.straggler else [(L, seed, a.steps, a.sync_every, scenario, rule) for L in a.learners
-                                     for seed in a.seeds for scenario, rule in
-                                     [("merged", "full"), *((s, r) for s in ("split", "alone") for r in RULES)]],
+    ap.add_argument("--rules", nargs="+", default=["fraction", "period-carry", "age-gate"], choices=list(OUTER_RULES),
+                    help="--straggler: the outer-step rules to compare (the first is the nodes' own)")
+    replica_main(ap, dispatch, make_runs,
                  lambda results, a, m, seconds: (report_straggler if a.straggler else report)(results, a, m, seconds))
+
+
+def make_runs(a: argparse.Namespace) -> list[tuple]:
+    """The runs' arguments for ``dispatch``. ``merged`` computes the same bits under every
+    straggler rule (f = 1 and span = 1 in each of its rounds): run once, under the first."""
+    if a.straggler:
+        return [("straggler", seed, a.steps, a.sync_every, scenario, rule) for rule in a.rules for seed in a.seeds
+                for scenario in ("merged", "straggler") if scenario == "straggler" or rule == a.rules[0]]
+    return [(L, seed, a.steps, a.sync_every, scenario, rule) for L in a.learners for seed in a.seeds
+            for scenario, rule in [("merged", "full"), *((s, r) for s in ("split", "alone") for r in RULES)]]
 
 
 def dispatch(kind: Any, *args: Any) -> dict[str, Any]:
@@ -293,8 +305,10 @@ def report_straggler(results: list[dict[str, Any]], a: argparse.Namespace, m: di
               f"--sync-every {a.sync_every} --rules {' '.join(rules)}")
     doc.intro = [run_straggler.__doc__.split("\n\n")[0].replace("\n    ", "\n"), "",
                  f"{a.steps} inner steps per learner ({a.steps // a.sync_every} periods), H = {a.sync_every}, "
-                 f"outer lr {MODEL['outer.lr']}, momentum {MODEL['outer.momentum']}, one fragment, model 1 layer x 64 "
-                 f"(70k parameters); seeds {seeds}; held-out loss of the final global state, nats per byte."]
+                 f"outer lr {MODEL['outer.lr']}, momentum {MODEL['outer.momentum']}, one fragment, model "
+                 f"{MODEL['model.n_layer']} layer x {MODEL['model.n_embd']} wide ("
+                 f"{params({k: v for k, v in MODEL.items() if k.startswith('model.')}):,} parameters); seeds {seeds}; "
+                 "held-out loss of the final global state, nats per byte."]
     rows, checks = [], []
     for rule in rules:
         base, lag = pick("merged", rule) or pick("merged", rules[0]), pick("straggler", rule)
@@ -307,7 +321,8 @@ def report_straggler(results: list[dict[str, Any]], a: argparse.Namespace, m: di
     doc.table(["outer rule", "merged: held-out", "straggler: held-out",
                "straggler vs merged (per seed)", "(mean)", "straggler: outer steps per period"], rows,
               "Held-out loss at the end (mean over seeds; per seed: straggler against merged of the same seed and rule)")
-    doc.text("Target (issue: stragglers and stale progress): " + "; ".join(f"{n}: {verdict(ok)}" for n, ok in checks) + ".")
+    doc.text("Target (issue: stragglers and stale progress): "
+             + "; ".join(f"{n}: {verdict(ok)}" for n, ok in checks) + ".")
     path = doc.write(m, seconds, {"results": results, "seconds": seconds})
     print(path.read_text())
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from bench.common import DOCS, Doc, fmt, replica_main
+from bench.common import DOCS, Doc, fmt, params, replica_main
 from bench.partial_rounds import MODEL, Replica
 from p2pdiloco.data import evaluate
 
@@ -119,7 +119,8 @@ def make_runs(a: argparse.Namespace) -> list[tuple]:
 
 def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, Any], seconds: float) -> None:
     setup = {"learners": LEARNERS, "steps": a.steps, "sync_every": a.sync_every, "outer_steps": a.steps // a.sync_every,
-             "model": {"parameters": 70_000, "layers": int(MODEL["model.n_layer"]), "width": int(MODEL["model.n_embd"]),
+             "model": {"parameters": params({k: v for k, v in MODEL.items() if k.startswith("model.")}),
+                       "layers": int(MODEL["model.n_layer"]), "width": int(MODEL["model.n_embd"]),
                        "batch": f"{MODEL['data.batch_size']} x {MODEL['model.block_size']} tokens per learner step"}}
     if a.phase == "tune":
         (DOCS / "tuning_grid.json").write_text(json.dumps({"machine": m, "seconds": seconds, "setup": setup,
@@ -135,7 +136,8 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, An
     paragraphs = __doc__.split("\n\n")
     doc.intro = [paragraphs[1], "", paragraphs[2].replace("* ", "- "), "", paragraphs[3], "",
                  f"{LEARNERS} learners (DDP: one learner taking both batches), model {MODEL['model.n_layer']} layer x "
-                 f"{MODEL['model.n_embd']} wide (about 70k parameters), {a.steps} inner steps per learner, H = "
+                 f"{MODEL['model.n_embd']} wide ({setup['model']['parameters']:,} parameters), {a.steps} inner steps per "
+                 f"learner, H = "
                  f"{a.sync_every} ({a.steps // a.sync_every} outer steps of the one fragment), inner warm-up "
                  f"{a.steps // 20} steps then cosine; tuning seeds {grid['tune_seeds']} ({len(GRIDS['ddp'])} trials "
                  f"per system), reporting seeds {a.seeds}. Tuning took {grid['seconds'] / 60:.1f} minutes on "

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from p2pdiloco.core.merge import (age_gate, contribution_weight, is_finite_contribution, merge_pseudo_gradients, merge_tensor,
-                                   robust_merge)
+from p2pdiloco.core.merge import (age_gate, contribution_weight, is_finite_contribution, merge_pseudo_gradients,
+                                   merge_tensor, robust_merge)
 
 t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
 

@@ -52,7 +52,9 @@ def age_gate(age: int, alpha: float, cutoff: int) -> float:
     decay of the information in a pseudo-gradient computed τ outer rounds ago and whose cosine
     gate γ(τ) = ½·(1 + cos(π·τ/cutoff)) for τ < cutoff, else 0, zeroes contributions past the
     cutoff. 1.0 at τ = 0. Here τ = span − 1: the rounds that merged the fragment while the
-    contribution's progress was made, before the one it enters (``Learner.span``).
+    contribution's progress was made, before the one it enters (``Learner.span``). Measured
+    with a straggler in ``bench.partial_rounds --straggler`` (worse than no gate there); no
+    node applies it (it would go where the reducers weigh contributions, ``net.rounds.reducer``).
     age: rounds (int >= 0); alpha: per round (>= 0, finite); cutoff: rounds (>= 1). Raises
     ValueError otherwise."""
     if age < 0 or cutoff < 1 or not (math.isfinite(alpha) and alpha >= 0):

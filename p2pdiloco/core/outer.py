@@ -287,12 +287,14 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
     ``carry="period"`` ties the momentum to the period instead of the round (Delayed Nesterov,
     Liu et al., arXiv 2401.09135, sec. 4: the momentum is updated at a fixed cadence, each
     pseudo-gradient that arrives in between is applied without it): the period's first round
-    with progress (u = 0, f > 0) decays the buffer and applies its carry whole, b ← μ·b + f·Δ; Θ ← Θ − lr·(f·(1 + μ)·Δ
-    + μ²·b_old), a later round of the same period only adds its share, b ← b + f·Δ; Θ ← Θ −
-    lr·f·(1 + μ)·Δ. The rounds of one period then make exactly DiLoCo's one step with Δ = Σ
+    with progress (u = 0, f > 0) decays the buffer and applies its carry whole, b ← μ·b + f·Δ;
+    Θ ← Θ − lr·(f·(1 + μ)·Δ + μ²·b_old), a later round of the same period only adds its share,
+    b ← b + f·Δ; Θ ← Θ − lr·f·(1 + μ)·Δ. The rounds of one period then make exactly DiLoCo's one step with Δ = Σ
     f_i·Δ_i, and a period whose rounds carry less than one step (a straggler's period, merged
     by the others alone) still moves Θ by the buffer's whole carry; a near-empty round that
-    opens a period moves Θ by that carry (what the period's step would apply anyway).
+    opens a period moves Θ by that carry (what the period's step would apply anyway). Measured
+    worse than "share" with a straggler (docs/benchmarks/partial_rounds_straggler.md): not the
+    default.
     Raises ValueError on a count/shape mismatch, lr < 0 or non-finite, μ outside [0, 1), f
     outside [0, 1] or off the grid, or an unknown ``carry``.
     """
