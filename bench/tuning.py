@@ -8,8 +8,9 @@ held-out loss) is then run on the reporting seeds, which no choice saw. Systems:
   at once (the gradient DDP averages over L workers is that of their concatenated batch);
   knob: the inner learning rate.
 * ``diloco``: synchronous DiLoCo (arXiv 2311.08105): every H inner steps the L learners'
-  pseudo-gradients are averaged with the token weights and one Nesterov outer step applied
-  (``Replica._round`` with the ``full`` rule); knobs: outer lr x outer momentum x inner lr.
+  pseudo-gradients are averaged (the plain mean, as ``bench/workers.py``'s all-reduce) and one
+  Nesterov outer step applied (``nesterov_outer_step``); knobs: outer lr x outer momentum x
+  inner lr.
 * ``p2p-int4``: p2pdiloco's rounds as the nodes run them (``Replica.node_round``): each Δ plus
   its error-feedback residual through the ``int4`` wire codec, the reducers' robust merge
   (``assign_parts``, each its own Δ as the reference), the merged fragment through the codec
@@ -35,6 +36,7 @@ import torch
 
 from bench.common import DOCS, Doc, fmt, params, replica_main
 from bench.partial_rounds import MODEL, Replica
+from p2pdiloco.core.outer import nesterov_outer_step
 from p2pdiloco.data import evaluate
 
 LEARNERS = 2
@@ -67,7 +69,11 @@ def run(system: str, seed: int, steps: int, sync_every: int, knobs: dict[str, fl
             rep.step()
             if t % sync_every == 0:
                 if system == "diloco":
-                    rep.sync("together", "full")
+                    deltas = [s.learner.pseudo_gradient(0) for s in rep.setups]
+                    new = nesterov_outer_step(rep.global_state, [sum(ts) / len(ts) for ts in zip(*deltas)],
+                                              rep.out.lr, rep.out.momentum)
+                    for s in rep.setups:
+                        s.learner.install(new)
                 else:
                     rep.node_round(list(range(LEARNERS)))
         model = rep.setups[0].global_model([rep.global_state])
