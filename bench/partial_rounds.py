@@ -227,6 +227,7 @@ def main() -> None:
                     help="the straggler scenario instead (2 learners; docs/benchmarks/partial_rounds_straggler.md)")
     ap.add_argument("--rules", nargs="+", default=["fraction", "period-carry", "age-gate"], choices=list(OUTER_RULES),
                     help="--straggler: the outer-step rules to compare (the first is the nodes' own)")
+    ap.add_argument("--doc", default="partial_rounds_straggler", help="--straggler: name of the files written")
     replica_main(ap, dispatch, make_runs,
                  lambda results, a, m, seconds: (report_straggler if a.straggler else report)(results, a, m, seconds))
 
@@ -300,9 +301,10 @@ def report_straggler(results: list[dict[str, Any]], a: argparse.Namespace, m: di
     def pick(scenario: str, rule: str) -> dict[int, dict[str, Any]]:
         return {r["seed"]: r for r in results if r["scenario"] == scenario and r["rule"] == rule}
 
-    doc = Doc("partial_rounds_straggler", "Partial rounds: a straggler's progress merged a period late",
+    doc = Doc(a.doc, "Partial rounds: a straggler's progress merged a period late",
               f"python -m bench.partial_rounds --straggler --seeds {' '.join(map(str, seeds))} --steps {a.steps} "
-              f"--sync-every {a.sync_every} --rules {' '.join(rules)}")
+              f"--sync-every {a.sync_every} --rules {' '.join(rules)}"
+              + (f" --doc {a.doc}" if a.doc != "partial_rounds_straggler" else ""))
     doc.intro = [run_straggler.__doc__.split("\n\n")[0].replace("\n    ", "\n"), "",
                  f"{a.steps} inner steps per learner ({a.steps // a.sync_every} periods), H = {a.sync_every}, "
                  f"outer lr {MODEL['outer.lr']}, momentum {MODEL['outer.momentum']}, one fragment, model "
