@@ -198,12 +198,13 @@ def run(learners: int, seed: int, steps: int, sync_every: int, scenario: str, ru
     return out
 
 
-def run_straggler(seed: int, steps: int, sync_every: int, scenario: str, rule: str) -> dict[str, Any]:
+def run_straggler(seed: int, steps: int, sync_every: int, scenario: str, rule: str,
+                  momentum: float = float(MODEL["outer.momentum"])) -> dict[str, Any]:
     """2 learners as the nodes merge (``Replica.node_round``): ``merged`` (every period both
     together) or ``straggler`` (the second skips every SKIP_EVERY-th period: the first merges
     alone and the second follows it with its progress rebased, bringing two periods of
     progress to the next round)."""
-    rep = Replica(2, seed, steps, sync_every)
+    rep = Replica(2, seed, steps, sync_every, {"outer.momentum": f"{momentum:g}"})
     t0 = time.monotonic()
     for t in range(1, steps + 1):
         rep.step()
@@ -228,6 +229,8 @@ def main() -> None:
     ap.add_argument("--rules", nargs="+", default=["fraction", "period-carry", "age-gate"], choices=list(OUTER_RULES),
                     help="--straggler: the outer-step rules to compare (the first is the nodes' own)")
     ap.add_argument("--doc", default="partial_rounds_straggler", help="--straggler: name of the files written")
+    ap.add_argument("--outer-momentum", type=float, default=float(MODEL["outer.momentum"]),
+                    help="--straggler: the outer momentum μ (outer lr stays MODEL's)")
     replica_main(ap, dispatch, make_runs,
                  lambda results, a, m, seconds: (report_straggler if a.straggler else report)(results, a, m, seconds))
 
@@ -236,7 +239,8 @@ def make_runs(a: argparse.Namespace) -> list[tuple]:
     """The runs' arguments for ``dispatch``. ``merged`` computes the same bits under every
     straggler rule (f = 1 and span = 1 in each of its rounds): run once, under the first."""
     if a.straggler:
-        return [("straggler", seed, a.steps, a.sync_every, scenario, rule) for rule in a.rules for seed in a.seeds
+        return [("straggler", seed, a.steps, a.sync_every, scenario, rule, a.outer_momentum)
+                for rule in a.rules for seed in a.seeds
                 for scenario in ("merged", "straggler") if scenario == "straggler" or rule == a.rules[0]]
     return [(L, seed, a.steps, a.sync_every, scenario, rule) for L in a.learners for seed in a.seeds
             for scenario, rule in [("merged", "full"), *((s, r) for s in ("split", "alone") for r in RULES)]]
@@ -304,10 +308,11 @@ def report_straggler(results: list[dict[str, Any]], a: argparse.Namespace, m: di
     doc = Doc(a.doc, "Partial rounds: a straggler's progress merged a period late",
               f"python -m bench.partial_rounds --straggler --seeds {' '.join(map(str, seeds))} --steps {a.steps} "
               f"--sync-every {a.sync_every} --rules {' '.join(rules)}"
+              + (f" --outer-momentum {a.outer_momentum:g}" if a.outer_momentum != float(MODEL["outer.momentum"]) else "")
               + (f" --doc {a.doc}" if a.doc != "partial_rounds_straggler" else ""))
     doc.intro = [run_straggler.__doc__.split("\n\n")[0].replace("\n    ", "\n"), "",
                  f"{a.steps} inner steps per learner ({a.steps // a.sync_every} periods), H = {a.sync_every}, "
-                 f"outer lr {MODEL['outer.lr']}, momentum {MODEL['outer.momentum']}, one fragment, model "
+                 f"outer lr {MODEL['outer.lr']}, momentum {a.outer_momentum:g}, one fragment, model "
                  f"{MODEL['model.n_layer']} layer x {MODEL['model.n_embd']} wide ("
                  f"{params({k: v for k, v in MODEL.items() if k.startswith('model.')}):,} parameters); seeds {seeds}; "
                  "held-out loss of the final global state, nats per byte."]
