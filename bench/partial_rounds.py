@@ -128,10 +128,10 @@ class Replica:
                 sent = with_error_feedback(deltas[k], self.residual[i])
                 deltas[k] = wire.decode(wire.encode(sent, self.codec), shapes, self.codec)
                 self.residual[i] = [a - b for a, b in zip(sent, deltas[k])]
-        merged = dict(enumerate(deltas[0]))
         kwargs = dict(OUTER_RULES[rule])
         if (gate := kwargs.pop("age_gate", None)) is not None:
             deltas = [[t * age_gate(span - 1, *gate) for t in d] for d, (_, _, span) in zip(deltas, counters)]
+        merged = dict(enumerate(deltas[0]))
         if kwargs.pop("merge", "robust") == "plain":
             merged = dict(enumerate(merge_pseudo_gradients(
                 deltas, [contribution_weight(t, s) for t, s, _ in counters], self.mask)))
