@@ -156,6 +156,15 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, An
                          fmt(statistics.mean(vals), 4), "**chosen**" if key(k) == key(best(grid["results"], s)) else ""])
     doc.table(["system", "outer lr", "outer momentum", "inner lr", "held-out (tuning seeds)", ""], rows,
               "The grid, on the tuning seeds (not reported below)")
+    edges = []
+    for s in a.systems:
+        chosen = best(grid["results"], s)
+        at = [k for k, v in chosen.items() if len({g[k] for g in GRIDS[s]}) > 1
+              and v in (min(g[k] for g in GRIDS[s]), max(g[k] for g in GRIDS[s]))]
+        if at:
+            edges.append(f"{s} ({', '.join(at)})")
+    if edges:
+        doc.text("Chosen at the edge of its grid, so a wider grid may find a better setting: " + "; ".join(edges) + ".")
     by = {s: [r for r in results if r["system"] == s] for s in a.systems}
     ddp = {r["seed"]: r["heldout"] for r in by.get("ddp", [])}
     dil = {r["seed"]: r["heldout"] for r in by.get("diloco", [])}
@@ -174,7 +183,7 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace, m: dict[str, An
     doc.table(["system", "chosen setting", "held-out (mean)", "sd", "vs DDP (mean; per seed)",
                "vs sync DiLoCo (mean; per seed)"], rows, f"Each system at its chosen setting, reporting seeds {a.seeds}")
     path = doc.write(m, seconds, {"setup": setup, "grid": grid["results"], "tune_seeds": grid["tune_seeds"],
-                                  "seeds": a.seeds, "results": results})
+                                  "seeds": a.seeds, "results": results, "seconds": seconds})
     print(path.read_text())
 
 
