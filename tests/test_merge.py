@@ -3,10 +3,22 @@ import math
 import pytest
 import torch
 
-from p2pdiloco.core.merge import (contribution_weight, is_finite_contribution, merge_pseudo_gradients, merge_tensor,
-                                   robust_merge)
+from p2pdiloco.core.merge import (age_gate, contribution_weight, is_finite_contribution, merge_pseudo_gradients,
+                                   merge_tensor, robust_merge)
 
 t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+
+
+def test_age_gate_hand_numbers():
+    """σ(τ) = ½·(1 + cos(π·τ/cutoff))·e^(−ατ) (arXiv 2605.09126): α 0, cutoff 2: σ(0) = 1,
+    σ(1) = ½·(1 + cos(π/2)) = 0.5, σ(2) = 0 (at the cutoff); α ln 2, cutoff 3: σ(1) = ½·(1 + ½)·½
+    = 0.375."""
+    assert age_gate(0, 0.0, 2) == 1.0 and age_gate(0, 3.0, 1) == 1.0
+    assert age_gate(1, 0.0, 2) == pytest.approx(0.5, abs=1e-15) and age_gate(2, 0.0, 2) == 0.0
+    assert age_gate(1, math.log(2), 3) == pytest.approx(0.375, abs=1e-15)
+    for bad in ((-1, 0.5, 8), (1, -0.1, 8), (1, math.inf, 8), (1, 0.5, 0)):
+        with pytest.raises(ValueError):
+            age_gate(*bad)
 
 
 def test_contribution_weight():

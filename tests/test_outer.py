@@ -95,6 +95,41 @@ def test_second_round_of_a_period_uses_what_is_left_of_the_buffer_hand_numbers()
     assert torch.equal(new_period.theta[0], first.theta[0]) and torch.equal(new_period.momentum[0], first.momentum[0])
 
 
+def test_period_carry_hand_numbers():
+    """carry="period" (Delayed Nesterov, arXiv 2401.09135). The period's first round, Θ = [1, 2],
+    b = [0.5, −1], Δ = [0.2, 0.4], lr 0.5, μ 0.9, f = 0.5: b' = 0.9·b + 0.5·Δ = [0.55, −0.7];
+    f·(1 + μ)·Δ + μ²·b = [0.19, 0.38] + [0.405, −0.81] = [0.595, −0.43]; Θ' = Θ − 0.5·(…) =
+    [0.7025, 2.215]. A later round of the same period (u = 512/1024 applied), μ 0.5: b' = b + 0.5·Δ
+    = [0.6, −0.8]; Θ' = Θ − 0.5·(0.5·1.5·Δ) = [0.925, 1.85]. f = 1 and f = 0 are as under "share"."""
+    s = FragmentState.create(0, 3, [torch.tensor([1.0, 2.0])], [torch.tensor([0.5, -1.0])])
+    d = [torch.tensor([0.2, 0.4])]
+    n = nesterov_outer_step(s, d, lr=0.5, momentum=0.9, fraction=0.5, carry="period")
+    assert torch.allclose(n.momentum[0], torch.tensor([0.55, -0.7]), atol=1e-7)
+    assert torch.allclose(n.theta[0], torch.tensor([0.7025, 2.215]), atol=1e-6)
+    mid = FragmentState.create(0, 3, s.theta, s.momentum, Ledger(100, 10, 20.0, 512, 10))
+    n = nesterov_outer_step(mid, d, 0.5, 0.5, 0.5, Ledger(100, 20, 20.0, 1024, 20), carry="period")
+    assert torch.allclose(n.momentum[0], torch.tensor([0.6, -0.8]), atol=1e-7)
+    assert torch.allclose(n.theta[0], torch.tensor([0.925, 1.85]), atol=1e-6)
+    for f in (0.0, 1.0):
+        period, share = (nesterov_outer_step(s, d, 0.5, 0.9, f, carry=c) for c in ("period", "share"))
+        assert period.digest == share.digest
+    with pytest.raises(ValueError, match="carry"):
+        nesterov_outer_step(s, d, 0.5, 0.9, 0.5, carry="rounds")
+
+
+def test_period_carry_rounds_of_a_period_make_exactly_one_step():
+    """Under carry="period" two half rounds with Δ1 then Δ2 (the second continuing the first's
+    ledger) give DiLoCo's one step with Δ = ½·Δ1 + ½·Δ2, to fp32 rounding."""
+    g = torch.Generator().manual_seed(3)
+    th, b, d1, d2 = (torch.randn(6, generator=g) for _ in range(4))
+    s = FragmentState.create(0, 1, [th], [b], Ledger(0, 10, 10.0, 1024, 10))
+    half = nesterov_outer_step(s, [d1], 0.7, 0.9, 0.5, Ledger(100, 5, 10.0, 512, 15), carry="period")
+    two = nesterov_outer_step(half, [d2], 0.7, 0.9, 0.5, Ledger(100, 10, 10.0, 1024, 20), carry="period")
+    one = nesterov_outer_step(s, [d1 * 0.5 + d2 * 0.5], 0.7, 0.9)
+    assert torch.allclose(two.theta[0], one.theta[0], atol=1e-6)
+    assert torch.allclose(two.momentum[0], one.momentum[0], atol=1e-6)
+
+
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
 def test_k_rounds_of_one_kth_move_like_one_full_round_per_period(k):
     """I9 in steady state: with a constant Δ, a period merged as one round and a period merged

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .choices import DEFAULT_OUTLIER_FACTOR, OUTLIER_POLICIES
 
-__all__ = ["contribution_weight", "merge_tensor", "merge_pseudo_gradients", "is_finite_contribution",
+__all__ = ["age_gate", "contribution_weight", "merge_tensor", "merge_pseudo_gradients", "is_finite_contribution",
            "robust_merge", "RobustMerge", "OUTLIER_POLICIES", "DEFAULT_OUTLIER_FACTOR", "FULL_TRUST_COSINE"]
 
 DIRECTION_MARGIN = 0.1  # cosine below -max(this, 3/sqrt(numel)) against the median direction: misaligned
@@ -44,6 +44,24 @@ def contribution_weight(tokens: int, steps: int) -> float:
     if tokens < 0 or steps < 0:
         raise ValueError(f"tokens and steps must be >= 0, got tokens={tokens} steps={steps}")
     return 0.0 if steps == 0 else float(tokens) ** 2 / steps
+
+
+def age_gate(age: int, alpha: float, cutoff: int) -> float:
+    """The factor σ(τ) = γ(τ)·e^(−ατ) by which a contribution of age τ enters the outer step:
+    Cosine-Gated Adam-Decay (Shah and Sun, arXiv 2605.09126), whose exponential models the
+    decay of the information in a pseudo-gradient computed τ outer rounds ago and whose cosine
+    gate γ(τ) = ½·(1 + cos(π·τ/cutoff)) for τ < cutoff, else 0, zeroes contributions past the
+    cutoff. 1.0 at τ = 0. Here τ = span − 1: the rounds that merged the fragment while the
+    contribution's progress was made, before the one it enters (``Learner.span``). Measured
+    with a straggler in ``bench.partial_rounds --straggler`` (worse than no gate there); no
+    node applies it (it would go where the reducers weigh contributions, ``net.rounds.reducer``).
+    age: rounds (int >= 0); alpha: per round (>= 0, finite); cutoff: rounds (>= 1). Raises
+    ValueError otherwise."""
+    if age < 0 or cutoff < 1 or not (math.isfinite(alpha) and alpha >= 0):
+        raise ValueError(f"age gate needs age >= 0, cutoff >= 1, alpha >= 0: got {age}, {cutoff}, {alpha}")
+    if age >= cutoff:
+        return 0.0
+    return 0.5 * (1.0 + math.cos(math.pi * age / cutoff)) * math.exp(-alpha * age)
 
 
 def is_finite_contribution(tensors: Iterable[Tensor]) -> bool:

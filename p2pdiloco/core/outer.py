@@ -170,6 +170,11 @@ class FragmentState:
 
 
 OUTER_STEP_RULE = "nesterov-fractional-5"  # changes when the outer step or its fraction changes (protocol tag)
+# How a round for a fraction f < 1 of a period applies the outer momentum (nesterov_outer_step):
+# "share": the buffer's decay and carry μ²·b in proportion to f, "period": whole, at the
+# period's first round, none at its later rounds (Delayed Nesterov, arXiv 2401.09135).
+CARRY_RULES = ("share", "period")
+OUTER_CARRY = "share"
 
 
 def _units(f: float, any_progress: bool) -> int:
@@ -267,7 +272,7 @@ def span_fraction(counters: Sequence[tuple[int, int, int]], sync_every: int) -> 
 
 
 def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: float, momentum: float,
-                        fraction: float = 1.0, ledger: Ledger | None = None) -> FragmentState:
+                        fraction: float = 1.0, ledger: Ledger | None = None, carry: str = OUTER_CARRY) -> FragmentState:
     """Apply the outer step for a fraction f of a period with the merged pseudo-gradient Δ;
     returns the next version, carrying ``ledger`` (default: the state's own).
 
@@ -294,14 +299,29 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
     (arXiv 2311.08105) outer Nesterov, kept per fragment by Decoupled DiLoCo (arXiv
     2604.21428); the split of one step over a period's rounds is this project's
     (docs/architecture.md "Partial rounds").
+
+    ``carry="period"`` ties the momentum to the period instead of the round (Delayed Nesterov,
+    Liu et al., arXiv 2401.09135, sec. 4: the momentum is updated at a fixed cadence, each
+    pseudo-gradient that arrives in between is applied without it): the period's first round
+    with progress (u = 0, f > 0) decays the buffer and applies its carry whole, b ← μ·b + f·Δ;
+    Θ ← Θ − lr·(f·(1 + μ)·Δ + μ²·b_old), a later round of the same period only adds its share,
+    b ← b + f·Δ; Θ ← Θ − lr·f·(1 + μ)·Δ. The rounds of one period then make exactly DiLoCo's one step with Δ = Σ
+    f_i·Δ_i, and a period whose rounds carry less than one step (a straggler's period, merged
+    by the others alone) still moves Θ by the buffer's whole carry; a near-empty round that
+    opens a period moves Θ by that carry (what the period's step would apply anyway). Measured
+    worse than "share" with a straggler (docs/benchmarks/partial_rounds_straggler.md): not the
+    default.
     Raises ValueError on a count/shape mismatch, lr < 0 or non-finite, μ outside [0, 1), f
-    outside [0, 1] or off the grid.
+    outside [0, 1] or off the grid, or an unknown ``carry``.
     """
+    if carry not in CARRY_RULES:
+        raise ValueError(f"carry must be one of {CARRY_RULES}, got {carry!r}")
     if not (math.isfinite(lr) and lr >= 0):
         raise ValueError(f"outer lr must be finite and >= 0, got {lr}")
     if len(merged) != len(state.theta):
         raise ValueError(f"{len(merged)} merged tensors for {len(state.theta)} slots")
-    keep, kick, carry = _step_scalars(state, momentum, fraction, ledger)
+    keep, kick, carry_b = _step_scalars(state, momentum, fraction, ledger, carry)
+    whole = carry == "period" and fraction != 1.0  # Θ ← Θ − lr·(f·(1 + μ)·Δ + carry_b·b_old)
     theta, buf = [], []
     for th, b, d in zip(state.theta, state.momentum, merged):
         if d.shape != th.shape:
@@ -310,18 +330,22 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
         nb = b.mul(keep).add_(d.mul(kick) if kick != 1.0 else d)  # b ← c·b + f·Δ
         if fraction == 1.0:
             u = nb.mul(momentum).add_(d)  # Δ + μ·b' (no add(alpha=): that is fused on avx2/avx512 only)
+        elif whole:
+            u = d.mul(fraction * (1.0 + momentum)).add_(b.mul(carry_b))  # f·(1 + μ)·Δ + μ²·b_old (or + 0)
         else:
-            u = d.mul(1.0 + momentum).add_(b.mul(carry))  # (1 + μ)·Δ + (μ²/d)·b_old
-        theta.append(th.sub(u.mul_(lr * fraction)))  # Θ ← Θ − (lr·f)·u
+            u = d.mul(1.0 + momentum).add_(b.mul(carry_b))  # (1 + μ)·Δ + (μ²/d)·b_old
+        theta.append(th.sub(u.mul_(lr if whole else lr * fraction)))  # Θ ← Θ − (lr·f)·u (period: lr·u)
         buf.append(nb)
     return FragmentState._seal(state.index, state.version + 1, theta, buf, state.ledger if ledger is None else ledger)
 
 
-def _step_scalars(state: FragmentState, momentum: float, fraction: float,
-                  ledger: Ledger | None) -> tuple[float, float, float]:
-    """(c, f, μ²/d) of :func:`nesterov_outer_step`: b ← c·b + f·Δ; Θ ← Θ − (lr·f)·((1 + μ)·Δ +
-    (μ²/d)·b_old), in Python floats; (μ, 1, μ) for a whole period, DiLoCo's step. Raises
-    ValueError on μ outside [0, 1) or f outside [0, 1] or off the grid."""
+def _step_scalars(state: FragmentState, momentum: float, fraction: float, ledger: Ledger | None,
+                  carry: str = OUTER_CARRY) -> tuple[float, float, float]:
+    """(c, f, μ²/d) of :func:`nesterov_outer_step` with ``carry="share"``: b ← c·b + f·Δ;
+    Θ ← Θ − (lr·f)·((1 + μ)·Δ + (μ²/d)·b_old), in Python floats; with ``carry="period"``
+    (μ, f, μ²) for the period's first round with progress, else (1, f, 0); (μ, 1, μ) for a
+    whole period, DiLoCo's step, under either rule. Raises ValueError on μ outside [0, 1) or f
+    outside [0, 1] or off the grid."""
     if not 0 <= momentum < 1:
         raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
     if not (0.0 <= fraction <= 1.0 and fraction * FRACTION_GRID == round(fraction * FRACTION_GRID)):
@@ -332,13 +356,16 @@ def _step_scalars(state: FragmentState, momentum: float, fraction: float,
     same = ledger is not None and ledger.period_start == state.ledger.period_start >= 0 and \
         ledger.period_fraction == min(FRACTION_GRID, state.ledger.period_fraction + units)  # round_fraction's continuation
     used = state.ledger.period_fraction / FRACTION_GRID if same else 0.0
+    if carry == "period":  # b decays and carries once per period: at its first round with progress (u = 0)
+        opens = used == 0.0 and fraction > 0.0
+        return (momentum, fraction, momentum * momentum) if opens else (1.0, fraction, 0.0)
     left = 1.0 - used * (1.0 - momentum)  # d: the share of the period-start buffer still in b, >= μ
     keep = max(0.0, 1.0 - fraction * (1.0 - momentum) / left) if left > 0 else 0.0
     return keep, fraction, (momentum * momentum / left if left > 0 else 0.0)
 
 
 def apply_round(state: FragmentState, merged: Sequence[Tensor], tokens: int, position: int, first: float,
-                sync_every: int, lr: float, momentum: float) -> tuple[FragmentState, float]:
+                sync_every: int, lr: float, momentum: float, carry: str = OUTER_CARRY) -> tuple[FragmentState, float]:
     """The state a merged round makes from ``state`` (its anchor), and the fraction of a period
     it applied: the one rule every member that commits the round, every member it left out
     (``node.runtime.Node._take_excluded``) and every node that replays it later
@@ -362,6 +389,8 @@ def apply_round(state: FragmentState, merged: Sequence[Tensor], tokens: int, pos
             [0, 1], a multiple of 1/FRACTION_GRID.
         sync_every: H, inner steps per outer period, >= 1.
         lr, momentum: the run's outer learning rate (>= 0, finite) and Nesterov μ in [0, 1).
+        carry: how a round for f < 1 applies the momentum (:data:`CARRY_RULES`; default
+            :data:`OUTER_CARRY`, the one every node runs).
 
     Returns:
         (the next state: version + 1, fp32 Θ and b in slot shapes, the new ledger; the fraction
@@ -372,7 +401,7 @@ def apply_round(state: FragmentState, merged: Sequence[Tensor], tokens: int, pos
             out of range (:func:`nesterov_outer_step`).
     """
     fraction, ledger = round_fraction(state.ledger, tokens, position, sync_every, first)
-    return nesterov_outer_step(state, merged, lr, momentum, fraction, ledger), fraction
+    return nesterov_outer_step(state, merged, lr, momentum, fraction, ledger, carry), fraction
 
 
 def lone_step_size(lr: float, momentum: float, delta_norm: float) -> float:
