@@ -444,7 +444,7 @@ async def test_kill_midway_sends_about_half_the_reply(tmp_path):
 def test_a_payload_at_a_measured_rate_gets_the_time_that_rate_needs():
     """``Swarm.call(min_rate=...)``: the rest of a payload at the rate measured so far, with
     slack; nothing before a sample arrived, nothing for a peer slower than ``min_rate``."""
-    from p2pdiloco.net.transport.swarm import RATE_GRACE_S, RATE_SLACK, stretched_deadline  # noqa: PLC0415
+    from p2pdiloco.net.transport.framing import RATE_GRACE_S, RATE_SLACK, stretched_deadline  # noqa: PLC0415
 
     mb = 1 << 20
     assert stretched_deadline(1024, mb, 0.1, 16e3) is None  # under a sample: the call's own deadline

@@ -490,3 +490,15 @@ def _no_peers_message(initial_peers: Sequence[str]) -> str:
     return (f"none of the initial peers answered ({', '.join(initial_peers)}); check the addresses, "
             "or start a new swarm with `p2pdiloco bootstrap` and join its printed multiaddr")
 
+def listening_maddrs(host_maddrs: Sequence[str], daemon_pid: int | None) -> list[str]:
+    """``host_maddrs`` with a TCP port 0 (any) replaced by the port p2pd listens on, read from
+    the process's sockets (the first listening TCP port; unchanged when it cannot be read)."""
+    ports: list[int] = []
+    with contextlib.suppress(psutil.Error):
+        if daemon_pid is not None:
+            ports = sorted({c.laddr.port for c in psutil.Process(daemon_pid).net_connections("tcp")
+                            if c.status == psutil.CONN_LISTEN})
+    if not ports:
+        return list(host_maddrs)
+    return [m.replace("/tcp/0", f"/tcp/{ports[0]}") if m.endswith("/tcp/0") else m for m in host_maddrs]
+

@@ -175,3 +175,21 @@ async def drain(reader: asyncio.StreamReader, seconds: float, discard: int = 1 <
                 got += len(chunk)
     except (TimeoutError, ConnectionError, OSError):
         pass
+
+RATE_SLACK = 1.5  # a payload arriving at a measured rate gets this many times the time that rate needs, ...
+RATE_GRACE_S = 5.0  # ... plus these seconds (a link's rate varies: TCP slow start, a burst of other traffic)
+RATE_SAMPLE_BYTES = 64 << 10  # the rate is measured once this much of the payload arrived
+
+
+def stretched_deadline(got: int, total: int, seconds: float, min_rate: float) -> float | None:
+    """Seconds from now that a payload of ``total`` bytes, of which ``got`` arrived in
+    ``seconds``, may still take: the rest at the rate measured so far, times ``RATE_SLACK``,
+    plus ``RATE_GRACE_S``; None (no more time than the call's own deadline) while fewer than
+    ``RATE_SAMPLE_BYTES`` arrived or when that rate is under ``min_rate`` bytes/s (a peer that
+    trickles its answer to hold us is held to the call's deadline)."""
+    if got < min(total, RATE_SAMPLE_BYTES) or seconds <= 0:
+        return None
+    rate = got / seconds
+    if rate < min_rate:
+        return None
+    return (total - got) / rate * RATE_SLACK + RATE_GRACE_S

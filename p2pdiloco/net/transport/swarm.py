@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -57,12 +56,14 @@ from p2pdiloco.net.transport.framing import (  # noqa: F401  (frame, read_header
     frame,
     read_header,
     read_payload,
+    stretched_deadline,
     write_message,
 )
+from p2pdiloco.net.transport import admission
 from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.net.transport import sessions
-from p2pdiloco.net.transport.daemon import (identity_in_use, private_sockets, quiet_dead_daemon_tasks, rejoin_dht,
-                                            start_daemon, start_dht)
+from p2pdiloco.net.transport.daemon import (identity_in_use, listening_maddrs, private_sockets, quiet_dead_daemon_tasks,
+                                            rejoin_dht, start_daemon, start_dht)
 from p2pdiloco.net.transport.drops import DropLedger, TrafficStats, record_kind
 from p2pdiloco.net.transport.framing import short_error as _short
 from p2pdiloco.net.transport.reachability import RPC as DIALBACK
@@ -71,7 +72,7 @@ from p2pdiloco.net.transport.serving import Handler, Server
 from p2pdiloco.net.records.signed import SignedRecords
 from p2pdiloco.trust.certificates import Membership
 from p2pdiloco.trust.errors import AccessDenied, IdentityError
-from p2pdiloco.trust.identity import Identity, is_peer_id
+from p2pdiloco.trust.identity import Identity
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class Swarm:
             await swarm.add_handler("trust.hello", swarm._on_hello)
             await swarm.add_handler(DIALBACK, DialbackServer(swarm))
         swarm.reach, swarm.initial_peers = Reachability(reachability or "auto", relay), list(initial_peers)
-        swarm._daemon_args = dict(host_maddrs=list(host_maddrs), bound=_bound(host_maddrs, daemon_pid),
+        swarm._daemon_args = dict(host_maddrs=list(host_maddrs), bound=listening_maddrs(host_maddrs, daemon_pid),
                                   rest=(announce_maddrs, startup_timeout, daemon_options(reachability, relay, initial_peers)),
                                   bootstrap_timeout=bootstrap_timeout, strict=strict)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
@@ -278,33 +279,9 @@ class Swarm:
         return {"swarm": self.membership.name}, b""
 
     async def check_admission(self, key: str, tries: int = 3) -> None:
-        """Ask up to ``tries`` owners of records under ``key`` (random order) whether they
-        accept this node (``trust.hello``). Returns at the first acceptance, when nobody
-        published a record or answered, or at once when an earlier check passed.
-
-        Raises:
-            AccessDenied: every peer that answered refused us (for instance: this node has no
-                valid certificate of the private swarm those peers belong to).
-        """
-        if self.admitted:
-            return
-        try:
-            peers = [p for p in await self.get(key) if is_peer_id(p) and p != self.peer_id]
-        except NetworkError:
-            return
-        random.shuffle(peers)
-        refusal: AccessDenied | None = None
-        for peer in peers[:tries]:
-            try:
-                await self.hello(peer)
-                self.admitted = True
-                return
-            except AccessDenied as e:
-                refusal = e
-            except NetworkError as e:
-                log.debug("hello to %s: %s", peer[-8:], e)
-        if refusal is not None:
-            raise AccessDenied(f"the swarm refused this node ({self.peer_id}): {refusal}", refusal.reason)
+        """Whether the swarm accepts this node: :func:`p2pdiloco.net.transport.admission.check_admission`
+        (raises AccessDenied when every peer that answered refused us)."""
+        await admission.check_admission(self, key, tries)
 
     async def hello(self, peer: str, timeout: float = 5.0) -> str:
         """Ask ``peer`` whether it accepts us; returns its swarm's name. Raises AccessDenied
@@ -617,34 +594,3 @@ class Swarm:
                         break
                     await asyncio.sleep(0.02)
 
-
-def _bound(host_maddrs: Sequence[str], daemon_pid: int | None) -> list[str]:
-    """``host_maddrs`` with a TCP port 0 (any) replaced by the port p2pd listens on, read from
-    the process's sockets (the first listening TCP port; unchanged when it cannot be read)."""
-    ports: list[int] = []
-    with contextlib.suppress(psutil.Error):
-        if daemon_pid is not None:
-            ports = sorted({c.laddr.port for c in psutil.Process(daemon_pid).net_connections("tcp")
-                            if c.status == psutil.CONN_LISTEN})
-    if not ports:
-        return list(host_maddrs)
-    return [m.replace("/tcp/0", f"/tcp/{ports[0]}") if m.endswith("/tcp/0") else m for m in host_maddrs]
-
-
-RATE_SLACK = 1.5  # a payload arriving at a measured rate gets this many times the time that rate needs, ...
-RATE_GRACE_S = 5.0  # ... plus these seconds (a link's rate varies: TCP slow start, a burst of other traffic)
-RATE_SAMPLE_BYTES = 64 << 10  # the rate is measured once this much of the payload arrived
-
-
-def stretched_deadline(got: int, total: int, seconds: float, min_rate: float) -> float | None:
-    """Seconds from now that a payload of ``total`` bytes, of which ``got`` arrived in
-    ``seconds``, may still take: the rest at the rate measured so far, times ``RATE_SLACK``,
-    plus ``RATE_GRACE_S``; None (no more time than the call's own deadline) while fewer than
-    ``RATE_SAMPLE_BYTES`` arrived or when that rate is under ``min_rate`` bytes/s (a peer that
-    trickles its answer to hold us is held to the call's deadline)."""
-    if got < min(total, RATE_SAMPLE_BYTES) or seconds <= 0:
-        return None
-    rate = got / seconds
-    if rate < min_rate:
-        return None
-    return (total - got) / rate * RATE_SLACK + RATE_GRACE_S
