@@ -241,7 +241,7 @@ async def test_silence_past_the_first_reply_deadline_strikes_a_stranger_at_once_
     class Silent(_Swarm):
         calls: list[tuple[str, float]] = []
 
-        async def call(self, peer, name, header, payload=b"", *, timeout, max_reply, first_reply):
+        async def call(self, peer, name, header, payload=b"", *, timeout, max_reply, first_reply, min_rate=None):
             self.calls.append((peer, first_reply))
             raise PeerSilent(f"{name} to {peer} failed: no answer within {first_reply} s")
 

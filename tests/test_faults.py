@@ -19,7 +19,9 @@ pytestmark = pytest.mark.integration
 
 
 def _status(d: Path) -> dict:
-    return read_status(d / "status.json") or {}
+    """The node's status JSON as written (checked against the schema by read_status), {} before it."""
+    status = read_status(d / "status.json")
+    return status.to_json() if status is not None else {}
 
 
 def _log(d: Path) -> str:

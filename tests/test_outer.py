@@ -334,5 +334,6 @@ def test_a_swarm_that_shrank_takes_whole_steps_from_the_next_period_and_one_that
     assert (f, led.period_start, led.period_tokens, led.rate) == (0.5, 300, 500, 1000.0)
     f, led = round_fraction(Ledger(300, 500, 1000.0, 512, 0), 500, 400, 100, first=1.0)
     assert (f, led.rate) == (1.0, 500.0)
+    assert type(led.rate) is float  # the state answer's parser takes a float rate only (net/records/messages.py)
     f, led = round_fraction(Ledger(300, 1500, 1000.0, 1024, 0), 1500, 400, 100, first=1.0)
     assert (f, led.rate) == (1.0, 1250.0)

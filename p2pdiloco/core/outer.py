@@ -226,7 +226,7 @@ def round_fraction(ledger: Ledger, tokens: int, position: int, sync_every: int,
             # the first period's rounds carry the progress since step 0, which their position is:
             # H + offset(p) steps for fragment p's first send, up to 2H (a period and a half of it)
             first = float(ledger.period_tokens) * min(1.0, sync_every / max(1, ledger.period_start))
-            done = first if rate == 0 else min(ledger.period_tokens, RATE_GROWTH * rate)
+            done = first if rate == 0 else float(min(ledger.period_tokens, RATE_GROWTH * rate))  # a float on the wire
             shrunk = 0 < done < rate  # the swarm merged fewer tokens this period: its rounds are whole steps again
             rate = done if rate == 0 or shrunk else RATE_DECAY * rate + (1 - RATE_DECAY) * done
         start = position if ledger.period_start < 0 or future else min(position, ledger.period_start + 2 * sync_every)
