@@ -46,6 +46,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from p2pdiloco.errors import NetworkError
 from p2pdiloco.net.transport.framing import close_stream, short_error
 from p2pdiloco.net.records.signed import SignedRecords
+from p2pdiloco.trust.errors import IdentityError
 from p2pdiloco.trust.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -471,6 +472,22 @@ async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: f
                 await asyncio.wait_for(probe.shutdown(), 10)
             except Exception as e:
                 log.debug("probe shutdown: %s", e)
+
+
+async def own_identity(identity: Identity | None, identity_path: str | None, initial_peers: Sequence[str]) -> Identity:
+    """The identity a node starts p2pd with (``Swarm.start``): ``identity``, else the one loaded
+    from (or created at) ``identity_path``, else a new one held in memory. Raises
+    IdentityError: the file is unusable, or (one loaded from an existing file) a running peer
+    of the swarm already uses it (:func:`identity_in_use`, through ``initial_peers``)."""
+    if identity is None:
+        identity = Identity.load_or_create(identity_path)[0] if identity_path else Identity.generate()
+    if identity.path is not None and not identity.created and initial_peers:
+        if await identity_in_use(identity.peer_id, initial_peers):
+            raise IdentityError(
+                f"identity {identity.path} (peer ID {identity.peer_id}) is already used by a running node of "
+                "this swarm; a second node with the same identity would steal its connections. Stop the "
+                "other node, or give this one its own --data-dir (or trust.identity) to get a new identity")
+    return identity
 
 
 def probe_verdict(error: str) -> bool | None:
