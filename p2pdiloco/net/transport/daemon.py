@@ -143,16 +143,8 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
     line when it exits or does not answer within ``startup_timeout`` seconds."""
     binary = importlib.resources.files("hivemind.hivemind_cli") / "p2pd"
     sock = Path(tempfile.gettempdir()) / f"p2pdiloco-p2pd-{secrets.token_urlsafe(8)}.sock"
-    flags = {"listen": f"/unix{sock}", "id": identity_path, "hostAddrs": ",".join(host_maddrs), "dhtServer": 1,
-             "autonat": 1, "natPortMap": 1, "connManager": 1, "tls": 1, "relay": int(use_relay), "autoRelay": 1,
-             "relayDiscovery": 0, "trustedRelays": ",".join(one_addr_per_peer(static_relays)),
-             "idleTimeout": f"{IDLE_TIMEOUT_S}s", "q": 1}
-    if initial_peers:
-        flags.update(bootstrapPeers=",".join(initial_peers), b=1)
-    if announce_maddrs:
-        flags["announceAddrs"] = ",".join(announce_maddrs)
-    if force_reachability in ("public", "private"):
-        flags[f"forceReachability{force_reachability.capitalize()}"] = 1
+    flags = _static_relay_flags(sock, identity_path, host_maddrs, static_relays, initial_peers, announce_maddrs,
+                                use_relay, force_reachability)
     env = {**os.environ, "GOLOG_LOG_LEVEL": "error"}
     proc = await asyncio.create_subprocess_exec(str(binary), *(f"-{k}={v}" for k, v in flags.items()),
                                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -170,17 +162,7 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
         task.add_done_callback(_watching.discard)
     try:
         async with asyncio.timeout(startup_timeout):
-            while not sock.exists():
-                if proc.returncode is not None:
-                    raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
-                await asyncio.sleep(0.02)
-            replica = asyncio.ensure_future(P2P.replicate(Multiaddr(f"/unix{sock}")))
-            await asyncio.wait([replica, proc_done], return_when=asyncio.FIRST_COMPLETED)
-            if not replica.done():
-                replica.cancel()
-                await drainer  # p2pd exited: its last words are in
-                raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
-            p2p = replica.result()
+            p2p = await _replicate(proc, sock, errors, drainer, proc_done)
     except BaseException as e:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
@@ -189,6 +171,43 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
                                f"{' | '.join(errors) or 'no message'}") from None
         raise
     return p2p
+
+
+def _static_relay_flags(sock: Path, identity_path: str, host_maddrs: Sequence[str], static_relays: Sequence[str],
+                        initial_peers: Sequence[str], announce_maddrs: Sequence[str], use_relay: bool,
+                        force_reachability: str | None) -> dict[str, Any]:
+    """p2pd's command-line flags (name -> value, passed as ``-name=value``) for
+    :func:`_spawn_with_static_relays`: its control socket at ``sock``, autorelay on
+    ``static_relays`` only, otherwise the flags ``P2P.create`` passes with its defaults."""
+    flags = {"listen": f"/unix{sock}", "id": identity_path, "hostAddrs": ",".join(host_maddrs), "dhtServer": 1,
+             "autonat": 1, "natPortMap": 1, "connManager": 1, "tls": 1, "relay": int(use_relay), "autoRelay": 1,
+             "relayDiscovery": 0, "trustedRelays": ",".join(one_addr_per_peer(static_relays)),
+             "idleTimeout": f"{IDLE_TIMEOUT_S}s", "q": 1}
+    if initial_peers:
+        flags.update(bootstrapPeers=",".join(initial_peers), b=1)
+    if announce_maddrs:
+        flags["announceAddrs"] = ",".join(announce_maddrs)
+    if force_reachability in ("public", "private"):
+        flags[f"forceReachability{force_reachability.capitalize()}"] = 1
+    return flags
+
+
+async def _replicate(proc: asyncio.subprocess.Process, sock: Path, errors: deque[str], drainer: asyncio.Future,
+                     proc_done: asyncio.Future) -> P2P:
+    """Once p2pd (``proc``) listens on ``sock``, connect to it (``P2P.replicate``). Raises
+    RuntimeError naming p2pd's last ``errors`` lines (all in once ``drainer`` ends) when it
+    exits first (``proc_done``); the caller bounds the wait."""
+    while not sock.exists():
+        if proc.returncode is not None:
+            raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
+        await asyncio.sleep(0.02)
+    replica = asyncio.ensure_future(P2P.replicate(Multiaddr(f"/unix{sock}")))
+    await asyncio.wait([replica, proc_done], return_when=asyncio.FIRST_COMPLETED)
+    if not replica.done():
+        replica.cancel()
+        await drainer  # p2pd exited: its last words are in
+        raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
+    return replica.result()
 
 
 # hivemind's ControlClient keeps its persistent connection to p2pd in two tasks that nothing
