@@ -120,31 +120,10 @@ class Node(CatchUp):
             await service.start()
         self.stats.state = "joining"
         data_dir = Path(self.cfg.data_dir) if self.cfg.data_dir else None
-        if data_dir is not None and (resumed := await asyncio.to_thread(resume, data_dir, self.setup.learner)):
-            self.committed.resume(self.setup.learner.global_states)
-            self._resumed, self._joined = resumed, True
-            self.journal.record("resumed", step=self.setup.learner.step, kept=sorted(resumed.kept))
-        await self.sync.greet(self.record())  # the records of the learners found in the DHT, fresh from them
-        await self._catch_up(initial=True)
-        self.started_from = "checkpoint" if self._resumed else "swarm" if self.stats.catchups else "initial"
-        if self.started_from == "initial" and self.cfg.swarm.initial_peers:
-            log.warning("no node of run '%s' served a state and %s: this node starts the run afresh from the "
-                        "initial model", self.cfg.swarm.run_id,
-                        "it has no data dir" if data_dir is None else f"{data_dir} holds no checkpoint")
-        deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
-        self.training = self.setup.training_loop(self._dispatch, deadline)
-        if self._resumed:
-            self.training.sends = list(self._resumed.sends)
-        if self._joined and not self._resumed:  # joined in the initial catch-up: first sends on the swarm's grid
-            self.training.align()
-        if data_dir is not None and self.cfg.checkpoint_every:
-            self.training.checkpoint = lambda: self._checkpoint(data_dir)
-            self.training.checkpoint_every = self.cfg.checkpoint_every
-        if self._interrupted:  # stopped while joining
-            self.training.stop.set()
+        await self._resume_and_join(data_dir)
+        self._start_training(data_dir)
         self.stats.state = "training"
         await self._alone_step()  # training began: the alone clock starts, with its first verdict
-        out = self.cfg.outer
         async with asyncio.TaskGroup() as tg:
             self._rounds = tg
             background = [tg.create_task(self._publisher()),
@@ -156,26 +135,64 @@ class Node(CatchUp):
                           tg.create_task(self._forever("alone watch", self._alone_step, ALONE_POLL_SECONDS))]
             try:
                 await asyncio.to_thread(self.training.run)
-                self.stats.state = "leaving"
-                if not self._interrupted:  # budget spent: rounds in flight get their full time, or until a stop
-                    await asyncio.to_thread(self.training.finish, out.quorum_timeout + out.liveness_timeout + 5,
-                                            self.training.stop)
-                if self._interrupted:  # a supervisor waits a few seconds only (docker 10, timeout -k ...)
-                    await asyncio.to_thread(self.training.finish, self._stopped_at + LEAVE_S - time.monotonic())
-                    for task in self._round_tasks:  # abandoned: members see us leave, as on a dropped connection
-                        task.cancel()
-                    if self._round_tasks:
-                        await asyncio.wait(self._round_tasks, timeout=1.0)
-                self.done = True
-                if data_dir is not None:
-                    await asyncio.to_thread(self._checkpoint, data_dir)
-                if not self._interrupted:
-                    await self._settle(self.cfg.settle)
-                await self._publish(store=True)  # done: nodes that read only the DHT see it too
+                await self._wind_down(data_dir)
             finally:
                 self.training.stop.set()
                 for task in background:
                     task.cancel()
+
+    async def _resume_and_join(self, data_dir: Path | None) -> None:
+        """Resume from the checkpoint in ``data_dir`` if any, greet the learners found in the DHT
+        and catch up with the swarm; ``started_from`` says where training begins."""
+        if data_dir is not None and (resumed := await asyncio.to_thread(resume, data_dir, self.setup.learner)):
+            self.committed.resume(self.setup.learner.global_states)
+            self._resumed, self._joined = resumed, True
+            self.journal.record("resumed", step=self.setup.learner.step, kept=sorted(resumed.kept))
+        await self.sync.greet(self.record())  # the records of the learners found in the DHT, fresh from them
+        await self._catch_up(initial=True)
+        self.started_from = "checkpoint" if self._resumed else "swarm" if self.stats.catchups else "initial"
+        if self.started_from == "initial" and self.cfg.swarm.initial_peers:
+            log.warning("no node of run '%s' served a state and %s: this node starts the run afresh from the "
+                        "initial model", self.cfg.swarm.run_id,
+                        "it has no data dir" if data_dir is None else f"{data_dir} holds no checkpoint")
+
+    def _start_training(self, data_dir: Path | None) -> None:
+        """Make the training loop (``training``): until ``duration`` seconds from now, if set; its
+        sends resumed or aligned on the swarm's grid; checkpointing into ``data_dir``; stopped at
+        once if a stop came while joining."""
+        deadline = time.monotonic() + self.cfg.duration if self.cfg.duration else None
+        self.training = self.setup.training_loop(self._dispatch, deadline)
+        if self._resumed:
+            self.training.sends = list(self._resumed.sends)
+        if self._joined and not self._resumed:  # joined in the initial catch-up: first sends on the swarm's grid
+            self.training.align()
+        if data_dir is not None and self.cfg.checkpoint_every:
+            self.training.checkpoint = lambda: self._checkpoint(data_dir)
+            self.training.checkpoint_every = self.cfg.checkpoint_every
+        if self._interrupted:  # stopped while joining
+            self.training.stop.set()
+
+    async def _wind_down(self, data_dir: Path | None) -> None:
+        """Training ended: finish the rounds in flight (their full time when the budget was spent;
+        ``LEAVE_S`` from a stop request, then abandoned), checkpoint into ``data_dir``, settle
+        (budget spent only) and publish our last record, stored in the DHT too."""
+        out = self.cfg.outer
+        self.stats.state = "leaving"
+        if not self._interrupted:  # budget spent: rounds in flight get their full time, or until a stop
+            await asyncio.to_thread(self.training.finish, out.quorum_timeout + out.liveness_timeout + 5,
+                                    self.training.stop)
+        if self._interrupted:  # a supervisor waits a few seconds only (docker 10, timeout -k ...)
+            await asyncio.to_thread(self.training.finish, self._stopped_at + LEAVE_S - time.monotonic())
+            for task in self._round_tasks:  # abandoned: members see us leave, as on a dropped connection
+                task.cancel()
+            if self._round_tasks:
+                await asyncio.wait(self._round_tasks, timeout=1.0)
+        self.done = True
+        if data_dir is not None:
+            await asyncio.to_thread(self._checkpoint, data_dir)
+        if not self._interrupted:
+            await self._settle(self.cfg.settle)
+        await self._publish(store=True)  # done: nodes that read only the DHT see it too
 
     def _checkpoint(self, data_dir: Path) -> None:  # in the training thread, or once it ended
         """Write the local checkpoint. A write that fails (a full disk, a file-size limit, a disk
@@ -252,6 +269,10 @@ class Node(CatchUp):
         task.add_done_callback(self._round_tasks.discard)
 
     async def _round(self, p: int, contrib: Contribution, anchor: FragmentState, n: int) -> None:
+        """Fragment ``p``'s ``n``-th round for our progress ``contrib`` (made against ``anchor``):
+        rebased if we are behind, a group formed, merged and committed; or recorded as not merged
+        (late, no quorum, excluded, failed). Its outcome goes to the training loop; a round
+        without a result follows a group that may have merged without us."""
         t0 = time.monotonic()
         self.grace.t_step.value = self.training.stats.t_step.value
         out = self.cfg.outer
@@ -265,15 +286,7 @@ class Node(CatchUp):
             if ours:  # the state followed holds this progress already (made by a round of ours we lost): not twice
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "merged already"))
                 return
-            expected = self.expected.expected(p, anchor.version, records)
-            key = GroupKey(p, anchor.version, anchor.digest)
-            # synchronous: the "grace" is the whole quorum timeout (close once all joined); no lone wait in the
-            # end-of-budget flush (peers are leaving); a closed group's result is due within round_time (ar's wait)
-            grace = out.quorum_timeout if out.synchronous else self.grace.seconds()
-            outcome, group = await self.matchmaker.form_group(
-                key, grace=grace, quorum_timeout=out.quorum_timeout, expected=1 + len(expected),
-                max_grace=out.quorum_timeout if out.synchronous else out.grace_max,
-                lone_wait=not self.training.spent, round_time=4 * out.liveness_timeout + out.grace_max)
+            expected, outcome, group = await self._form_group(p, anchor, records)
             if outcome == "group" and len(group.members) == 1 and time.monotonic() < self._excluded_until.get(p, 0.0):
                 # our last Δ was left out by the swarm's merge: alone, we would commit what it refused; kept
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "alone after excluded"))
@@ -281,11 +294,7 @@ class Node(CatchUp):
                 self.expected.formed(expected, group.members)
                 self.grace.t_quorum.update(group.formed_in)
                 t1 = time.monotonic()
-                if len(group.members) > 1:  # every member held the anchor: a common ancestor
-                    self.sync.shared(p, anchor.version)
-                if (residual := self.committed.residual(p)) is not None:  # error feedback: what wire coding left out
-                    contrib = dataclasses.replace(contrib, delta=tuple(with_error_feedback(
-                        contrib.delta, residual, out.error_feedback_decay)))
+                contrib = self._with_feedback(p, anchor, group, contrib)
                 left = len(group.members) > 1
                 merged = await self.allreducer.run(group, contrib)
                 self.grace.t_sync.update(time.monotonic() - t1)
@@ -297,24 +306,10 @@ class Node(CatchUp):
                     self.stats.rounds_late += 1
                 self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, outcome))
         except ContributionExcluded as e:
-            # the others merged without our progress: kept, rebased on their state (not ours: _follow)
-            self.stats.rounds_excluded += 1
             left = False  # merged without it
-            self._excluded_until[p] = time.monotonic() + EXCLUDED_HOLD_S
-            self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "excluded"))
-            log.warning("round f%d v%d: our contribution was left out (%s); kept for the next round",
-                        p, anchor.version + 1, e)
-            if e.result is not None:
-                await self._take_excluded(p, anchor, e.result, group)
+            await self._on_excluded(p, anchor, group, e, t0)
         except RoundFailed as e:
-            self.stats.rounds_failed += 1
-            for peer, why in (e.reducers if isinstance(e, ResultRefused) else {}).items():  # parts we refused
-                self.reputation.refuted(peer, f"its merged part of round {group.round_id}: {why}")
-                self.matchmaker.avoid(peer, why)
-            self.matchmaker.group_failed(group)
-            self.committed.lose(p, group.round_id)  # others may have committed it: see _follow
-            self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, str(e)))
-            log.warning("round f%d v%d discarded: %s", p, anchor.version + 1, e)
+            self._on_failed(p, anchor, group, e, t0)
         except NetworkError as e:
             self.stats.rounds_failed += 1
             log.warning("round f%d: network error: %s", p, e)
@@ -329,6 +324,58 @@ class Node(CatchUp):
             self.training.deliver(Delivery(p, result, False, left and result is None, round=n))
         if result is None:
             await self._catch_up(only=p)  # a group may have merged without us: follow it
+
+    async def _form_group(self, p: int, anchor: FragmentState,
+                          records: dict[str, HeadsRecord]) -> tuple[set[str], str, Group | None]:
+        """Gather a group for fragment ``p`` at ``anchor`` (``Matchmaker.form_group``), waiting
+        for the peers ``records`` say we may expect. Returns (the peers expected, the outcome:
+        "group", "late" or "no_quorum", the group or None). Raises NetworkError."""
+        out = self.cfg.outer
+        expected = self.expected.expected(p, anchor.version, records)
+        key = GroupKey(p, anchor.version, anchor.digest)
+        # synchronous: the "grace" is the whole quorum timeout (close once all joined); no lone wait in the
+        # end-of-budget flush (peers are leaving); a closed group's result is due within round_time (ar's wait)
+        grace = out.quorum_timeout if out.synchronous else self.grace.seconds()
+        outcome, group = await self.matchmaker.form_group(
+            key, grace=grace, quorum_timeout=out.quorum_timeout, expected=1 + len(expected),
+            max_grace=out.quorum_timeout if out.synchronous else out.grace_max,
+            lone_wait=not self.training.spent, round_time=4 * out.liveness_timeout + out.grace_max)
+        return expected, outcome, group
+
+    def _with_feedback(self, p: int, anchor: FragmentState, group: Group, contrib: Contribution) -> Contribution:
+        """Our contribution to ``group``'s merge: ``contrib`` with error feedback (what wire
+        coding left out of our last one, ``committed.residual``) added; with peers, ``anchor``
+        is noted as a common ancestor (every member held it)."""
+        if len(group.members) > 1:  # every member held the anchor: a common ancestor
+            self.sync.shared(p, anchor.version)
+        if (residual := self.committed.residual(p)) is not None:  # error feedback: what wire coding left out
+            contrib = dataclasses.replace(contrib, delta=tuple(with_error_feedback(
+                contrib.delta, residual, self.cfg.outer.error_feedback_decay)))
+        return contrib
+
+    async def _on_excluded(self, p: int, anchor: FragmentState, group: Group, e: ContributionExcluded,
+                           t0: float) -> None:
+        """The others merged ``group``'s round without our progress: kept, rebased on their state
+        (not ours: _follow); no lone round for ``EXCLUDED_HOLD_S`` seconds."""
+        self.stats.rounds_excluded += 1
+        self._excluded_until[p] = time.monotonic() + EXCLUDED_HOLD_S
+        self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, "excluded"))
+        log.warning("round f%d v%d: our contribution was left out (%s); kept for the next round",
+                    p, anchor.version + 1, e)
+        if e.result is not None:
+            await self._take_excluded(p, anchor, e.result, group)
+
+    def _on_failed(self, p: int, anchor: FragmentState, group: Group, e: RoundFailed, t0: float) -> None:
+        """``group``'s round failed: the reducers whose merged parts we refused are refuted and
+        avoided, the failure reported to matchmaking, the round lost (others may have committed it)."""
+        self.stats.rounds_failed += 1
+        for peer, why in (e.reducers if isinstance(e, ResultRefused) else {}).items():  # parts we refused
+            self.reputation.refuted(peer, f"its merged part of round {group.round_id}: {why}")
+            self.matchmaker.avoid(peer, why)
+        self.matchmaker.group_failed(group)
+        self.committed.lose(p, group.round_id)  # others may have committed it: see _follow
+        self._record(RoundRecord(p, anchor.version, 0, time.monotonic() - t0, False, str(e)))
+        log.warning("round f%d v%d discarded: %s", p, anchor.version + 1, e)
 
     async def _commit(self, p: int, anchor: FragmentState, group: Group, merged: RoundResult,
                       contrib: Contribution, t0: float) -> FragmentState | None:

@@ -278,19 +278,9 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
 
     merged: one tensor per slot (slot shapes, converted to fp32). f = 1 is DiLoCo's Nesterov
     step: b ← μ·b + Δ; Θ ← Θ − lr·(Δ + μ·b), i.e. Θ − lr·((1 + μ)·Δ + μ²·b_old). A round for
-    f < 1 applies that step's share f, linear in f, as if the period's rounds together made one
-    step with Δ = Σ f_i·Δ_i: with u the step the period's earlier rounds applied (``ledger``'s
-    ``period_fraction`` before this round when ``ledger`` continues the state's period, else
-    0; the new ledger continues the state's period when it has the same start and its
-    ``period_fraction`` is the state's plus f, as ``round_fraction`` writes it) and
-    d = 1 − u·(1 − μ) (the share of the period-start buffer b̂ still in b, so b̂ ≈ b/d):
-    b ← (1 − f·(1 − μ)/d)·b + f·Δ; Θ ← Θ − (lr·f)·((1 + μ)·Δ + (μ²/d)·b_old). k rounds of
-    1/k with equal Δ then give the period-start buffer's decay to μ, the Δ's buffer entry and
-    its total (long-run) movement of a full step to within 0.2 % (``tests/test_outer.py``);
-    the earlier rule (b ← μ^f·b + f·Δ; Θ ← Θ − lr·f·(Δ + μ·b)) let each round's Δ enter the
-    buffer before the next round's step and fell 6.6 % short at k = 4, μ = 0.9, which left
-    four learners merging one after another 1.5 % worse in process
-    (docs/benchmarks/partial_rounds.md). f → 0 leaves Θ and b as they were. Every operation is
+    f < 1 applies that step's share f (``carry="share"``), or ties the momentum to the period
+    (``carry="period"``, Delayed Nesterov): the rules and their derivation are
+    :func:`_step_scalars`'s. f → 0 leaves Θ and b as they were. Every operation is
     one fp32 multiply or add by itself, each rounded once (IEEE 754), by scalars computed from
     f (a multiple of 1/FRACTION_GRID), u and μ in Python floats, so the result is
     bit-identical on every CPU kernel set (``ATEN_CPU_CAPABILITY`` default, avx2, avx512);
@@ -299,18 +289,6 @@ def nesterov_outer_step(state: FragmentState, merged: Sequence[Tensor], lr: floa
     (arXiv 2311.08105) outer Nesterov, kept per fragment by Decoupled DiLoCo (arXiv
     2604.21428); the split of one step over a period's rounds is this project's
     (docs/architecture.md "Partial rounds").
-
-    ``carry="period"`` ties the momentum to the period instead of the round (Delayed Nesterov,
-    Liu et al., arXiv 2401.09135, sec. 4: the momentum is updated at a fixed cadence, each
-    pseudo-gradient that arrives in between is applied without it): the period's first round
-    with progress (u = 0, f > 0) decays the buffer and applies its carry whole, b ← μ·b + f·Δ;
-    Θ ← Θ − lr·(f·(1 + μ)·Δ + μ²·b_old), a later round of the same period only adds its share,
-    b ← b + f·Δ; Θ ← Θ − lr·f·(1 + μ)·Δ. The rounds of one period then make exactly DiLoCo's one step with Δ = Σ
-    f_i·Δ_i, and a period whose rounds carry less than one step (a straggler's period, merged
-    by the others alone) still moves Θ by the buffer's whole carry; a near-empty round that
-    opens a period moves Θ by that carry (what the period's step would apply anyway). Measured
-    worse than "share" with a straggler (docs/benchmarks/partial_rounds_straggler.md): not the
-    default.
     Raises ValueError on a count/shape mismatch, lr < 0 or non-finite, μ outside [0, 1), f
     outside [0, 1] or off the grid, or an unknown ``carry``.
     """
@@ -345,7 +323,33 @@ def _step_scalars(state: FragmentState, momentum: float, fraction: float, ledger
     Θ ← Θ − (lr·f)·((1 + μ)·Δ + (μ²/d)·b_old), in Python floats; with ``carry="period"``
     (μ, f, μ²) for the period's first round with progress, else (1, f, 0); (μ, 1, μ) for a
     whole period, DiLoCo's step, under either rule. Raises ValueError on μ outside [0, 1) or f
-    outside [0, 1] or off the grid."""
+    outside [0, 1] or off the grid.
+
+    ``carry="share"``: a round for f < 1 applies the share f of DiLoCo's step, linear in f, as
+    if the period's rounds together made one step with Δ = Σ f_i·Δ_i: with u the step the
+    period's earlier rounds applied (``ledger``'s ``period_fraction`` before this round when
+    ``ledger`` continues the state's period, else 0; the new ledger continues the state's
+    period when it has the same start and its ``period_fraction`` is the state's plus f, as
+    ``round_fraction`` writes it) and d = 1 − u·(1 − μ) (the share of the period-start buffer
+    b̂ still in b, so b̂ ≈ b/d): b ← (1 − f·(1 − μ)/d)·b + f·Δ; Θ ← Θ − (lr·f)·((1 + μ)·Δ +
+    (μ²/d)·b_old). k rounds of 1/k with equal Δ then give the period-start buffer's decay to
+    μ, the Δ's buffer entry and its total (long-run) movement of a full step to within 0.2 %
+    (``tests/test_outer.py``); the earlier rule (b ← μ^f·b + f·Δ; Θ ← Θ − lr·f·(Δ + μ·b)) let
+    each round's Δ enter the buffer before the next round's step and fell 6.6 % short at k = 4,
+    μ = 0.9, which left four learners merging one after another 1.5 % worse in process
+    (docs/benchmarks/partial_rounds.md).
+
+    ``carry="period"`` ties the momentum to the period instead of the round (Delayed Nesterov,
+    Liu et al., arXiv 2401.09135, sec. 4: the momentum is updated at a fixed cadence, each
+    pseudo-gradient that arrives in between is applied without it): the period's first round
+    with progress (u = 0, f > 0) decays the buffer and applies its carry whole, b ← μ·b + f·Δ;
+    Θ ← Θ − lr·(f·(1 + μ)·Δ + μ²·b_old), a later round of the same period only adds its share,
+    b ← b + f·Δ; Θ ← Θ − lr·f·(1 + μ)·Δ. The rounds of one period then make exactly DiLoCo's
+    one step with Δ = Σ f_i·Δ_i, and a period whose rounds carry less than one step (a
+    straggler's period, merged by the others alone) still moves Θ by the buffer's whole carry;
+    a near-empty round that opens a period moves Θ by that carry (what the period's step would
+    apply anyway). Measured worse than "share" with a straggler
+    (docs/benchmarks/partial_rounds_straggler.md): not the default."""
     if not 0 <= momentum < 1:
         raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
     if not (0.0 <= fraction <= 1.0 and fraction * FRACTION_GRID == round(fraction * FRACTION_GRID)):

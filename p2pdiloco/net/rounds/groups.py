@@ -8,7 +8,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-__all__ = ["Group", "GroupKey", "leader_rank"]
+__all__ = ["LEADER_FAILURES", "PASS_OVER_MAX_S", "PASS_OVER_S", "Group", "GroupKey", "leader_rank"]
+
+LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
+PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
+PASS_OVER_MAX_S = 900.0
 
 
 @dataclass(frozen=True)

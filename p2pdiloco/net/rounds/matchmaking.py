@@ -40,6 +40,7 @@ A learner that arrives after a group already closed at its version does not form
 competing group (that would split the swarm's history); it reports ``late`` and the caller
 catches up with the group's result instead (unless it cannot fetch their state at all: a node
 behind NAT without a relay slot, ``Matchmaker.undeliverable``; it then goes on with its own).
+The record of who made us late, and when that stops: ``net.rounds.lateness``.
 
 Trust (docs/trust.md): declarations are pushed by their authors (``net.rounds.gatherings``, the
 transport authenticates the pusher) or are DHT records under the declaring peer's own ID, so
@@ -89,8 +90,10 @@ from typing import Literal
 from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
 from p2pdiloco.net.records import parse as rec
-from p2pdiloco.net.rounds.gatherings import FUTURE_SLACK_S, Gatherings
-from p2pdiloco.net.rounds.groups import Group, GroupKey, leader_rank  # noqa: F401  (importers take them from here too)
+from p2pdiloco.net.rounds.gatherings import Gatherings
+from p2pdiloco.net.rounds.groups import (  # noqa: F401  (importers take them from here too)
+    LEADER_FAILURES, PASS_OVER_MAX_S, PASS_OVER_S, Group, GroupKey, leader_rank)
+from p2pdiloco.net.rounds.lateness import LateGroups
 from p2pdiloco.net.rounds.shares import bandwidth_shares, max_share
 from p2pdiloco.net.transport.swarm import Header, Swarm
 from p2pdiloco.trust import signing
@@ -100,9 +103,6 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2  # seconds between a leader's checks of its gathering (and DHT reads, without an audience)
 JOIN_SLACK_S = 3.0  # seconds past the grace window a joiner waits for a leader that has its quorum
 JOIN_HOLD_S = 120.0  # seconds a leader holds a joiner's long poll at most
-LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
-PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
-PASS_OVER_MAX_S = 900.0
 AVOID_S = 120.0  # seconds a peer this node refused a merged part of is not grouped with (doubling)
 AVOID_MAX_S = 3600.0
 FAILED_GROUP_WAIT_S = 10.0  # seconds a failed group's members still make us late (they may have committed)
@@ -122,9 +122,13 @@ class _Gathering:
     signatures: dict[str, bytes] = field(default_factory=dict)  # joiner -> its mm.join signature (ours too)
     member_signatures: tuple[bytes, ...] = ()  # the closed group's, in member order
     members: tuple[str, ...] = ()  # the closed group's
+    quorum_at: float | None = None  # when we, leading, had our quorum (monotonic s)
+    first_joiner_at: float | None = None  # when our first joiner came (monotonic s)
+    stored: dict[str, rec.Declaration] = field(default_factory=dict)  # the DHT's declarations, as last read
+    read_at: float = -math.inf  # when we last read the DHT (monotonic s)
 
 
-class Matchmaker:
+class Matchmaker(LateGroups):
     """Forms groups for fragment rounds. One per node; serves ``mm.join``.
 
     Args:
@@ -139,15 +143,7 @@ class Matchmaker:
             raise ValueError(f"min_quorum must be >= 1, got {min_quorum}")
         self.swarm, self.run_id, self.min_quorum, self.num_fragments = swarm, run_id, min_quorum, num_fragments
         self._gatherings: dict[int, _Gathering] = {}
-        # key -> {peer: (swarm time, from when: monotonic s)}: from then on, its "in a group"
-        # declarations at the key stamped no later than that time do not count (a group of its
-        # there failed, or delivered nothing to us)
-        self._set_aside: dict[GroupKey, dict[str, tuple[float, float]]] = {}
-        # key -> ({peer: its declaration's t}, when we were first late there: monotonic s)
-        self._deferred: dict[GroupKey, tuple[dict[str, float], float]] = {}
-        self._exhausted: dict[GroupKey, None] = {}  # keys where we were late for round_time already
-        self.empty_groups: Counter[str] = Counter()  # peer -> groups we deferred to that delivered nothing, in a row
-        self.ignored_groups: dict[str, float] = {}  # peer -> its "left in a group" ignored until (monotonic s)
+        super().__init__()  # LateGroups: the groups that made us late
         self.gatherings = Gatherings(swarm, run_id, num_fragments)  # the run's gathering announcements
         self.gatherings.on_push = self.on_push
         self._left: dict[int, tuple[GroupKey, float]] = {}  # fragment -> (key, swarm time) of our last group closed
@@ -225,18 +221,6 @@ class Matchmaker:
         now = self.swarm.clock.now()
         self._put_aside(group.key, {m: now for m in group.members}, after=FAILED_GROUP_WAIT_S)
 
-    def _put_aside(self, key: GroupKey, peers: dict[str, float], after: float = 0.0) -> None:
-        """Set ``peers``' "in a group" declarations at ``key`` stamped up to their time aside,
-        ``after`` seconds from now (bounded: 64 keys, the oldest go first; 256 peers a key)."""
-        aside, start = self._set_aside.setdefault(key, {}), swarm_clock.monotonic() + after
-        for peer, t in list(peers.items())[:256]:
-            old_t, old_start = aside.get(peer, (t, start))
-            aside[peer] = (max(t, old_t), min(start, old_start))
-        while len(aside) > 256:
-            del aside[next(iter(aside))]
-        while len(self._set_aside) > 64:
-            del self._set_aside[next(iter(self._set_aside))]
-
     def _leader_failed(self, leader: str, why: str) -> None:
         if not leader or leader == self.swarm.peer_id:
             return
@@ -248,51 +232,6 @@ class Matchmaker:
                      leader[-8:], seconds, n, why)
         if len(self.leader_failures) > 4096:  # bounded: keep the worst offenders
             self.leader_failures = Counter(dict(self.leader_failures.most_common(1024)))
-
-    def _settle_deferrals(self, key: GroupKey, round_time: float) -> None:
-        """Before gathering at ``key``: a deferral (we were late) at another key of the fragment
-        is settled (we moved on); one at this key ``round_time`` seconds old or more is not:
-        nothing we deferred to moved us, so we are late at the key no more (``_exhausted``: a
-        bound on what fresh forged identities can cost at one key) and strike its peers
-        (``_struck``)."""
-        now = swarm_clock.monotonic()
-        for k in [k for k in self._deferred if k.fragment == key.fragment and k != key]:
-            del self._deferred[k]
-        if key in self._deferred and now - self._deferred[key][1] >= round_time:
-            self._exhausted[key] = None
-            while len(self._exhausted) > 64:
-                del self._exhausted[next(iter(self._exhausted))]
-            self._struck(key)
-        self.ignored_groups = {p: t for p, t in self.ignored_groups.items() if t > now}
-
-    def _struck(self, key: GroupKey) -> None:
-        """The peers we deferred to at ``key`` delivered nothing (we formed our own group there,
-        or waited ``round_time``): set aside at the key, and a peer in ``LEADER_FAILURES`` such
-        groups with no group merged with it in between has its "in a group" declarations
-        ignored everywhere for ``PASS_OVER_S`` seconds, doubling (as a failing leader's;
-        ``group_succeeded`` clears both)."""
-        peers, _ = self._deferred.pop(key, ({}, 0.0))
-        self._put_aside(key, peers)
-        now = swarm_clock.monotonic()
-        for peer in peers:
-            n = self.empty_groups[peer] = self.empty_groups[peer] + 1
-            if n >= LEADER_FAILURES:
-                self.ignored_groups[peer] = now + min(PASS_OVER_MAX_S, PASS_OVER_S * 2 ** (n - LEADER_FAILURES))
-        if len(self.empty_groups) > 4096:  # bounded: keep the worst offenders
-            self.empty_groups = Counter(dict(self.empty_groups.most_common(1024)))
-
-    def _late(self, key: GroupKey, grouped: dict[str, float]) -> tuple[Outcome, None]:
-        """Return "late", remembering whose group we deferred to (``_settle_deferrals``)."""
-        peers, since = self._deferred.pop(key, ({}, swarm_clock.monotonic()))
-        self._deferred[key] = ({**peers, **dict(list(grouped.items())[:max(0, 256 - len(peers))])}, since)
-        while len(self._deferred) > 64:
-            del self._deferred[next(iter(self._deferred))]
-        return "late", None
-
-    def ignoring_groups(self) -> dict[str, float]:
-        """Peers whose declarations of being in a group are ignored now, {peer ID: seconds left}."""
-        now = swarm_clock.monotonic()
-        return {p: round(t - now, 1) for p, t in self.ignored_groups.items() if t > now}
 
     def passing_over(self) -> dict[str, float]:
         """Leaders passed over now, {peer ID: seconds left}."""
@@ -318,79 +257,36 @@ class Matchmaker:
         version closed without us, or ("no_quorum", None). ``max_grace`` (seconds; default
         ``grace``): the longest grace window any leader of the run may use; a leader that has
         its quorum and keeps us waiting longer than that (plus ``JOIN_SLACK_S``) is passed over.
-
         A leader still alone while other learners are expected waits up to ``max_grace``
-        instead of ``grace`` (and at least ``grace`` after its first joiner, within that
-        bound): the paper's synchronizer folds a lone learner's late update into the one global
-        state (arXiv 2604.21428, sec. 3), but here a lone round makes a version that any other
-        group at the same version forks, and the loser downloads its state again (invariant
-        I7). Training goes on meanwhile (the round is in flight), so the wait costs staleness,
-        not compute; a peer expected but absent stops being expected after a few groups
-        (``node.expected.NO_SHOWS_MAX``). ``lone_wait`` False: no longer wait (a node's
-        end-of-budget flush, when the peers it expects are finishing too and may leave before
-        a late result reaches them).
-
-        Late: a learner, leader or joiner, that sees a peer which already left in a group at
-        its key (a declaration that says so, stamped within ``round_time`` seconds, default the
-        declarations' lifetime: ``_grouped``) returns ("late", None) at once, whatever its own
-        group's size, and a leader's joiners are sent away to find the same: a second group at
-        one version is a fork that one side loses with the progress merged into it (invariant
-        I7), whereas a late learner follows the group's state with its progress rebased and
-        contributes it to the next round. Declarations of peers that left without a group
-        (late, no quorum) do not count, nor those of a group this node saw fail, stamped before
-        it failed. Forged declarations (a group that does not exist) cost a learner at most
-        ``round_time`` at a key, whoever makes them: after that it is not late there again, and
-        the peers it deferred to are struck (``_settle_deferrals``, ``_struck``, docs/trust.md).
+        instead of ``grace`` (``_closes_at``); ``lone_wait`` False: no longer wait.
+        ``round_time`` (seconds; default the declarations' lifetime): how long a group at our
+        key makes us late (``_grouped``).
 
         Raises:
             NetworkError: the DHT could not be reached.
         """
         me, t0 = self.swarm.peer_id, swarm_clock.monotonic()
         deadline = t0 + quorum_timeout
-        # one lifetime whatever this round's grace: a DHT keeps the value that expires last, so a
-        # retry at this key with a shorter lifetime would not replace our closed declaration
-        dht_key, ttl = key.dht_key(self.run_id), quorum_timeout + max(grace, max_grace or 0.0) + 30
-        self.gatherings.max_age = quorum_timeout + max(grace, max_grace or 0.0) + JOIN_SLACK_S
-        pushed = any(True for _ in self.gatherings.audience())  # other learners known: declarations are pushed
-        if not pushed:
-            await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
-        gathering = _Gathering(key)
-        gathering.signatures[me] = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key, me))
-        self._gatherings[key.fragment] = gathering
+        dht_key, ttl, pushed, gathering = await self._open(key, quorum_timeout, max(grace, max_grace or 0.0))
         excluded: set[str] = set()
-        quorum_at: float | None = None
-        first_joiner_at: float | None = None
         lone_grace = max(grace, max_grace or 0.0) if expected > 1 and lone_wait else grace
         fresh_for = ttl if round_time is None else round_time
         self._settle_deferrals(key, fresh_for)
         grouped = False  # whether we leave in a group (our last declaration says so)
-        stored: dict[str, rec.Declaration] = {}
-        read_at = -math.inf
         try:
             while True:
-                if not pushed and swarm_clock.monotonic() - read_at >= POLL_SECONDS:  # no learner known to push
-                    read_at = swarm_clock.monotonic()  # to us: the DHT, at a wake-up POLL_SECONDS after the last
-                    stored = await self._declarations(dht_key)
-                pushed_here = self.gatherings.declarations(key.fragment, key.version, key.digest)
-                entries = {**stored, **{p: d for p, d in pushed_here.items() if not self._shunned(p)}}
+                entries = await self._entries(gathering, dht_key, pushed)
                 open_peers = {p for p, d in entries.items() if d.open}
                 open_peers = (open_peers - excluded - self.passing_over().keys()) | {me}
                 grouped_peers = self._grouped(key, entries, fresh_for)
                 if grouped_peers:  # a group at this version exists: don't fork it (leaders and joiners alike)
                     return self._late(key, grouped_peers)
                 leader = min(open_peers, key=lambda p: leader_rank(dht_key, p))
-                if (leader == me) != gathering.leading:  # leaders announce, joiners do not: about two
-                    gathering.leading = leader == me  # pushes a round for each node, whatever the swarm's size
-                    self._announce(quiet=not gathering.leading)  # withdrawn: the new leader outranks us anyway
+                self._take_role(gathering, leader == me)
                 now = swarm_clock.monotonic()
                 if leader != me:
-                    gathering.following = leader
-                    self._abdicate(gathering)
-                    wait = max(0.5, deadline + grace + 2 - now)
-                    if self.min_quorum <= 2:  # the leader and we make a quorum: it owes us a group soon
-                        wait = min(wait, max(grace, max_grace or 0.0) + JOIN_SLACK_S)
-                    outcome = await self._join(leader, key, timeout=wait)
-                    gathering.following = None
+                    outcome = await self._follow(gathering, leader, deadline + grace + 2 - now,
+                                                 max(grace, max_grace or 0.0))
                     if isinstance(outcome, Group):
                         grouped = True
                         return "group", self._formed(key, outcome)
@@ -399,65 +295,130 @@ class Matchmaker:
                     elif swarm_clock.monotonic() > deadline:
                         return "no_quorum", None
                     continue
-                # every joiner signed its join at the key (_on_join), which the other members check
-                joined = [j for j in gathering.joiners if j in gathering.signatures]
-                size = 1 + len(joined)
-                if size >= self.min_quorum and quorum_at is None:
-                    quorum_at = now
-                if size > 1 and first_joiner_at is None:
-                    first_joiner_at = now
-                everyone = size >= max(expected, 2)  # a lone learner still waits its grace
-                if quorum_at is not None and (everyone or now >= self._closes_at(quorum_at, first_joiner_at, grace, lone_grace)):
+                joined = self._closing(gathering, now, expected, grace, lone_grace)
+                if joined is not None:
                     grouped = True
                     return "group", self._formed(key, self._close(gathering, t0, joined))
-                if quorum_at is None and now > deadline:
+                if gathering.quorum_at is None and now > deadline:
                     return "no_quorum", None
-                gathering.arrived.clear()
-                try:
-                    async with asyncio.timeout(POLL_SECONDS):
-                        await gathering.arrived.wait()
-                except TimeoutError:
-                    pass
+                await self._wait_for_news(gathering)
         finally:
-            self._abdicate(gathering)
-            if self._gatherings.get(key.fragment) is gathering:
-                del self._gatherings[key.fragment]
-            if gathering.leading and grouped:  # learners arriving at the key later are late
-                self._left[key.fragment] = (key, self.swarm.clock.now())
-            if gathering.leading:  # withdrawn; the group's members need not hear of it until our next change
-                self._announce(gathering.members if grouped else ())
-            if not pushed:
-                try:
-                    await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now(), "g": grouped},
-                                           ttl)
-                except NetworkError as e:
-                    log.debug("could not mark %s closed: %s", dht_key, e)
+            await self._leave(gathering, grouped, pushed, dht_key, ttl)
 
-    def _grouped(self, key: GroupKey, entries: dict[str, rec.Declaration], fresh_for: float) -> dict[str, float]:
-        """{peer: t} of the declarations at ``key`` that make us late (``form_group``): "in a
-        group", stamped within ``fresh_for`` seconds of now (and not ahead of it by more than
-        the clock slack), not set aside, not by an ignored peer nor one whose state we cannot
-        fetch; none once we have been late at the key for ``round_time``."""
-        if key in self._exhausted:
-            return {}
-        now, cannot_fetch, mono = self.swarm.clock.now(), self.undeliverable(), swarm_clock.monotonic()
-        aside = {p: t for p, (t, start) in self._set_aside.get(key, {}).items() if mono >= start}
-        return {p: d.t for p, d in entries.items()
-                if d.grouped and p != self.swarm.peer_id and -FUTURE_SLACK_S <= now - d.t <= fresh_for
-                and d.t > aside.get(p, -math.inf) and p not in self.ignored_groups and p not in cannot_fetch}
+    async def _open(self, key: GroupKey, quorum_timeout: float, longest_grace: float
+                    ) -> tuple[str, float, bool, _Gathering]:
+        """Open our gathering at ``key``: declared in the DHT when no learner is known to push
+        to us, signed (our own ``mm.join`` signature) and registered. ``longest_grace``: the
+        longest grace window of the run (seconds). Returns (DHT key, declarations' lifetime in
+        seconds, whether declarations are pushed, the gathering). Raises NetworkError (the DHT)."""
+        me = self.swarm.peer_id
+        # one lifetime whatever this round's grace: a DHT keeps the value that expires last, so a
+        # retry at this key with a shorter lifetime would not replace our closed declaration
+        dht_key, ttl = key.dht_key(self.run_id), quorum_timeout + longest_grace + 30
+        self.gatherings.max_age = quorum_timeout + longest_grace + JOIN_SLACK_S
+        pushed = any(True for _ in self.gatherings.audience())  # other learners known: declarations are pushed
+        if not pushed:
+            await self.swarm.store(dht_key, me, {"open": True, "t": self.swarm.clock.now()}, ttl)
+        gathering = _Gathering(key)
+        gathering.signatures[me] = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key, me))
+        self._gatherings[key.fragment] = gathering
+        return dht_key, ttl, pushed, gathering
 
-    def _formed(self, key: GroupKey, group: Group) -> Group:
-        """We are in ``group`` at ``key``: whoever we deferred to there delivered nothing."""
-        self.listed_in(group)
-        if key in self._deferred:
-            self._struck(key)
-        return group
+    async def _entries(self, gathering: _Gathering, dht_key: str, pushed: bool) -> dict[str, rec.Declaration]:
+        """The declarations at the gathering's key, by author: the DHT's (read at a wake-up
+        ``POLL_SECONDS`` after the last, only while no learner is known to push to us), and the
+        pushed ones of peers neither banned nor avoided, which win."""
+        if not pushed and swarm_clock.monotonic() - gathering.read_at >= POLL_SECONDS:
+            gathering.read_at = swarm_clock.monotonic()
+            gathering.stored = await self._declarations(dht_key)
+        key = gathering.key
+        pushed_here = self.gatherings.declarations(key.fragment, key.version, key.digest)
+        return {**gathering.stored, **{p: d for p, d in pushed_here.items() if not self._shunned(p)}}
+
+    def _take_role(self, gathering: _Gathering, leading: bool) -> None:
+        """Lead or join at the gathering's key. Leaders announce, joiners do not: about two
+        pushes a round for each node, whatever the swarm's size; a withdrawal goes quietly
+        (the new leader outranks us anyway)."""
+        if leading != gathering.leading:
+            gathering.leading = leading
+            self._announce(quiet=not gathering.leading)
+
+    async def _follow(self, gathering: _Gathering, leader: str, until_deadline: float,
+                      longest_grace: float) -> Group | str:
+        """Join ``leader`` (``_join``), our own joiners sent away meanwhile; wait at most
+        ``until_deadline`` seconds (0.5 at least), or, when the leader and we make a quorum
+        (it owes us a group soon), the run's longest grace window plus ``JOIN_SLACK_S``."""
+        gathering.following = leader
+        self._abdicate(gathering)
+        wait = max(0.5, until_deadline)
+        if self.min_quorum <= 2:  # the leader and we make a quorum: it owes us a group soon
+            wait = min(wait, longest_grace + JOIN_SLACK_S)
+        outcome = await self._join(leader, gathering.key, timeout=wait)
+        gathering.following = None
+        return outcome
+
+    def _closing(self, gathering: _Gathering, now: float, expected: int, grace: float,
+                 lone_grace: float) -> list[str] | None:
+        """As the gathering's leader at ``now`` (monotonic seconds): the joiners to close the
+        group with if it closes now (quorum reached, and everyone ``expected`` joined or the
+        wait is over: ``_closes_at``), else None. Notes when the quorum and the first joiner came."""
+        # every joiner signed its join at the key (_on_join), which the other members check
+        joined = [j for j in gathering.joiners if j in gathering.signatures]
+        size = 1 + len(joined)
+        if size >= self.min_quorum and gathering.quorum_at is None:
+            gathering.quorum_at = now
+        if size > 1 and gathering.first_joiner_at is None:
+            gathering.first_joiner_at = now
+        everyone = size >= max(expected, 2)  # a lone learner still waits its grace
+        quorum_at = gathering.quorum_at
+        if quorum_at is not None and (
+                everyone or now >= self._closes_at(quorum_at, gathering.first_joiner_at, grace, lone_grace)):
+            return joined
+        return None
+
+    @staticmethod
+    async def _wait_for_news(gathering: _Gathering) -> None:
+        """Until a joiner or a pushed announcement arrives, ``POLL_SECONDS`` at most."""
+        gathering.arrived.clear()
+        try:
+            async with asyncio.timeout(POLL_SECONDS):
+                await gathering.arrived.wait()
+        except TimeoutError:
+            pass
+
+    async def _leave(self, gathering: _Gathering, grouped: bool, pushed: bool, dht_key: str, ttl: float) -> None:
+        """The gathering ends: its joiners redirected, unregistered, withdrawn from our
+        announcements (a leader that closed a group announces the key as left, so learners
+        arriving later are late), and our DHT declaration marked closed (``grouped``: in a group)."""
+        me = self.swarm.peer_id
+        self._abdicate(gathering)
+        if self._gatherings.get(gathering.key.fragment) is gathering:
+            del self._gatherings[gathering.key.fragment]
+        if gathering.leading and grouped:  # learners arriving at the key later are late
+            self._left[gathering.key.fragment] = (gathering.key, self.swarm.clock.now())
+        if gathering.leading:  # withdrawn; the group's members need not hear of it until our next change
+            self._announce(gathering.members if grouped else ())
+        if not pushed:
+            try:
+                await self.swarm.store(dht_key, me, {"open": False, "t": self.swarm.clock.now(), "g": grouped}, ttl)
+            except NetworkError as e:
+                log.debug("could not mark %s closed: %s", dht_key, e)
 
     @staticmethod
     def _closes_at(quorum_at: float, first_joiner_at: float | None, grace: float, lone_grace: float) -> float:
         """When a leader with its quorum since ``quorum_at`` closes (monotonic seconds): after
         ``grace``; a leader that expects others (``lone_grace`` > ``grace``) waits alone up to
-        ``lone_grace``, and ``grace`` after its first joiner, never past ``lone_grace``."""
+        ``lone_grace``, and ``grace`` after its first joiner, never past ``lone_grace``.
+
+        A leader still alone while other learners are expected waits up to ``max_grace``
+        (``form_group``) instead of ``grace``: the paper's synchronizer folds a lone learner's
+        late update into the one global state (arXiv 2604.21428, sec. 3), but here a lone round
+        makes a version that any other group at the same version forks, and the loser downloads
+        its state again (invariant I7). Training goes on meanwhile (the round is in flight), so
+        the wait costs staleness, not compute; a peer expected but absent stops being expected
+        after a few groups (``node.expected.NO_SHOWS_MAX``). ``form_group``'s ``lone_wait``
+        False: no longer wait (a node's end-of-budget flush, when the peers it expects are
+        finishing too and may leave before a late result reaches them)."""
         if first_joiner_at is None:
             return quorum_at + lone_grace
         return min(quorum_at + lone_grace, max(quorum_at, first_joiner_at) + grace)

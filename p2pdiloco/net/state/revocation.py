@@ -36,13 +36,16 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2pdiloco.errors import NetworkError
 from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.trust.certificates import Membership, RevocationList, SwarmKey, fingerprint
 from p2pdiloco.trust.errors import CertificateError
 from p2pdiloco.trust.identity import Identity, is_peer_id, peer_id_of, public_key_of
+
+if TYPE_CHECKING:
+    from p2pdiloco.net.transport.swarm import Swarm
 
 __all__ = ["RevocationWatch", "Publication", "publish_revocations", "revocations_key", "parse_entry",
            "MAX_LIST_BYTES", "REPLICAS", "PUBLISHER_CERT_S", "PUBLISH_TTL"]
@@ -279,24 +282,39 @@ async def publish_revocations(revocations: RevocationList, swarm_key: SwarmKey, 
     t0 = swarm_clock.monotonic()
     try:
         deadline = t0 + wait
-        stored = False
-        while not stored:
-            await swarm.store(key, swarm.peer_id, data, ttl)
-            stored = (await swarm.get(key)).get(swarm.peer_id) == data
-            if not stored:
-                if swarm_clock.monotonic() >= deadline:
-                    raise NetworkError(f"the DHT did not return revocation list #{revocations.serial} within "
-                                       f"{wait:g} s of storing it")
-                await asyncio.sleep(0.5)
-        holders: list[str] = []
-        while True:
-            found = await swarm.get(key)
-            holders = sorted(s for s, v in found.items() if s != swarm.peer_id and is_peer_id(s)
-                             and isinstance(parsed := parse_entry(v, swarm_key.public_key), RevocationList)
-                             and parsed.serial >= revocations.serial)
-            if holders or swarm_clock.monotonic() >= deadline:
-                break
-            await asyncio.sleep(1.0)
+        await _store_until_found(swarm, key, data, ttl, deadline, f"revocation list #{revocations.serial}", wait)
+        holders = await _member_copies(swarm, key, swarm_key.public_key, revocations.serial, deadline)
         return Publication(key, swarm.peer_id, tuple(holders), swarm_clock.monotonic() - t0)
     finally:
         await swarm.shutdown()
+
+
+async def _store_until_found(swarm: Swarm, key: str, data: bytes, ttl: float, deadline: float, what: str,
+                             wait: float) -> None:
+    """Store ``data`` under ``key`` (subkey: our peer ID, ``ttl`` seconds) until a lookup returns
+    it, every 0.5 s. Raises NetworkError once the monotonic ``deadline`` passed (``wait``
+    seconds after the first store: for the message)."""
+    stored = False
+    while not stored:
+        await swarm.store(key, swarm.peer_id, data, ttl)
+        stored = (await swarm.get(key)).get(swarm.peer_id) == data
+        if not stored:
+            if swarm_clock.monotonic() >= deadline:
+                raise NetworkError(f"the DHT did not return {what} within {wait:g} s of storing it")
+            await asyncio.sleep(0.5)
+
+
+async def _member_copies(swarm: Swarm, key: str, owner: bytes, serial: int, deadline: float) -> list[str]:
+    """The members (sorted peer IDs) holding a copy of the list ``serial`` or a later one under
+    ``key``, signed by ``owner`` (the swarm key's public key): looked up every second until one does or the monotonic
+    ``deadline`` passed (then possibly none)."""
+    holders: list[str] = []
+    while True:
+        found = await swarm.get(key)
+        holders = sorted(s for s, v in found.items() if s != swarm.peer_id and is_peer_id(s)
+                         and isinstance(parsed := parse_entry(v, owner), RevocationList)
+                         and parsed.serial >= serial)
+        if holders or swarm_clock.monotonic() >= deadline:
+            break
+        await asyncio.sleep(1.0)
+    return holders

@@ -1,7 +1,8 @@
 """Admission to a swarm: before a node takes part, it asks owners of the swarm's records
 whether they accept it (``trust.hello``, answered by every node's :class:`~p2pdiloco.net.transport.swarm.Swarm`
 with its swarm's name, or refused with AccessDenied by a private swarm's members when the
-node has no valid certificate: docs/trust.md)."""
+node has no valid certificate: docs/trust.md). A node accepts an answer to its own call only
+from a member of its swarm (:func:`check_answer`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import random
 from typing import TYPE_CHECKING
 
-from p2pdiloco.errors import NetworkError
+from p2pdiloco.errors import NetworkError, ProtocolError
 from p2pdiloco.trust.errors import AccessDenied
 from p2pdiloco.trust.identity import is_peer_id
 
@@ -48,3 +49,27 @@ async def check_admission(swarm: Swarm, key: str, tries: int = 3) -> None:
             log.debug("hello to %s: %s", peer[-8:], e)
     if refusal is not None:
         raise AccessDenied(f"the swarm refused this node ({swarm.peer_id}): {refusal}", refusal.reason)
+
+
+def check_answer(swarm: Swarm, peer_id: str, name: str, reply: dict) -> None:
+    """Accept ``peer_id``'s answer ``reply`` (its header) to our call ``name``
+    (``Swarm.call``): not a refusal, and from a member of ``swarm``'s swarm (its ``_cert``,
+    popped from ``reply``, checked by ``swarm.membership``; a dropped answer counted in
+    ``swarm.refused``).
+
+    Raises:
+        AccessDenied: the peer refused us, or its answer is dropped (not a member).
+        ProtocolError: the peer answered with an error.
+    """
+    if "error" in reply:
+        if "denied" in reply:
+            raise AccessDenied(f"{peer_id[-8:]} refused {name}: {reply['error']}", str(reply["denied"]))
+        raise ProtocolError(f"{peer_id[-8:]} refused {name}: {reply['error']}")
+    cert = reply.pop("_cert", None)
+    try:
+        if cert is not None and not isinstance(cert, bytes):
+            raise AccessDenied("its _cert is not bytes", "malformed")
+        swarm.membership.check(peer_id, cert)
+    except AccessDenied as e:
+        swarm.refused[e.reason] += 1
+        raise AccessDenied(f"answer of {peer_id[-8:]} to {name} dropped: {e}", e.reason) from None

@@ -46,6 +46,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from p2pdiloco.errors import NetworkError
 from p2pdiloco.net.transport.framing import close_stream, short_error
 from p2pdiloco.net.records.signed import SignedRecords
+from p2pdiloco.trust.errors import IdentityError
 from p2pdiloco.trust.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -142,16 +143,8 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
     line when it exits or does not answer within ``startup_timeout`` seconds."""
     binary = importlib.resources.files("hivemind.hivemind_cli") / "p2pd"
     sock = Path(tempfile.gettempdir()) / f"p2pdiloco-p2pd-{secrets.token_urlsafe(8)}.sock"
-    flags = {"listen": f"/unix{sock}", "id": identity_path, "hostAddrs": ",".join(host_maddrs), "dhtServer": 1,
-             "autonat": 1, "natPortMap": 1, "connManager": 1, "tls": 1, "relay": int(use_relay), "autoRelay": 1,
-             "relayDiscovery": 0, "trustedRelays": ",".join(one_addr_per_peer(static_relays)),
-             "idleTimeout": f"{IDLE_TIMEOUT_S}s", "q": 1}
-    if initial_peers:
-        flags.update(bootstrapPeers=",".join(initial_peers), b=1)
-    if announce_maddrs:
-        flags["announceAddrs"] = ",".join(announce_maddrs)
-    if force_reachability in ("public", "private"):
-        flags[f"forceReachability{force_reachability.capitalize()}"] = 1
+    flags = _static_relay_flags(sock, identity_path, host_maddrs, static_relays, initial_peers, announce_maddrs,
+                                use_relay, force_reachability)
     env = {**os.environ, "GOLOG_LOG_LEVEL": "error"}
     proc = await asyncio.create_subprocess_exec(str(binary), *(f"-{k}={v}" for k, v in flags.items()),
                                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -169,17 +162,7 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
         task.add_done_callback(_watching.discard)
     try:
         async with asyncio.timeout(startup_timeout):
-            while not sock.exists():
-                if proc.returncode is not None:
-                    raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
-                await asyncio.sleep(0.02)
-            replica = asyncio.ensure_future(P2P.replicate(Multiaddr(f"/unix{sock}")))
-            await asyncio.wait([replica, proc_done], return_when=asyncio.FIRST_COMPLETED)
-            if not replica.done():
-                replica.cancel()
-                await drainer  # p2pd exited: its last words are in
-                raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
-            p2p = replica.result()
+            p2p = await _replicate(proc, sock, errors, drainer, proc_done)
     except BaseException as e:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
@@ -188,6 +171,43 @@ async def _spawn_with_static_relays(spawned: list[int], static_relays: Sequence[
                                f"{' | '.join(errors) or 'no message'}") from None
         raise
     return p2p
+
+
+def _static_relay_flags(sock: Path, identity_path: str, host_maddrs: Sequence[str], static_relays: Sequence[str],
+                        initial_peers: Sequence[str], announce_maddrs: Sequence[str], use_relay: bool,
+                        force_reachability: str | None) -> dict[str, Any]:
+    """p2pd's command-line flags (name -> value, passed as ``-name=value``) for
+    :func:`_spawn_with_static_relays`: its control socket at ``sock``, autorelay on
+    ``static_relays`` only, otherwise the flags ``P2P.create`` passes with its defaults."""
+    flags = {"listen": f"/unix{sock}", "id": identity_path, "hostAddrs": ",".join(host_maddrs), "dhtServer": 1,
+             "autonat": 1, "natPortMap": 1, "connManager": 1, "tls": 1, "relay": int(use_relay), "autoRelay": 1,
+             "relayDiscovery": 0, "trustedRelays": ",".join(one_addr_per_peer(static_relays)),
+             "idleTimeout": f"{IDLE_TIMEOUT_S}s", "q": 1}
+    if initial_peers:
+        flags.update(bootstrapPeers=",".join(initial_peers), b=1)
+    if announce_maddrs:
+        flags["announceAddrs"] = ",".join(announce_maddrs)
+    if force_reachability in ("public", "private"):
+        flags[f"forceReachability{force_reachability.capitalize()}"] = 1
+    return flags
+
+
+async def _replicate(proc: asyncio.subprocess.Process, sock: Path, errors: deque[str], drainer: asyncio.Future,
+                     proc_done: asyncio.Future) -> P2P:
+    """Once p2pd (``proc``) listens on ``sock``, connect to it (``P2P.replicate``). Raises
+    RuntimeError naming p2pd's last ``errors`` lines (all in once ``drainer`` ends) when it
+    exits first (``proc_done``); the caller bounds the wait."""
+    while not sock.exists():
+        if proc.returncode is not None:
+            raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
+        await asyncio.sleep(0.02)
+    replica = asyncio.ensure_future(P2P.replicate(Multiaddr(f"/unix{sock}")))
+    await asyncio.wait([replica, proc_done], return_when=asyncio.FIRST_COMPLETED)
+    if not replica.done():
+        replica.cancel()
+        await drainer  # p2pd exited: its last words are in
+        raise RuntimeError(f"p2pd exited ({proc.returncode}): {' | '.join(errors) or 'no message'}")
+    return replica.result()
 
 
 # hivemind's ControlClient keeps its persistent connection to p2pd in two tasks that nothing
@@ -471,6 +491,22 @@ async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: f
                 await asyncio.wait_for(probe.shutdown(), 10)
             except Exception as e:
                 log.debug("probe shutdown: %s", e)
+
+
+async def own_identity(identity: Identity | None, identity_path: str | None, initial_peers: Sequence[str]) -> Identity:
+    """The identity a node starts p2pd with (``Swarm.start``): ``identity``, else the one loaded
+    from (or created at) ``identity_path``, else a new one held in memory. Raises
+    IdentityError: the file is unusable, or (one loaded from an existing file) a running peer
+    of the swarm already uses it (:func:`identity_in_use`, through ``initial_peers``)."""
+    if identity is None:
+        identity = Identity.load_or_create(identity_path)[0] if identity_path else Identity.generate()
+    if identity.path is not None and not identity.created and initial_peers:
+        if await identity_in_use(identity.peer_id, initial_peers):
+            raise IdentityError(
+                f"identity {identity.path} (peer ID {identity.peer_id}) is already used by a running node of "
+                "this swarm; a second node with the same identity would steal its connections. Stop the "
+                "other node, or give this one its own --data-dir (or trust.identity) to get a new identity")
+    return identity
 
 
 def probe_verdict(error: str) -> bool | None:

@@ -62,7 +62,7 @@ from p2pdiloco.net.transport.framing import (  # noqa: F401  (frame, read_header
 from p2pdiloco.net.transport import admission
 from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.net.transport import sessions
-from p2pdiloco.net.transport.daemon import (identity_in_use, listening_maddrs, private_sockets, quiet_dead_daemon_tasks,
+from p2pdiloco.net.transport.daemon import (listening_maddrs, own_identity, private_sockets, quiet_dead_daemon_tasks,
                                             rejoin_dht, start_daemon, start_dht)
 from p2pdiloco.net.transport.drops import DropLedger, TrafficStats, record_kind
 from p2pdiloco.net.transport.framing import short_error as _short
@@ -71,7 +71,7 @@ from p2pdiloco.net.transport.reachability import DialbackServer, Reachability, R
 from p2pdiloco.net.transport.serving import Handler, Server
 from p2pdiloco.net.records.signed import SignedRecords
 from p2pdiloco.trust.certificates import Membership
-from p2pdiloco.trust.errors import AccessDenied, IdentityError
+from p2pdiloco.trust.errors import IdentityError
 from p2pdiloco.trust.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,7 @@ class Swarm:
         """Start p2pd and join the DHT through ``initial_peers`` (multiaddr strings).
 
         Args:
-            identity: the node's key pair; else loaded from (or created at) ``identity_path``;
-                else a new key held in memory (a new peer ID every start).
+            identity: the node's key pair; else ``identity_path``'s; else a new one (``daemon.own_identity``).
             membership: the private swarm this node belongs to; default: public swarm.
             admission_key: a DHT key of records under peer IDs (``{run}/heads``): when given,
                 :meth:`check_admission` runs before returning.
@@ -164,8 +163,7 @@ class Swarm:
 
         Raises:
             IdentityError: the identity file is unusable, or a running peer of the swarm
-                already uses this identity (checked through ``initial_peers`` before the
-                daemon starts, for an identity loaded from an existing file).
+                already uses this identity (``daemon.own_identity``).
             ClockSkewError: this machine's clock is more than ``clock.TOLERANCE_S`` seconds
                 off the initial peers' (the median of their offsets); the daemon is shut down.
             NetworkError: the daemon did not start (port in use...) or none of the initial
@@ -173,39 +171,14 @@ class Swarm:
             AccessDenied: ``admission_key`` given and the swarm refuses this node; the daemon
                 is shut down.
         """
-        if identity is None:
-            identity = Identity.load_or_create(identity_path)[0] if identity_path else Identity.generate()
+        identity = await own_identity(identity, identity_path, initial_peers)
         membership = membership if membership is not None else Membership()
-        if identity.path is not None and not identity.created and initial_peers:
-            if await identity_in_use(identity.peer_id, initial_peers):
-                raise IdentityError(
-                    f"identity {identity.path} (peer ID {identity.peer_id}) is already used by a running node of "
-                    "this swarm; a second node with the same identity would steal its connections. Stop the "
-                    "other node, or give this one its own --data-dir (or trust.identity) to get a new identity")
         with private_sockets():  # p2pd's socket, and hivemind's, bound by the first handler: owner-only
-            p2p, daemon_pid = await start_daemon(identity, initial_peers, host_maddrs, announce_maddrs,
-                                                 startup_timeout, daemon_options(reachability, relay, initial_peers))
-            clock = swarm_clock.SwarmClock()
-            try:
-                strict = await swarm_clock.check_initial(clock, p2p, initial_peers)
-            except BaseException:
-                await p2p.shutdown()
-                raise
-            if record_swarm is not None and membership.private and record_swarm != membership.swarm:
-                await p2p.shutdown()
-                raise ValueError("record_swarm names another swarm than membership")
-            records = SignedRecords(identity, Membership(record_swarm) if record_swarm is not None else membership)
-            dht = await start_dht(p2p, initial_peers, bootstrap_timeout, records, strict=strict)
-            swarm = cls(p2p, dht, daemon_pid, identity, membership, records, clock)
-            if swarm.peer_id != identity.peer_id:  # p2pd must run with exactly our key
-                await swarm.shutdown()
-                raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
-            swarm._clock_task = asyncio.create_task(swarm_clock.watch(swarm.clock, p2p))
-            await swarm.server.start()
-            await swarm.add_handler("trust.hello", swarm._on_hello)
-            await swarm.add_handler(DIALBACK, DialbackServer(swarm))
+            swarm, strict = await cls._launch(identity, membership, initial_peers, host_maddrs, announce_maddrs,
+                                              startup_timeout, daemon_options(reachability, relay, initial_peers),
+                                              bootstrap_timeout, record_swarm)
         swarm.reach, swarm.initial_peers = Reachability(reachability or "auto", relay), list(initial_peers)
-        swarm._daemon_args = dict(host_maddrs=list(host_maddrs), bound=listening_maddrs(host_maddrs, daemon_pid),
+        swarm._daemon_args = dict(host_maddrs=list(host_maddrs), bound=listening_maddrs(host_maddrs, swarm.daemon_pid),
                                   rest=(announce_maddrs, startup_timeout, daemon_options(reachability, relay, initial_peers)),
                                   bootstrap_timeout=bootstrap_timeout, strict=strict)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
@@ -218,6 +191,38 @@ class Swarm:
             await swarm.shutdown()
             raise
         return swarm
+
+    @classmethod
+    async def _launch(cls, identity: Identity, membership: Membership, initial_peers: Sequence[str],
+                      host_maddrs: Sequence[str], announce_maddrs: Sequence[str], startup_timeout: float,
+                      options: Any, bootstrap_timeout: float, record_swarm: bytes | None) -> tuple[Swarm, bool]:
+        """Start p2pd (``options``: ``daemon_options``), check our clock against the initial peers'
+        and join the DHT; then serve (clock watch, RPC server, ``trust.hello``, dial-backs).
+        Returns (the swarm, whether the clock check was strict). Raises as :meth:`start`, and
+        ValueError when ``record_swarm`` names another swarm than ``membership``; the daemon is
+        shut down on a failure after it started."""
+        p2p, daemon_pid = await start_daemon(identity, initial_peers, host_maddrs, announce_maddrs,
+                                             startup_timeout, options)
+        clock = swarm_clock.SwarmClock()
+        try:
+            strict = await swarm_clock.check_initial(clock, p2p, initial_peers)
+        except BaseException:
+            await p2p.shutdown()
+            raise
+        if record_swarm is not None and membership.private and record_swarm != membership.swarm:
+            await p2p.shutdown()
+            raise ValueError("record_swarm names another swarm than membership")
+        records = SignedRecords(identity, Membership(record_swarm) if record_swarm is not None else membership)
+        dht = await start_dht(p2p, initial_peers, bootstrap_timeout, records, strict=strict)
+        swarm = cls(p2p, dht, daemon_pid, identity, membership, records, clock)
+        if swarm.peer_id != identity.peer_id:  # p2pd must run with exactly our key
+            await swarm.shutdown()
+            raise IdentityError(f"p2pd runs as {swarm.peer_id}, not as the identity's {identity.peer_id}")
+        swarm._clock_task = asyncio.create_task(swarm_clock.watch(swarm.clock, p2p))
+        await swarm.server.start()
+        await swarm.add_handler("trust.hello", swarm._on_hello)
+        await swarm.add_handler(DIALBACK, DialbackServer(swarm))
+        return swarm, strict
 
     async def restart(self) -> None:
         """Start p2pd again under this running peer after it died (killed, crashed, OOM): the
@@ -472,15 +477,7 @@ class Swarm:
             ProtocolError: the peer answered with an error (``busy``, too large...), or a
                 malformed reply, or one over ``max_reply``.
         """
-        self.stats.calls_out += 1
-        self.stats.calls_by[name] += 1
-        if self.membership.private:
-            header = dict(header, _cert=self.membership.own_certificate)
-        try:
-            self.stats.header_bytes[name] += len(frame(header, len(payload)))
-        except (ProtocolError, TypeError, ValueError) as e:
-            self.stats.calls_failed += 1
-            raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
+        header = self._request_header(name, header, payload)
         try:
             async with asyncio.timeout(timeout) as deadline:
                 small = len(payload) <= sessions.MAX_MESSAGE and max_reply <= sessions.MAX_MESSAGE
@@ -503,19 +500,22 @@ class Swarm:
         n = len(body)
         self.stats.add(peer_id, n_in=n, seconds=received)
         self.stats.header_bytes[name] += len(frame(reply, n))  # as received (re-encoded: same size)
-        if "error" in reply:
-            if "denied" in reply:
-                raise AccessDenied(f"{peer_id[-8:]} refused {name}: {reply['error']}", str(reply["denied"]))
-            raise ProtocolError(f"{peer_id[-8:]} refused {name}: {reply['error']}")
-        cert = reply.pop("_cert", None)
-        try:
-            if cert is not None and not isinstance(cert, bytes):
-                raise AccessDenied("its _cert is not bytes", "malformed")
-            self.membership.check(peer_id, cert)
-        except AccessDenied as e:
-            self.refused[e.reason] += 1
-            raise AccessDenied(f"answer of {peer_id[-8:]} to {name} dropped: {e}", e.reason) from None
+        admission.check_answer(self, peer_id, name, reply)
         return reply, body
+
+    def _request_header(self, name: str, header: Header, payload: bytes) -> Header:
+        """A call's ``header`` as sent: with our certificate in a private swarm; the call and its
+        header's bytes counted (``stats``). Raises ProtocolError: it cannot be framed."""
+        self.stats.calls_out += 1
+        self.stats.calls_by[name] += 1
+        if self.membership.private:
+            header = dict(header, _cert=self.membership.own_certificate)
+        try:
+            self.stats.header_bytes[name] += len(frame(header, len(payload)))
+        except (ProtocolError, TypeError, ValueError) as e:
+            self.stats.calls_failed += 1
+            raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
+        return header
 
     async def _stream_call(self, peer_id: str, name: str, header: Header, payload: bytes, max_reply: int,
                            first_reply: float | None, stretch: tuple[asyncio.Timeout, float] | None = None
