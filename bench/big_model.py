@@ -8,7 +8,7 @@ random initialisation from the run seed; default 8 layers, 1024 wide, 16 heads, 
 101.3M parameters, context 64, 2 sequences per inner step) with real node processes and a
 bootstrap peer on 127.0.0.1, writing local checkpoints; a third node joins midway and downloads
 every fragment's state before it trains. Each node's resident memory is sampled every
-``--sample-every`` seconds (psutil) and its own peak read from its report (``getrusage``); both
+``--sample-every`` seconds (psutil) and its own peak read from its report (``hardware.peak_rss_mib``: VmHWM); both
 are compared with the estimate the node showed at start (``hardware.memory_estimate``,
 p2pdiloco.footprint). Goals (docs/benchmarks/README.md, "Real models"): held-out loss falls
 on every node, equal final global digests, the newcomer downloads the full state, peak resident
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace, values: dict[str, str], frags: list[dict], wor
 
 def memory_rows(data: dict) -> tuple[list[dict], bool]:
     """Per node: the estimate shown at start, the peak resident memory (the larger of the
-    sampled one and the node's own getrusage peak), their ratio and the 8x-fp32 + 1 GiB bound."""
+    sampled one and the node's own peak (VmHWM)), their ratio and the 8x-fp32 + 1 GiB bound."""
     bound = 8 * 4 * data["parameters"] / MIB + 1024
     rows, ok = [], True
     for n in NAMES:
@@ -134,7 +134,7 @@ def memory_rows(data: dict) -> tuple[list[dict], bool]:
         ok &= met
         sampled = round(data["rss_sampled_peak_mib"].get(n, 0.0))
         rows.append({"node": n, "estimate_mib": est, "sampled_peak_mib": sampled,
-                     "getrusage_peak_mib": hw.get("peak_rss_mib"), "peak_mib": round(peak), "ratio": round(ratio, 3),
+                     "own_peak_mib": hw.get("peak_rss_mib"), "peak_mib": round(peak), "ratio": round(ratio, 3),
                      "bound_mib": round(bound), "p2pd_peak_mib": round(data["p2pd_sampled_peak_mib"].get(n, 0.0)),
                      "parts": hw["memory_estimate"], "met": met})
     return rows, ok
@@ -170,12 +170,12 @@ def write(args: dict, m: dict, seconds: float, data: dict) -> tuple[Path, bool]:
               "began training. Loss in nats per byte (bytes are the tokens). A checkpoint serializes the live "
               "tensors in the training thread between two steps (no copy: it adds no memory); training waits for "
               "the write, at most 5% of the time (node/training.py, CHECKPOINT_COST).")
-    doc.table(["node", "estimate shown at start (MiB)", "peak RSS, sampled (MiB)", "peak RSS, getrusage (MiB)",
+    doc.table(["node", "estimate shown at start (MiB)", "peak RSS, sampled (MiB)", "peak RSS, its own (MiB)",
                "peak / estimate", "8 x fp32 + 1 GiB (MiB)", "p2pd peak (MiB)", "met"],
-              [[r["node"], r["estimate_mib"], r["sampled_peak_mib"], r["getrusage_peak_mib"], f"{r['ratio']:.2f}",
+              [[r["node"], r["estimate_mib"], r["sampled_peak_mib"], r["own_peak_mib"], f"{r['ratio']:.2f}",
                 r["bound_mib"], r["p2pd_peak_mib"], c.verdict(r["met"])] for r in mem],
               f"Resident memory of each node's Python process, sampled every {args['sample_every']:g} s "
-              f"({data['rss_samples']} samples) and its own peak (``ru_maxrss``); the p2pd daemon is a process "
+              f"({data['rss_samples']} samples) and its own peak (``VmHWM``, p2pdiloco.footprint.peak_rss_mib); the p2pd daemon is a process "
               "of its own, shown apart. The estimate's parts (MiB) on node0: " + ", ".join(
                   f"{k.removesuffix('_mib')} {v}" for k, v in mem[0]["parts"].items() if k != "parameters") + ".")
     doc.text(f"The newcomer's download at joining (its journal): fragments {download['fragments']} at versions "

@@ -175,7 +175,9 @@ class Node(CatchUp):
     async def _wind_down(self, data_dir: Path | None) -> None:
         """Training ended: finish the rounds in flight (their full time when the budget was spent;
         ``LEAVE_S`` from a stop request, then abandoned), checkpoint into ``data_dir``, settle
-        (budget spent only) and publish our last record, stored in the DHT too."""
+        (budget spent only; checkpoint again when a catch-up while settling changed the global
+        state, so that ``model export`` from the data dir gives the state the node ended on) and
+        publish our last record, stored in the DHT too."""
         out = self.cfg.outer
         self.stats.state = "leaving"
         if not self._interrupted:  # budget spent: rounds in flight get their full time, or until a stop
@@ -191,7 +193,10 @@ class Node(CatchUp):
         if data_dir is not None:
             await asyncio.to_thread(self._checkpoint, data_dir)
         if not self._interrupted:
+            held = [st.digest for st in self.committed]
             await self._settle(self.cfg.settle)
+            if data_dir is not None and [st.digest for st in self.committed] != held:  # caught up while settling:
+                await asyncio.to_thread(self._checkpoint, data_dir)  # the checkpoint holds the state we end on
         await self._publish(store=True)  # done: nodes that read only the DHT see it too
 
     def _checkpoint(self, data_dir: Path) -> None:  # in the training thread, or once it ended

@@ -81,8 +81,18 @@ def rss_mib() -> float:
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory since it started, MiB (``getrusage``'s ``ru_maxrss``:
-    KiB on Linux, bytes on macOS); its current one where ``resource`` is missing (Windows)."""
+    """This process's peak resident memory since it started, MiB: on Linux the high-water mark
+    of its own address space (``VmHWM`` in /proc/self/status, which a new program starts afresh;
+    ``getrusage``'s ``ru_maxrss`` survives execve and, for a process its parent spawned with
+    vfork as Python's subprocess does, starts at the parent's peak), else ``ru_maxrss`` (bytes
+    on macOS), else its current one (Windows)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource  # noqa: PLC0415  (POSIX only)
     except ImportError:
