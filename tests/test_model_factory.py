@@ -232,7 +232,8 @@ def test_the_node_command_refuses_a_bad_factory_in_one_line(tmp_path: Path) -> N
 def test_two_nodes_train_a_factory_model_together(harness) -> None:
     maddr = harness.bootstrap()
     nodes = [harness.node(maddr, f"n{i}", {**TINY, "model.factory": LM, "data.num_shards": "2",
-                                           "data.shard_index": str(i)}, "--duration", "14") for i in range(2)]
+                                           "data.shard_index": str(i)}, "--duration", "14", "--set", "settle=60")  # ends once both agree
+             for i in range(2)]
     for proc, d in nodes:
         assert harness.wait(proc, 200, d / "node.log") == 0, (d / "node.log").read_text()[-3000:]
     reports = [read_report(d) for _, d in nodes]
