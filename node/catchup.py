@@ -132,9 +132,7 @@ class CatchUp:
                 return None
             if state.version > self.committed[p].version and not initial and not await self.vetting.weigh_follow(
                     list(self.committed), state, head.holders):  # a newer state that raises our held-out loss:
-                for holder in head.holders:  # its holders distrusted (weigh_follow) and not grouped with
-                    self.matchmaker.avoid(holder, "served a state that raises our held-out loss")
-                return None
+                return None  # refused, its holders struck and distrusted (weigh_follow), still grouped with
             made_by = next((r.rounds[p] for peer, r in records.items() if peer in head.holders), "")
             failed = self.committed.pop_lost(p)
             ours = bool(made_by) and failed == made_by

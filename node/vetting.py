@@ -29,7 +29,12 @@ and avoided.
 A node with trusted peers checks every newer state it follows the same way
 (:meth:`Vetting.weigh_follow`): one that raises its held-out loss by more than ``VET_TOLERANCE``
 is refused and its holders distrusted, so a peer that earned trust and then turns (colluders
-after honest work) cannot move it by serving reversed states between two rounds.
+after honest work) cannot move it by serving reversed states between two rounds. The holders
+are not avoided in matchmaking (a refused round's reducers are): an honest holder may have been
+fooled by a poisoned round, and a node that stopped grouping with it trained apart from it to
+the end of the run, each on its own lineage (bench.trust_poison --honest-first 300 on 5eac509).
+Rounds with a holder are checked like any other; once the node trusts no live peer it vets, and
+a refused peer whose newer state passes that check is trusted again (``Reputation.vetted``).
 
 Limits: a state that is worse than the honest swarm's but better than the joiner's own (a
 trained model slightly shrunk) passes when no honest holder is among the candidates asked; the
@@ -122,8 +127,7 @@ class Vetting:
             else:
                 continue
             self.refused += 1
-            for st in got:
-                self.sync.refuse(st, (peer,), why)
+            self.sync.refuse(got, (peer,), why)
         if best is None:
             return None
         loss, peer, got = best
@@ -167,7 +171,7 @@ class Vetting:
         if math.isfinite(after) and after <= before * (1 + VET_TOLERANCE):
             return True
         self.refused += 1
-        self.sync.refuse(state, holders, f"its state raises this node's held-out loss from {before:.4f} to {after:.4f}")
+        self.sync.refuse([state], holders, f"its state raises this node's held-out loss from {before:.4f} to {after:.4f}")
         return False
 
     async def _fetch(self, peer: str, record: HeadsRecord, states: Sequence[FragmentState]) -> list[FragmentState]:

@@ -22,9 +22,11 @@ from node.vetting import ROUND_TOLERANCE, trusted_records
 from p2pdiloco.config import load_config
 from p2pdiloco.core.outer import FragmentState
 from p2pdiloco.data import evaluate
+from p2pdiloco.net.state.strikes import IGNORE_S
+from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.net.transport.memory import MemoryNet
 from p2pdiloco.net.rounds.results import ResultRefused
-from p2pdiloco.trust.reputation import REFUTED_HOLD, TRUSTED, Reputation
+from p2pdiloco.trust.reputation import REFUTED_HOLD, TRUSTED, Reputation, Standing
 
 
 def test_reputation_is_earned_by_merged_rounds_and_lost_to_a_refusal() -> None:
@@ -35,8 +37,6 @@ def test_reputation_is_earned_by_merged_rounds_and_lost_to_a_refusal() -> None:
     assert rep.trusted("a") and rep.trusted_peers() == {"a"}
     rep.refuted("a", "its state raised the held-out loss")
     assert rep.score("a") == 0.0 and not rep.trusted("a")
-    rep.vetted("a")  # a refused peer owes points first: vetting does not restore it
-    assert not rep.trusted("a")
     for _ in range(int(REFUTED_HOLD)):  # the points owed are paid back, no score yet
         rep.merged("a")
     assert rep.score("a") == 0.0
@@ -45,6 +45,9 @@ def test_reputation_is_earned_by_merged_rounds_and_lost_to_a_refusal() -> None:
     assert rep.trusted("a") and rep.standing("a").merged == 2 * TRUSTED + REFUTED_HOLD
     rep.vetted("b")
     assert rep.trusted("b") and rep.snapshot()["b"] == {"score": TRUSTED, "merged": 0, "refuted": 0}
+    rep.refuted("b", "its state raised the held-out loss")
+    rep.vetted("b")  # a state of it that this node checked itself forgives the points owed
+    assert rep.trusted("b") and rep.standing("b") == Standing(TRUSTED, 0, 1, 0.0)
 
 
 def test_merge_weight_grows_from_a_quarter_to_one_with_merged_rounds_and_falls_with_a_refusal() -> None:
@@ -133,6 +136,39 @@ async def test_a_newer_state_of_a_trusted_peer_is_followed_only_if_it_does_not_r
         assert not await node.vetting.weigh_follow(start, worse, ("turned",))
         assert not node.reputation.trusted("turned") and node.reputation.standing("turned").refuted == 1
         assert node.sync.refused_states == 1 and "turned" in node.sync.strikes.ignoring()
+
+
+@pytest.mark.looptime(end=600)
+@pytest.mark.asyncio
+async def test_an_honest_peer_refused_once_is_still_grouped_with_and_followed_again_once_vetted() -> None:
+    """A trusted peer fooled by a poisoned round serves a state that raises this node's held-out
+    loss: refused (struck once, distrusted) but not avoided in matchmaking; when its records
+    count again and it holds a better state while this node trusts no other live peer, the
+    node vets it, trusts it again and follows it (bench.trust_poison --honest-first 300 on
+    5eac509: two honest nodes that refused each other trained apart to the end)."""
+    async with _nodes(2) as (node, peer):
+        pid = peer.swarm.peer_id
+        for _ in range(int(TRUSTED)):
+            node.reputation.merged(pid)
+        start, good = list(node.committed), _trained(peer)
+        _serve(peer, [FragmentState.create(s.index, 1, [2 * b - t for b, t in zip(s.theta, g.theta)], s.momentum,
+                                           s.ledger) for s, g in zip(start, good)])  # every fragment undone
+        await peer.sync.publish(peer.record(), store=True)
+        await node._catch_up()
+
+        assert [(s.version, s.digest) for s in node.committed] == [(s.version, s.digest) for s in start]
+        assert not node.reputation.trusted(pid) and node.reputation.standing(pid).refuted >= 1
+        assert pid not in node.matchmaker.avoiding()  # still grouped with: its rounds are checked one by one
+        until, _ = node.sync.strikes.ignored[pid]  # one strike for one refusal, not one per fragment
+        assert until - swarm_clock.monotonic() <= IGNORE_S
+
+        _serve(peer, good)  # later: a better state, 5 versions ahead
+        await peer.sync.publish(peer.record(), store=True)
+        await asyncio.sleep(IGNORE_S)  # virtual seconds: its records count again
+        await node._catch_up()
+
+        assert node.reputation.trusted(pid)
+        assert [(s.version, s.digest) for s in node.committed] == [(s.version, s.digest) for s in good]
 
 
 @pytest.mark.asyncio

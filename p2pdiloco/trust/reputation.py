@@ -8,16 +8,20 @@ starts at zero for every identity and grows only with work this node verified it
 * **A merged round** (:meth:`Reputation.merged`): the peer's signed contribution was merged in a
   round this node committed as a member (its slices passed the reducers' checks and the robust
   merge; ``net.rounds.allreduce``): +1.
-* **A vetted state** (:meth:`Reputation.vetted`): a node that trusts nobody yet (it is joining)
-  downloaded the state the peer holds and found that it lowers this node's own held-out loss
-  (``node.vetting``), as Templar's Gauntlet scores a peer by the loss before and after its
-  update (arXiv 2505.21684), without validators: ``TRUSTED`` at once, so the joiner follows it.
+* **A vetted state** (:meth:`Reputation.vetted`): a node that trusts no live peer (it is
+  joining, or it refused every peer it trusted) downloaded the state the peer holds and found
+  that it does not raise this node's own held-out loss (``node.vetting``), as Templar's
+  Gauntlet scores a peer by the loss before and after its update (arXiv 2505.21684), without
+  validators: ``TRUSTED`` at once, so the node follows it, an earlier refusal forgiven.
 * **Merge weight** (:meth:`Reputation.merge_weight`): in the merges this node reduces, a peer's
   token weight is multiplied by a factor from ``FRESH_WEIGHT`` (no points) to 1.0
   (``FULL_WEIGHT_AT`` points).
 * **A refuted claim** (:meth:`Reputation.refuted`): a state it claimed was refused (not a
   plausible successor, ``net.state.bounded_moves``; or it raised the held-out loss): the score falls
-  to zero and ``REFUTED_HOLD`` rounds of credit must be earned again before it counts.
+  to zero and ``REFUTED_HOLD`` rounds of credit must be earned again before it counts (or a
+  vetted state of it forgives them, above). A refusal does not stop this node grouping with the
+  peer: every round is checked on its own (``core.audit``, ``Vetting.weigh_round``), and only a
+  refused round's reducers are avoided in matchmaking.
 
 A peer is *trusted* (:meth:`Reputation.trusted`) from ``TRUSTED`` points: only trusted peers'
 records move this node's state (``node.vetting.trusted_records``). A trusted peer that turns
@@ -96,11 +100,16 @@ class Reputation:
         self._set(peer, Standing(s.score + (1.0 if s.owed <= 0 else 0.0), s.merged + 1, s.refuted, owed))
 
     def vetted(self, peer: str) -> None:
-        """``peer``'s state lowered this node's held-out loss (``node.vetting``): trusted at once,
-        unless it owes points for a refusal."""
+        """``peer``'s state, checked by this node, is within ``VET_TOLERANCE`` of its own held-out
+        loss or better (``node.vetting``): trusted at once, points owed for an earlier refusal
+        forgiven. The check is the same evidence that trusts a joiner's first donor; without the
+        forgiveness an honest peer that once served a state a poisoned round had made (it was
+        fooled, not hostile) stayed untrusted, and two honest nodes that had refused each
+        other's states trained apart to the end of a run (bench.trust_poison --honest-first
+        300 on 5eac509: each of the two merged its rounds alone, held-out loss +15 %). A peer
+        that turns again is refused again at its next state (``Vetting.weigh_follow``)."""
         s = self.standing(peer)
-        if s.owed <= 0:
-            self._set(peer, Standing(max(s.score, TRUSTED), s.merged, s.refuted, 0.0))
+        self._set(peer, Standing(max(s.score, TRUSTED), s.merged, s.refuted, 0.0))
 
     def refuted(self, peer: str, why: str) -> None:
         """A claim of ``peer`` was refused (``why``): score 0, ``REFUTED_HOLD`` points owed."""

@@ -443,13 +443,15 @@ class StateSync(Downloads):
         log.warning("not following fragment %d v%d (%s): %s", p, state.version, state.short(), reason)
         raise StateSyncError(f"fragment {p} v{state.version} refused: {reason}")
 
-    def refuse(self, state: FragmentState, holders: Iterable[str], reason: str) -> None:
-        """Never follow ``state`` (its fragment, version and digest) again; each of ``holders``
-        claimed it: struck (ignored for a doubling while: a bound is evidence, not proof, so no
-        ban) and, with :attr:`reputation`, refuted. ``reason``: why it was refused."""
-        key = (state.index, state.version, state.digest)
-        self.refused_states += key not in self._refused  # once per state (_check_plausible counts its own)
-        self._refused.add(key)
+    def refuse(self, states: Iterable[FragmentState], holders: Iterable[str], reason: str) -> None:
+        """Never follow any of ``states`` (each its fragment, version and digest) again; each of
+        ``holders`` claimed them: struck once for them all (ignored for a doubling while: a bound
+        is evidence, not proof, so no ban) and, with :attr:`reputation`, refuted. ``reason``:
+        why they were refused."""
+        for state in states:
+            key = (state.index, state.version, state.digest)
+            self.refused_states += key not in self._refused  # once per state (_check_plausible counts its own)
+            self._refused.add(key)
         for holder in holders:
             self.strikes.strike(holder, reason, hard=True)
             if self.reputation is not None:
