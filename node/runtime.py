@@ -195,6 +195,9 @@ class Node(CatchUp):
         if not self._interrupted:
             held = [st.digest for st in self.committed]
             await self._settle(self.cfg.settle)
+            # the follows of the settle were delivered to the training loop, which has stopped:
+            # install them in the learner, whose global states the checkpoint holds
+            await asyncio.to_thread(self.training.finish, 0.0)
             if data_dir is not None and [st.digest for st in self.committed] != held:  # caught up while settling:
                 await asyncio.to_thread(self._checkpoint, data_dir)  # the checkpoint holds the state we end on
         await self._publish(store=True)  # done: nodes that read only the DHT see it too

@@ -104,7 +104,7 @@ def test_killed_node_restarts_with_same_identity_and_port_and_catches_up(harness
     bounded number of downloads and ends at the swarm's state."""
     maddr = harness.bootstrap()
     port = _free_port()
-    p0, d0 = harness.node(maddr, "n0", _shards(0, 2), "--duration", "24", "--set", "settle=30")
+    p0, d0 = harness.node(maddr, "n0", _shards(0, 2), "--duration", "24", "--set", "settle=90")
     # settle outlasts n0's training: n1 keeps following until n0 is done and both agree
     extra = ["--port", str(port), "--set", "checkpoint_every=1", "--set", "settle=90"]
     p1, d1 = harness.node(maddr, "n1", _shards(1, 2), "--duration", "12", *extra)
