@@ -15,7 +15,8 @@ trusted (``Reputation.vetted``) when that loss is at most ``VET_TOLERANCE`` abov
 the state this node holds. Refused and struck: every candidate above that bound, and every one
 that claims a version at least as new as the best candidate's but gives a loss more than
 ``VET_TOLERANCE`` above it (a peer a few versions behind the best is not refused: it is older,
-not false). The idea is
+not false). A candidate this node refused before is trusted again only for a state that lowers
+its held-out loss, not merely one within the tolerance. The idea is
 Templar's Gauntlet's (arXiv 2505.21684: score a peer by the loss before and after its update),
 without validators: each node scores with its own evaluation.
 
@@ -103,9 +104,10 @@ class Vetting:
 
     async def vet(self, records: Mapping[str, HeadsRecord], states: Sequence[FragmentState]) -> str | None:
         """Download and evaluate the states of up to ``VET_CANDIDATES`` candidates; trust the best
-        one within ``VET_TOLERANCE`` of this node's own held-out loss and keep its states for the
-        follow (``StateSync.keep_vetted``); refuse the others above it. Returns the trusted
-        peer, or None. Never raises for a peer."""
+        one within ``VET_TOLERANCE`` of this node's own held-out loss (a candidate this node
+        refused before: below it) and keep its states for the follow (``StateSync.keep_vetted``);
+        refuse the others above the tolerance. Returns the trusted peer, or None. Never raises
+        for a peer."""
         chosen = self.candidates(records, states)[:VET_CANDIDATES]
         if not chosen:
             return None
@@ -117,7 +119,9 @@ class Vetting:
                 mixed = [next((g for g in got if g.index == st.index), st) for st in states]
                 tried.append((await asyncio.to_thread(self.evaluate, mixed), peer, got))
         bound = own * (1 + VET_TOLERANCE)
-        good = sorted((loss, peer, got) for loss, peer, got in tried if math.isfinite(loss) and loss <= bound)
+        # a peer refused before (it owes points) is trusted again only for a state that lowers our loss
+        good = sorted((loss, peer, got) for loss, peer, got in tried if math.isfinite(loss)
+                      and (loss < own if self.reputation.standing(peer).owed > 0 else loss <= bound))
         best = good[0] if good else None
         for loss, peer, got in tried:
             if not (math.isfinite(loss) and loss <= bound):
@@ -176,14 +180,17 @@ class Vetting:
 
     async def _fetch(self, peer: str, record: HeadsRecord, states: Sequence[FragmentState]) -> list[FragmentState]:
         """The states ``peer`` claims that ``states`` should move to, downloaded from it alone
-        (verified against their digests and bounded moves); [] when any fails."""
+        (verified against their digests and bounded moves); [] when any fails. A fragment the
+        peer moved on since its record is taken at its newer version (``newer``): a candidate
+        training fast would otherwise never be vetted, every download finding it a round
+        further (bench.trust_poison, ec00fad)."""
         got = []
         for st, claim in zip(states, record.fragments):
             head = Head(claim[0], claim[1], (peer,)) if claim is not None else None
             if head is None or not is_behind(st, head):
                 continue
             try:
-                got.append(await self.sync.download(st.index, head, joining=True))
+                got.append(await self.sync.download(st.index, head, joining=True, newer=True))
             except StateSyncError as e:
                 log.info("vetting %s: fragment %d: %s", peer[-8:], st.index, e)
                 return []

@@ -47,7 +47,7 @@ class Downloads:
         return min(cap, max(FIRST_REPLY_MIN_S, FIRST_REPLY_FACTOR * max(self._took)))
 
     async def download(self, fragment: int, head: Head, *, timeout: float | None = None,
-                       joining: bool = False) -> FragmentState:
+                       joining: bool = False, newer: bool = False) -> FragmentState:
         """Fetch ``fragment`` at ``head`` from one of its holders, trying them in turn, starting
         at a holder picked by this node's peer ID and the fragment index (round-robin), so
         newcomers spread over donors and one newcomer spreads its fragments over them.
@@ -57,6 +57,9 @@ class Downloads:
         bytes received so far), gets the time its rate needs (``Swarm.call``'s ``min_rate``):
         a donor on a slow link is slow, not a failure.
         ``joining``: this node is joining the swarm; the request says so (``"join"``).
+        ``newer``: a holder that moved on since its record (it serves a newer version) gives that
+        state, checked like any other (its own digest, the bounded move), instead of a failure
+        (``node.vetting``, which evaluates what it downloads).
         Concurrent calls for the same head share one transfer.
 
         Raises:
@@ -68,13 +71,14 @@ class Downloads:
             raise StateSyncError(f"fragment {fragment} v{head.version} was refused before")
         if (vetted := self._vetted.pop(key, None)) is not None:  # downloaded and checked already (vet)
             return vetted
-        pending = self._pending.get(key)
+        shared = (*key, newer)  # a download that may give a newer state is not shared with one that may not
+        pending = self._pending.get(shared)
         if pending is not None:
             return await asyncio.shield(pending)
         fut = asyncio.get_running_loop().create_future()
-        self._pending[key] = fut
+        self._pending[shared] = fut
         try:
-            state = await self._download(fragment, head, timeout, joining)
+            state = await self._download(fragment, head, timeout, joining, newer)
         except BaseException as e:
             if not fut.done():
                 fut.set_exception(e if isinstance(e, Exception) else StateSyncError("download cancelled"))
@@ -84,9 +88,10 @@ class Downloads:
             fut.set_result(state)
             return state
         finally:
-            del self._pending[key]
+            del self._pending[shared]
 
-    async def _download(self, fragment: int, head: Head, timeout: float | None, joining: bool) -> FragmentState:
+    async def _download(self, fragment: int, head: Head, timeout: float | None, joining: bool,
+                        newer: bool = False) -> FragmentState:
         if timeout is None:
             timeout = STATE_TIMEOUT_S + self.state_bytes(fragment) / self.swarm.stats.link.held_to(MIN_RATE)
         donors = sorted(p for p in head.holders if p != self.swarm.peer_id)
@@ -124,6 +129,9 @@ class Downloads:
                 continue
             if (state.version, state.digest) == (head.version, head.digest):
                 return self._accept(fragment, head, donor, state, t0, self.state_bytes(fragment), 0)
+            if newer and state.version > head.version:
+                return self._accept(fragment, Head(state.version, state.digest, (donor,)), donor, state, t0,
+                                    self.state_bytes(fragment), 0)
             if state.version <= head.version:  # a holder that moved on since its record is honest
                 self.strikes.strike(donor, f"served v{state.version} of fragment {fragment}, not the v{head.version} "
                                     "it claims", hard=False)

@@ -133,7 +133,7 @@ class StateSync(Downloads):
         self._vetted: dict[tuple[int, int, str], FragmentState] = {}  # checked by node.vetting, to install
         self.reputation: Reputation | None = None  # the node's (p2pdiloco.trust.reputation): refusals lower it
         self.strikes = Strikes()  # holders that did not deliver, and the peers ignored (net.state.strikes)
-        self._pending: dict[tuple[int, int, str], asyncio.Future] = {}
+        self._pending: dict[tuple[int, int, str, bool], asyncio.Future] = {}
         self._donors: dict[str, None] = {}  # holders that delivered a state to us (insertion-ordered set)
         self._took: deque[float] = deque(maxlen=FOLLOW_HISTORY)  # seconds of recent successful downloads
         self._changed: dict[str, tuple[float, float]] = {}  # peer -> (its record's t, monotonic s we first saw it)
