@@ -12,8 +12,9 @@ import torch
 
 from node.alone import NEVER_MERGED_EXIT
 from p2pdiloco.core.fragments import assign_parts
-from p2pdiloco.core.merge import contribution_weight, robust_merge
-from p2pdiloco.core.outer import round_fraction, span_fraction
+from p2pdiloco.core.merge import contribution_weight
+from p2pdiloco.core.periods import round_fraction, span_fraction
+from p2pdiloco.core.robust import robust_merge
 
 from tests.conftest import TINY, read_report, wait_for
 

@@ -37,7 +37,8 @@ import torch
 
 from p2pdiloco.config import NodeConfig, load_config
 from p2pdiloco.core.fragments import assign_parts, balanced_fragments
-from p2pdiloco.core.outer import FragmentState, Ledger, fragment_digest
+from p2pdiloco.core.outer import FragmentState, fragment_digest
+from p2pdiloco.core.periods import Ledger
 from p2pdiloco.errors import NetworkError, P2PDilocoError, ProtocolError
 from p2pdiloco.model import build_model
 from p2pdiloco.net.records import parse as rec
@@ -55,7 +56,7 @@ from node.runtime import protocol_tag
 HEAD_TTL = 8.0  # seconds the attacker's records live: short, so one attack does not leak into the next test
 TAKEOVER_AHEAD = 10**9  # versions ahead claimed by the takeover attack
 FOLLOW_LIMIT = 10**6  # an honest node at a version this high followed an attacker's claim
-NO_LEDGER = [-1, 0, 0.0, 0, 0]  # a state answer's ledger before any round (core.outer.Ledger())
+NO_LEDGER = [-1, 0, 0.0, 0, 0]  # a state answer's ledger before any round (core.periods.Ledger())
 _LENGTH = struct.Struct(">I")
 
 

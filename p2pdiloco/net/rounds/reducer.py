@@ -3,7 +3,7 @@
 A :class:`Reducer` serves ``ar.reduce`` (a member's signed slice of its pseudo-gradient for the
 tensors this node reduces) and ``ar.final`` (phase 2: re-merge over the contributor set every
 member computed), checks every slice at one boundary (``reduce_messages``, signature, counters,
-finite values), merges what it accepted with ``core.merge.robust_merge`` and answers every
+finite values), merges what it accepted with ``core.robust.robust_merge`` and answers every
 member with one signed statement. It holds the state both sides share (groups, rounds,
 counters, signatures); :class:`~p2pdiloco.net.rounds.allreduce.AllReducer` adds the member side.
 """
@@ -19,15 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from p2pdiloco.core.choices import DEFAULT_OUTLIER_FACTOR, OUTLIER_POLICIES
 from p2pdiloco.core.fragments import Fragment, assign_parts
-from p2pdiloco.core.outer import FRACTION_GRID, span_fraction
-from p2pdiloco.core.merge import (
-    DEFAULT_OUTLIER_FACTOR,
-    OUTLIER_POLICIES,
-    contribution_weight,
-    is_finite_contribution,
-    robust_merge,
-)
+from p2pdiloco.core.merge import contribution_weight, is_finite_contribution
+from p2pdiloco.core.periods import FRACTION_GRID, span_fraction
+from p2pdiloco.core.robust import robust_merge
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.net.rounds import reduce_messages as rm
