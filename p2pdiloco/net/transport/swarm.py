@@ -62,8 +62,9 @@ from p2pdiloco.net.transport.framing import (  # noqa: F401  (frame, read_header
 from p2pdiloco.net.transport import admission
 from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.net.transport import sessions
-from p2pdiloco.net.transport.daemon import (listening_maddrs, own_identity, private_sockets, quiet_dead_daemon_tasks,
-                                            rejoin_dht, start_daemon, start_dht)
+from p2pdiloco.net.transport.daemon import (listening_maddrs, private_sockets, quiet_dead_daemon_tasks, rejoin_dht,
+                                            start_daemon, start_dht)
+from p2pdiloco.net.transport.identity_check import own_identity
 from p2pdiloco.net.transport.drops import DropLedger, TrafficStats, record_kind
 from p2pdiloco.net.transport.framing import short_error as _short
 from p2pdiloco.net.transport.reachability import RPC as DIALBACK
@@ -150,7 +151,7 @@ class Swarm:
         """Start p2pd and join the DHT through ``initial_peers`` (multiaddr strings).
 
         Args:
-            identity: the node's key pair; else ``identity_path``'s; else a new one (``daemon.own_identity``).
+            identity: the node's key pair; else ``identity_path``'s; else a new one (``identity_check.own_identity``).
             membership: the private swarm this node belongs to; default: public swarm.
             admission_key: a DHT key of records under peer IDs (``{run}/heads``): when given,
                 :meth:`check_admission` runs before returning.
@@ -163,7 +164,7 @@ class Swarm:
 
         Raises:
             IdentityError: the identity file is unusable, or a running peer of the swarm
-                already uses this identity (``daemon.own_identity``).
+                already uses this identity (``identity_check.own_identity``).
             ClockSkewError: this machine's clock is more than ``clock.TOLERANCE_S`` seconds
                 off the initial peers' (the median of their offsets); the daemon is shut down.
             NetworkError: the daemon did not start (port in use...) or none of the initial
