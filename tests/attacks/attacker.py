@@ -10,7 +10,7 @@ honest nodes' records to learn their versions and digests, and then publishes ho
 
 Attacks below the RPC layer write the transport's framing by hand on a raw libp2p stream
 (``P2P.call_binary_stream_handler``): a 4-byte big-endian header length, a msgpack map header
-whose ``_n`` is the payload length, then ``_n`` payload bytes (p2pdiloco/net/transport/swarm.py).
+whose ``_n`` is the payload length, then ``_n`` payload bytes (p2pdiloco/net/transport/framing.py).
 
 Every attack is a coroutine ``attack(atk, targets, until)`` that runs until the monotonic
 deadline ``until`` and counts what it did in ``atk.stats``; the version claims and digests it
@@ -42,7 +42,7 @@ from p2pdiloco.core.periods import Ledger
 from p2pdiloco.errors import NetworkError, P2PDilocoError, ProtocolError
 from p2pdiloco.model import build_model
 from p2pdiloco.net.records import parse as rec
-from p2pdiloco.net.transport import swarm as transport
+from p2pdiloco.net.transport import framing
 from p2pdiloco.net.codecs import wire
 from p2pdiloco.net.rounds.matchmaking import Group, GroupKey
 from p2pdiloco.net.records.patches import Received
@@ -62,7 +62,7 @@ _LENGTH = struct.Struct(">I")
 
 def new_framing() -> bool:
     """Whether the transport speaks the raw-stream framing (length-prefixed msgpack header)."""
-    return hasattr(transport, "read_header")
+    return hasattr(framing, "read_header")
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ from p2pdiloco.net.state.heads import LEAD, ROLLBACK_MAX, claim_ceiling
 from p2pdiloco.net.records.pushes import MAX_PUSHED, STALE_S, Pusher, beat_period, stale_after
 from p2pdiloco.net.records.parse import HeadsRecord
 from p2pdiloco.net.state.strikes import IGNORE_S, Strikes
-from p2pdiloco.net.transport.swarm import NARROW_BEAM, Header, Swarm
+from p2pdiloco.net.transport.swarm import Header, Swarm
+from p2pdiloco.net.transport.dht_access import NARROW_BEAM
 from p2pdiloco.trust.reputation import Reputation
 
 log = logging.getLogger(__name__)
