@@ -30,8 +30,9 @@ from p2pdiloco.net.state.bounded_moves import own_step
 from p2pdiloco.net.state.deltas import logged
 from p2pdiloco.net.rounds.matchmaking import Group, GroupKey, Matchmaker
 from p2pdiloco.net.records.parse import HeadsRecord
+from p2pdiloco.net.state.heads_records import READ_EVERY_S
 from p2pdiloco.net.state.revocation import RevocationWatch
-from p2pdiloco.net.state.statesync import READ_EVERY_S, StateSync
+from p2pdiloco.net.state.statesync import StateSync
 from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.trust.reputation import Reputation
 from p2pdiloco.data import evaluate

@@ -270,7 +270,7 @@ class Attacker:
     async def push_heads(self, record: Any, also: Sequence[str] = ()) -> None:
         """Push ``record`` as a node does (st.heads) to the nodes that push to it and those it read
         in the DHT (a joining node greets them: StateSync.greet): nodes that receive pushes read
-        the DHT every ``statesync.READ_QUIET_S`` only; ``also``: more peer IDs."""
+        the DHT every ``heads_records.READ_QUIET_S`` only; ``also``: more peer IDs."""
         for peer in dict.fromkeys([*self.pushed, *self.known, *also]):
             try:
                 await self.swarm.call(peer, "st.heads", {"r": record, "run": self.world.run_id}, timeout=1.0)
