@@ -100,7 +100,7 @@ class Replica:
         counters = [(*ln.counters(0), ln.span(0)) for ln in learners]
         merged = merge_pseudo_gradients(deltas, [contribution_weight(t, s) for t, s, _ in counters], self.mask)
         f, ledger = 1.0, anchor.ledger
-        if rule == "fraction":  # what the node does: node/runtime.py, Node._round
+        if rule == "fraction":  # what the node does: node/rounds.py, Node._round
             position = sorted(ln.step for ln in learners)[(len(learners) - 1) // 2]  # lower median, as reducers state
             f, ledger = round_fraction(anchor.ledger, sum(t for t, _, _ in counters), position,
                                        self.H, span_fraction(counters, self.H))

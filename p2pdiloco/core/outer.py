@@ -235,7 +235,7 @@ def apply_round(state: FragmentState, merged: Sequence[Tensor], tokens: int, pos
                 sync_every: int, lr: float, momentum: float, carry: str = OUTER_CARRY) -> tuple[FragmentState, float]:
     """The state a merged round makes from ``state`` (its anchor), and the fraction of a period
     it applied: the one rule every member that commits the round, every member it left out
-    (``node.runtime.Node._take_excluded``) and every node that replays it later
+    (``node.rounds.Rounds._take_excluded``) and every node that replays it later
     (``net.state.deltas.replay_round``) computes, so all hold the same version + 1, bit for bit (same
     digest; invariant I1, docs/architecture.md).
 

@@ -103,7 +103,7 @@ class Reducer(Reduction):
         self.trust: Callable[[str], float] | None = None
         self.trust_used: dict[str, tuple[float, ...]] = {}  # round ID -> _Round.trust (the last 256 rounds)
         # round ID -> members with a tensor left out of this node's own merge as pointing against
-        # its Δ (the last 256 rounds): they earn no reputation from the round (node.runtime._credit)
+        # its Δ (the last 256 rounds): they earn no reputation from the round (node.rounds.Rounds._credit)
         self.muted: dict[str, frozenset[str]] = {}
         self._trim_logged: dict[str, float] = {}  # peer -> monotonic s its trimmed tensors were last logged
 
