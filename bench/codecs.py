@@ -44,8 +44,9 @@ from bench.common import Doc, fmt, replica_main, verdict
 from bench.partial_rounds import MODEL
 from node.setup import Setup
 from p2pdiloco.config import TOPK2_RECIPE, OuterConfig, load_config
-from p2pdiloco.core.merge import contribution_weight, robust_merge
+from p2pdiloco.core.merge import contribution_weight
 from p2pdiloco.core.outer import nesterov_outer_step, with_error_feedback
+from p2pdiloco.core.robust import robust_merge
 from p2pdiloco.data import evaluate
 from p2pdiloco.net.codecs import sparse, wire
 

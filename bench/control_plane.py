@@ -42,7 +42,7 @@ from bench import common as c
 GOAL_PER_S = 1000  # goal (docs/benchmarks/README.md): background control traffic at most 1 kB/s per node ...
 GOAL_PER_ROUND = 5000  # ... and at most 5 kB per node per round
 SETTLE_S = 40.0  # seconds after every node trains before a window starts: past the store of its new state
-# (joining -> training), which waits for statesync.RESTORE_S (30 s) after its first store, plus a publish period
+# (joining -> training), which waits for heads_records.RESTORE_S (30 s) after its first store, plus a publish period
 
 
 def checkout(commit: str, work: Path) -> tuple[str, Path]:

@@ -1,5 +1,5 @@
 """Poisoned merges on real pseudo-gradients: what one poisoner or two colluders of a group of 4
-can do to ``core.merge.robust_merge`` (docs/trust.md §5).
+can do to ``core.robust.robust_merge`` (docs/trust.md §5).
 
 The project's byte-level GPT (``p2pdiloco.model``, default config: 2 layers, 128 wide) is
 trained ``--pre`` AdamW steps by one learner (DiLoCo inner defaults, ``core.learner``), then 4
@@ -38,8 +38,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from p2pdiloco.core import InnerConfig, Learner, balanced_fragments
-from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients, robust_merge
+from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients
 from p2pdiloco.core.outer import FragmentState
+from p2pdiloco.core.robust import robust_merge
 from p2pdiloco.data import BatchSampler, default_corpus_files, load_corpus
 from p2pdiloco.model import ModelConfig, build_model
 

@@ -6,7 +6,7 @@ takes an inner step every tick, a slow one every ``ratio``-th. Whenever the fast
 H inner steps of progress since their last install, all L merge in one group, as in a swarm
 where a fast learner's gathering pulls the slow ones in early (the schedule's early pull,
 ``core.fragments.StaggeredSchedule.due``): the slow ones bring H / ratio steps. The merge is
-the reducers' ``core.merge.robust_merge`` with the token weights, then the fractional outer
+the reducers' ``core.robust.robust_merge`` with the token weights, then the fractional outer
 step (``round_fraction``), as ``Node._round`` does; a slow learner's place in the learning-rate
 schedule is kept at the swarm's (``Node._keep_schedule``). Merge rules:
 
@@ -39,8 +39,10 @@ from bench.common import Doc, fmt, replica_main
 from bench.partial_rounds import Replica
 
 from p2pdiloco.core.fragments import assign_parts
-from p2pdiloco.core.merge import contribution_weight, robust_merge
-from p2pdiloco.core.outer import nesterov_outer_step, round_fraction, span_fraction
+from p2pdiloco.core.merge import contribution_weight
+from p2pdiloco.core.outer import nesterov_outer_step
+from p2pdiloco.core.periods import round_fraction, span_fraction
+from p2pdiloco.core.robust import robust_merge
 
 RULES = ("off", "clip")
 

@@ -15,7 +15,7 @@ fragment. How the swarm groups those contributions is the scenario:
 After each period every learner follows the newest state (rebased), as the catch-up loop
 does. Each scenario runs under two outer-step rules: ``full`` (every round is one DiLoCo
 Nesterov step, the rule before partial rounds were weighted) and ``fraction`` (the round
-applies the step for its fraction of a period: ``p2pdiloco.core.outer.round_fraction`` from
+applies the step for its fraction of a period: ``p2pdiloco.core.periods.round_fraction`` from
 the fragment state's ledger and the round's tokens and schedule position, with
 ``span_fraction`` in the first period). The merge is ``merge_pseudo_gradients`` with the
 token weights, the outer step ``nesterov_outer_step``: the code the nodes run.
@@ -43,9 +43,10 @@ from bench.common import Doc, fmt, params, replica_main, verdict
 from node.setup import Setup
 from p2pdiloco.config import load_config
 from p2pdiloco.core.fragments import assign_parts
-from p2pdiloco.core.merge import age_gate, contribution_weight, merge_pseudo_gradients, robust_merge
-from p2pdiloco.core.outer import (FragmentState, apply_round, nesterov_outer_step, round_fraction, span_fraction,
-                                  with_error_feedback)
+from p2pdiloco.core.merge import age_gate, contribution_weight, merge_pseudo_gradients
+from p2pdiloco.core.outer import FragmentState, apply_round, nesterov_outer_step, with_error_feedback
+from p2pdiloco.core.periods import round_fraction, span_fraction
+from p2pdiloco.core.robust import robust_merge
 from p2pdiloco.data import evaluate
 from p2pdiloco.net.codecs import wire
 
@@ -99,7 +100,7 @@ class Replica:
         counters = [(*ln.counters(0), ln.span(0)) for ln in learners]
         merged = merge_pseudo_gradients(deltas, [contribution_weight(t, s) for t, s, _ in counters], self.mask)
         f, ledger = 1.0, anchor.ledger
-        if rule == "fraction":  # what the node does: node/runtime.py, Node._round
+        if rule == "fraction":  # what the node does: node/rounds.py, Node._round
             position = sorted(ln.step for ln in learners)[(len(learners) - 1) // 2]  # lower median, as reducers state
             f, ledger = round_fraction(anchor.ledger, sum(t for t, _, _ in counters), position,
                                        self.H, span_fraction(counters, self.H))

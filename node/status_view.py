@@ -253,7 +253,7 @@ def summarize_swarm(run_id: str, records: dict[str, Any], now: float | None = No
     and longer, for nodes whose clocks are ahead."""
     from p2pdiloco.net.records.pushes import stale_after  # noqa: PLC0415
     from p2pdiloco.net.records.parse import parse_many, parse_heads  # noqa: PLC0415
-    from p2pdiloco.net.state.statesync import STORE_EVERY_S  # noqa: PLC0415
+    from p2pdiloco.net.state.heads_records import STORE_EVERY_S  # noqa: PLC0415
 
     from node.swarm_view import fragment_status, share  # noqa: PLC0415  (the rule `node status` uses)
 

@@ -133,7 +133,7 @@ class Harness:
     def spawn(self, args: list[str], log: Path, *, session: bool = True, prefix: tuple[str, ...] = ()) -> Proc:
         """Start ``python args`` leading a new session (``session``), else only a new process
         group, as a shell starts a job (a session leader cannot move its p2pd out of its group:
-        ``net.transport.daemon._spawn_group``). Either way the process group's ID is the PID.
+        ``net.transport.process_group._spawn_group``). Either way the process group's ID is the PID.
         ``prefix``: a command that sets up and then execs python (the same PID), such as
         :func:`private_tmpfs`'s."""
         return self.processes.start([*prefix, sys.executable, *args], log, log.parent.name, session=session)

@@ -16,7 +16,8 @@ from conftest import TINY
 from node.runtime import Node
 from node.setup import Setup
 from p2pdiloco.config import load_config
-from p2pdiloco.core.outer import FRACTION_GRID, FragmentState, Ledger, apply_round, fragment_digest, lone_step_size
+from p2pdiloco.core.outer import FragmentState, apply_round, fragment_digest, lone_step_size
+from p2pdiloco.core.periods import FRACTION_GRID, Ledger
 from p2pdiloco.net.codecs import wire
 from p2pdiloco.net.rounds.allreduce import Contribution, RoundResult
 from p2pdiloco.net.state.bounded_moves import own_step

@@ -20,7 +20,8 @@ from p2pdiloco.net.records import parse as rec
 from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, RoundResult
 from p2pdiloco.net.rounds.results import MAX_WAIT_FACTOR, round_wait
 from p2pdiloco.net.transport.drops import RATE_MIN_BYTES, LinkMeter
-from p2pdiloco.net.rounds.matchmaking import Matchmaker, bandwidth_shares, max_share
+from p2pdiloco.net.rounds.matchmaking import Matchmaker
+from p2pdiloco.net.rounds.shares import bandwidth_shares, max_share
 from p2pdiloco.trust.identity import Identity
 
 pytestmark = pytest.mark.usefixtures("no_daemon_left")

@@ -243,7 +243,7 @@ def test_newcomer_survives_a_donor_killed_midway_and_matches_the_swarm_exactly(h
 @pytest.mark.timeout(200)
 def test_ctrl_c_to_a_nodes_process_group_stops_it_gracefully_and_the_swarm_sees_it_done(harness):
     """SIGINT to a training node's whole process group, as a terminal sends Ctrl+C to its job:
-    its p2pd, in a process group of its own (``net.transport.daemon._spawn_group``), does not get it, so
+    its p2pd, in a process group of its own (``net.transport.process_group._spawn_group``), does not get it, so
     the node finishes (or abandons) its rounds, publishes that it is done and ends its daemon
     itself. The other node then sees a live record marked done (2 nodes, 1 training) instead
     of a record that goes silent; the stopped node exits 0 with its report.

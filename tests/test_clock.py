@@ -124,7 +124,7 @@ def test_swarm_status_leaves_out_records_older_than_a_heartbeat() -> None:
     from node.status_view import summarize_swarm  # noqa: PLC0415
     from p2pdiloco.net.records.parse import BEAT_S  # noqa: PLC0415
     from p2pdiloco.net.records.pushes import stale_after  # noqa: PLC0415
-    from p2pdiloco.net.state.statesync import STORE_EVERY_S  # noqa: PLC0415
+    from p2pdiloco.net.state.heads_records import STORE_EVERY_S  # noqa: PLC0415
     from p2pdiloco.trust.identity import Identity  # noqa: PLC0415
 
     live, stored, dead = (Identity.generate().peer_id for _ in range(3))

@@ -20,7 +20,8 @@ from conftest import TINY, until
 from node.runtime import Node
 from node.setup import Setup
 from p2pdiloco.config import load_config
-from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
+from p2pdiloco.core.periods import round_fraction
 from p2pdiloco.net.rounds.allreduce import Contribution, RoundResult
 from p2pdiloco.net.state.heads import Head
 from p2pdiloco.net.rounds.matchmaking import Group, GroupKey

@@ -18,8 +18,10 @@ import torch
 SCRIPT = r"""
 import hashlib, json, sys
 import torch
-from p2pdiloco.core.merge import merge_pseudo_gradients, robust_merge
-from p2pdiloco.core.outer import FragmentState, Ledger, nesterov_outer_step
+from p2pdiloco.core.merge import merge_pseudo_gradients
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
+from p2pdiloco.core.periods import Ledger
+from p2pdiloco.core.robust import robust_merge
 from p2pdiloco.model import ModelConfig, build_model
 
 inputs = torch.load(sys.argv[1])

@@ -13,7 +13,8 @@ import torch
 from test_protocol import GRACE, GRACE_MAX, H, LR, MOMENTUM, QUORUM_TIMEOUT, identities, initial_state
 from test_trust_net import FRAGMENT, SHAPES, delta
 
-from p2pdiloco.core.outer import FRACTION_GRID, FragmentState, nesterov_outer_step, round_fraction
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
+from p2pdiloco.core.periods import FRACTION_GRID, round_fraction
 from p2pdiloco.errors import ProtocolError, StateSyncError
 from p2pdiloco.net.state import deltas
 from p2pdiloco.net.codecs import wire

@@ -14,7 +14,8 @@ from p2pdiloco.net.transport.drops import TrafficStats
 from p2pdiloco.net.rounds.matchmaking import leader_rank
 from p2pdiloco.net.records.parse import HeadsRecord
 from p2pdiloco.net.state.heads import LEAD, Head, newest_heads
-from p2pdiloco.net.state.statesync import IGNORE_S, StateSync
+from p2pdiloco.net.state.statesync import StateSync
+from p2pdiloco.net.state.strikes import IGNORE_S
 
 A, B, C, X = "A", "B", "C", "X"  # newest_heads takes any keys; the DHT only yields peer IDs
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
@@ -133,7 +134,7 @@ def test_a_node_ahead_alone_falls_back_to_the_state_two_others_hold() -> None:
 
 
 def test_a_record_left_unchanged_for_stale_s_drops_out_so_a_dead_peer_corroborates_nothing(monkeypatch) -> None:
-    from p2pdiloco.net.state.statesync import STALE_S
+    from p2pdiloco.net.records.pushes import STALE_S
 
     now = [1000.0]
     monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])
@@ -205,7 +206,8 @@ def test_a_dht_record_older_than_a_store_period_counts_as_unchanged_that_much_lo
     """A DHT record whose author last stored it more than STORE_EVERY_S (300 s) ago missed a
     store: the excess counts as time unchanged, so a node that died long ago is not live for
     another STALE_S to a reader seeing it for the first time (the DHT keeps it HEAD_TTL)."""
-    from p2pdiloco.net.state.statesync import STALE_S, STORE_EVERY_S
+    from p2pdiloco.net.records.pushes import STALE_S
+    from p2pdiloco.net.state.heads_records import STORE_EVERY_S
 
     now = [1000.0]
     monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])
@@ -265,7 +267,7 @@ async def test_a_dead_peer_ignored_for_a_while_is_still_stale_when_its_ignore_en
 
     from p2pdiloco.core.fragments import Fragment, TensorSlot
     from p2pdiloco.core.outer import FragmentState
-    from p2pdiloco.net.state.statesync import STALE_S
+    from p2pdiloco.net.records.pushes import STALE_S
 
     now = [1000.0]
     monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])
@@ -301,7 +303,7 @@ def test_a_new_life_cycle_state_is_stored_restore_s_after_the_last_store(monkeyp
     a node's new state (joining -> training) is stored once it has lasted RESTORE_S (30 s), so
     the table does not show a training node as joining for 5 minutes; a state that lasts less
     (a catch-up's few seconds of "catching up") costs no store."""
-    from p2pdiloco.net.state.statesync import RESTORE_S, STORE_EVERY_S
+    from p2pdiloco.net.state.heads_records import RESTORE_S, STORE_EVERY_S
 
     now = [1000.0]
     monkeypatch.setattr("p2pdiloco.net.transport.clock.monotonic", lambda: now[0])

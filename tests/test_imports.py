@@ -1,7 +1,8 @@
 """The import graph of the library (``p2pdiloco``) and the apps (``node``, ``bootstrap``): no
 cycles, and the library imports an app only from its one command-line entry module
 (``p2pdiloco.cli``). Read from the source (``ast``), imports inside functions included,
-annotations-only imports (``if TYPE_CHECKING:``) excluded."""
+annotations-only imports (``if TYPE_CHECKING:``) excluded. And the size of their rooms: no
+module over ``MAX_MODULE_LINES`` lines, no function over ``MAX_FUNCTION_LINES``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("p2pdiloco", "node", "bootstrap")
 ENTRY = "p2pdiloco.cli"
+MAX_MODULE_LINES = 400  # lines of one module of the library or the apps, docstrings included
+MAX_FUNCTION_LINES = 60  # lines of one function or method, from its first decorator, docstring included
 
 
 def modules() -> dict[str, Path]:
@@ -117,6 +120,23 @@ def test_the_library_imports_apps_only_from_its_entry_module():
     wrong = sorted((m, d) for m, deps in g.items() if m.startswith("p2pdiloco") and m != ENTRY
                    for d in deps if not d.startswith("p2pdiloco"))
     assert wrong == []
+
+
+def test_modules_and_functions_stay_small():
+    """Every module of the library and the apps is a room with one job: at most
+    ``MAX_MODULE_LINES`` lines, and none of its functions (methods and nested ones included)
+    over ``MAX_FUNCTION_LINES`` lines, counted from the first decorator to the last line."""
+    long_modules, long_functions = [], []
+    for name, path in modules().items():
+        text = path.read_text()
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            long_modules.append(f"{name}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if (n := node.end_lineno - first + 1) > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}.{node.name} (line {node.lineno}): {n} lines")
+    assert long_modules == [] and long_functions == [], (long_modules, long_functions)
 
 
 def test_settings_are_checked_without_torch():

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from p2pdiloco.core.merge import (age_gate, contribution_weight, is_finite_contribution, merge_pseudo_gradients,
-                                   merge_tensor, robust_merge)
+                                   merge_tensor)
+from p2pdiloco.core.robust import robust_merge
 
 t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
 

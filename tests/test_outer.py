@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from p2pdiloco.core.outer import FragmentState, Ledger, fragment_digest, nesterov_outer_step, round_fraction, span_fraction
+from p2pdiloco.core.outer import FragmentState, fragment_digest, nesterov_outer_step
+from p2pdiloco.core.periods import Ledger, round_fraction, span_fraction
 
 
 def _state(seed=0, version=0):

@@ -24,7 +24,8 @@ from conftest import until
 from test_trust_net import FRAGMENT, SHAPES, Resigned, delta
 
 from p2pdiloco.core.fragments import assign_parts
-from p2pdiloco.core.outer import FragmentState, nesterov_outer_step, round_fraction
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
+from p2pdiloco.core.periods import round_fraction
 from p2pdiloco.errors import StateSyncError
 from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult
 from p2pdiloco.net.rounds.matchmaking import Group, GroupKey, Matchmaker

@@ -18,8 +18,10 @@ from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.net.records.patches import Received
 from p2pdiloco.net.records.pushes import Pusher
 from p2pdiloco.net.records.parse import HeadsRecord
-from p2pdiloco.net.state.statesync import READ_EVERY_S, READ_QUIET_S, STORE_ALONE_S, STORE_EVERY_S, StateSync
-from p2pdiloco.net.transport.swarm import NARROW_BEAM, Swarm
+from p2pdiloco.net.state.heads_records import READ_EVERY_S, READ_QUIET_S, STORE_ALONE_S, STORE_EVERY_S
+from p2pdiloco.net.state.statesync import StateSync
+from p2pdiloco.net.transport.swarm import Swarm
+from p2pdiloco.net.transport.dht_access import NARROW_BEAM
 from p2pdiloco.trust.identity import Identity
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_daemon_left")]

@@ -20,7 +20,7 @@ from conftest import swarms, until
 from hivemind.p2p import PeerID
 
 from p2pdiloco.errors import PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
-from p2pdiloco.net.transport import serving, sessions
+from p2pdiloco.net.transport import limits, session_serving, sessions
 from p2pdiloco.net.transport.framing import frame, read_header, read_payload
 from p2pdiloco.net.transport.memory import Link, MemoryNet
 from p2pdiloco.net.transport.swarm import Header, Swarm
@@ -113,14 +113,14 @@ async def test_a_hostile_caller_is_dropped_per_message_and_a_refused_payload_is_
             assert await reply(reader) == ({"_id": 1, "n": 3}, b"abc")
             assert a.drop_reasons["too_large"] == 1
 
-            for i in range(serving.MAX_STREAMS_PER_PEER + 1):
+            for i in range(limits.MAX_STREAMS_PER_PEER + 1):
                 writer.write(frame({"_id": 10 + i, "_rpc": "t.held"}, 0))
             head, _ = await reply(reader)  # the 17th, answered at once
-            assert head == {"_id": 10 + serving.MAX_STREAMS_PER_PEER, "error": "busy"}
-            assert a.open_streams(b.peer_id) == serving.MAX_STREAMS_PER_PEER
+            assert head == {"_id": 10 + limits.MAX_STREAMS_PER_PEER, "error": "busy"}
+            assert a.open_streams(b.peer_id) == limits.MAX_STREAMS_PER_PEER
             gate.set()
-            ids = {(await reply(reader))[0]["_id"] for _ in range(serving.MAX_STREAMS_PER_PEER)}
-            assert ids == set(range(10, 10 + serving.MAX_STREAMS_PER_PEER))
+            ids = {(await reply(reader))[0]["_id"] for _ in range(limits.MAX_STREAMS_PER_PEER)}
+            assert ids == set(range(10, 10 + limits.MAX_STREAMS_PER_PEER))
             await until(lambda: a.open_streams() == 0, 5, "the held requests to end")
 
             writer.write(frame({"_id": 3, "_rpc": "no.such"}, 5) + b"12345")
@@ -228,7 +228,7 @@ async def test_a_silent_session_is_closed_and_idle_ones_make_room_for_new_ones(m
     gave up while it opened leaves one so); at MAX_SESSIONS_PER_PEER, a new session closes the
     least recently active idle one; one whose request is being answered is never closed for room
     (the new one is refused, a ``busy`` drop)."""
-    monkeypatch.setattr(serving, "HEADER_TIMEOUT", 1.0)
+    monkeypatch.setattr(session_serving, "HEADER_TIMEOUT", 1.0)
     monkeypatch.setattr(sessions, "MAX_SESSIONS_PER_PEER", 2)
     async with swarms(2) as (a, b):
         gate = await echo_and_held(a)
@@ -303,8 +303,8 @@ async def test_a_burst_over_the_peers_share_is_answered_busy_and_the_session_car
                                          for _ in range(40)), return_exceptions=True)
         served = [r for r in results if not isinstance(r, BaseException)]
         busy = [r for r in results if isinstance(r, ProtocolError) and "busy" in str(r)]
-        assert len(served) == serving.MAX_STREAMS_PER_PEER and len(busy) == 40 - len(served), results
+        assert len(served) == limits.MAX_STREAMS_PER_PEER and len(busy) == 40 - len(served), results
         assert b.stats.sessions == 1 and b.sessions() == [a.peer_id]
-        assert a.drop_reasons == {"busy": 40 - serving.MAX_STREAMS_PER_PEER}
+        assert a.drop_reasons == {"busy": 40 - limits.MAX_STREAMS_PER_PEER}
     finally:
         await net.close()

@@ -36,7 +36,7 @@ def _status(d: Path) -> dict:
 async def test_sigterm_to_a_training_nodes_process_group_mid_round_is_a_clean_leave(no_daemon_left, harness):
     """SIGTERM to the whole process group of a node that leads its group (a shell's job;
     ``kill -- -PGID``, ``timeout``) while one of its rounds is in flight: its p2pd, started
-    in a process group of its own (``net.transport.daemon._spawn_group``), is not signalled, so the node
+    in a process group of its own (``net.transport.process_group._spawn_group``), is not signalled, so the node
     finishes that round or abandons it (``runtime.LEAVE_S``), publishes its record marked
     done, ends its daemon and exits 0. Within 5 s of the signal the swarm's DHT holds the
     record marked done and the process has exited; no traceback in its output; the round in

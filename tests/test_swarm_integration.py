@@ -12,8 +12,9 @@ import torch
 
 from node.alone import NEVER_MERGED_EXIT
 from p2pdiloco.core.fragments import assign_parts
-from p2pdiloco.core.merge import contribution_weight, robust_merge
-from p2pdiloco.core.outer import round_fraction, span_fraction
+from p2pdiloco.core.merge import contribution_weight
+from p2pdiloco.core.periods import round_fraction, span_fraction
+from p2pdiloco.core.robust import robust_merge
 
 from tests.conftest import TINY, read_report, wait_for
 
@@ -53,7 +54,7 @@ def test_three_nodes_merge_like_one_process(harness):
                and not any(k.endswith(":gathering") for k in r["dht_ops"]) for r in reports), \
         [(r["dht_ops"], r["rounds_committed"]) for r in reports]
     # records travel as pushes too; the DHT holds them for nodes that do not know us yet, stored
-    # every few seconds (statesync.STORE_EVERY_S), not at every commit
+    # every few seconds (heads_records.STORE_EVERY_S), not at every commit
     assert all(r["record_pushes"].get("sent", 0) > 0 and r["record_pushes"].get("received", 0) > 0
                for r in reports), [r["record_pushes"] for r in reports]
     assert all(r["record_pushes"]["sent"] > 2 * r["dht_ops"]["store:heads"] for r in reports), \

@@ -28,7 +28,8 @@ import torch
 from node.runtime import CATCHUP_SECONDS, Node
 from node.setup import Setup
 from p2pdiloco.config import load_config
-from p2pdiloco.core.outer import FragmentState, Ledger, nesterov_outer_step
+from p2pdiloco.core.outer import FragmentState, nesterov_outer_step
+from p2pdiloco.core.periods import Ledger
 from p2pdiloco.data import evaluate
 from p2pdiloco.net.records import parse as rec
 from p2pdiloco.net.codecs import wire

@@ -25,8 +25,10 @@ from conftest import until as _until
 from hivemind.p2p import PeerID
 
 from p2pdiloco.errors import PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
-from p2pdiloco.net.transport import drops, framing, serving, swarm as transport
-from p2pdiloco.net.transport.swarm import Header, Swarm, frame, read_header, read_payload
+from p2pdiloco.net.transport import drops, framing, serving
+from p2pdiloco.net.transport.calls import DEFAULT_MAX_REPLY
+from p2pdiloco.net.transport.framing import Header, frame, read_header, read_payload
+from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.trust.certificates import Membership, SwarmKey
 from p2pdiloco.trust.errors import AccessDenied
 from p2pdiloco.trust.identity import Identity
@@ -263,7 +265,7 @@ async def test_reply_over_max_reply_refused_by_caller():
         # in a session (the default reply limit, 64 KiB): the server answers an error in its place
         await until(lambda: a.open_streams() == 0, 10, "the server to release the stream")
         before = sum(a.drop_reasons.values())
-        with pytest.raises(ProtocolError, match=f"over the session limit of {transport.DEFAULT_MAX_REPLY}"):
+        with pytest.raises(ProtocolError, match=f"over the session limit of {DEFAULT_MAX_REPLY}"):
             await b.call(a.peer_id, "t.big", {}, timeout=20)
         assert b.dropped[a.peer_id] == 1 and sum(a.drop_reasons.values()) == before
         await until(lambda: a.open_streams() == 0, 10, "the server to release the stream")

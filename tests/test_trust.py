@@ -15,7 +15,8 @@ import torch
 
 from p2pdiloco.cli import main as cli_main
 from p2pdiloco.config import load_config
-from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients, robust_merge
+from p2pdiloco.core.merge import contribution_weight, merge_pseudo_gradients
+from p2pdiloco.core.robust import robust_merge
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.net.transport.clock import SwarmClock
 from p2pdiloco.trust import load_node_trust, signing

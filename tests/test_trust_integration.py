@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.net.transport.daemon import probe_verdict
+from p2pdiloco.net.transport.identity_check import probe_verdict
 from p2pdiloco.trust.certificates import SwarmKey
 from p2pdiloco.trust.identity import Identity
 

@@ -19,8 +19,10 @@ from conftest import swarms, until
 import torch
 
 from p2pdiloco.core.fragments import Fragment, TensorSlot, assign_parts
-from p2pdiloco.core.merge import contribution_weight, robust_merge
-from p2pdiloco.core.outer import FragmentState, span_fraction
+from p2pdiloco.core.merge import contribution_weight
+from p2pdiloco.core.outer import FragmentState
+from p2pdiloco.core.periods import span_fraction
+from p2pdiloco.core.robust import robust_merge
 from p2pdiloco.errors import ProtocolError, RoundFailed
 from p2pdiloco.net.records import parse as rec
 from p2pdiloco.net.rounds.allreduce import AllReducer, Contribution, ContributionExcluded, RoundResult

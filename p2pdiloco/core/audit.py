@@ -22,7 +22,7 @@ against the one thing it knows to be honest, its own pseudo-gradient for that pa
   how much larger the group's mean is than its own Δ this round, e.g. for a member that ran
   fewer inner steps). A member that reduced nothing (share 0) uses ``NO_REFERENCE_FACTOR``.
   An honest merge's norm is at most ``DEFAULT_OUTLIER_FACTOR`` times the part's median
-  (``core.merge.robust_merge`` clips every member there).
+  (``core.robust.robust_merge`` clips every member there).
 
 A part whose own Δ is zero is not judged (nothing to compare with). A part that fails either
 check is *suspect*: the caller weighs the round with and without it by its held-out loss

@@ -10,7 +10,7 @@ honest nodes' records to learn their versions and digests, and then publishes ho
 
 Attacks below the RPC layer write the transport's framing by hand on a raw libp2p stream
 (``P2P.call_binary_stream_handler``): a 4-byte big-endian header length, a msgpack map header
-whose ``_n`` is the payload length, then ``_n`` payload bytes (p2pdiloco/net/transport/swarm.py).
+whose ``_n`` is the payload length, then ``_n`` payload bytes (p2pdiloco/net/transport/framing.py).
 
 Every attack is a coroutine ``attack(atk, targets, until)`` that runs until the monotonic
 deadline ``until`` and counts what it did in ``atk.stats``; the version claims and digests it
@@ -37,11 +37,12 @@ import torch
 
 from p2pdiloco.config import NodeConfig, load_config
 from p2pdiloco.core.fragments import assign_parts, balanced_fragments
-from p2pdiloco.core.outer import FragmentState, Ledger, fragment_digest
+from p2pdiloco.core.outer import FragmentState, fragment_digest
+from p2pdiloco.core.periods import Ledger
 from p2pdiloco.errors import NetworkError, P2PDilocoError, ProtocolError
 from p2pdiloco.model import build_model
 from p2pdiloco.net.records import parse as rec
-from p2pdiloco.net.transport import swarm as transport
+from p2pdiloco.net.transport import framing
 from p2pdiloco.net.codecs import wire
 from p2pdiloco.net.rounds.matchmaking import Group, GroupKey
 from p2pdiloco.net.records.patches import Received
@@ -55,13 +56,13 @@ from node.runtime import protocol_tag
 HEAD_TTL = 8.0  # seconds the attacker's records live: short, so one attack does not leak into the next test
 TAKEOVER_AHEAD = 10**9  # versions ahead claimed by the takeover attack
 FOLLOW_LIMIT = 10**6  # an honest node at a version this high followed an attacker's claim
-NO_LEDGER = [-1, 0, 0.0, 0, 0]  # a state answer's ledger before any round (core.outer.Ledger())
+NO_LEDGER = [-1, 0, 0.0, 0, 0]  # a state answer's ledger before any round (core.periods.Ledger())
 _LENGTH = struct.Struct(">I")
 
 
 def new_framing() -> bool:
     """Whether the transport speaks the raw-stream framing (length-prefixed msgpack header)."""
-    return hasattr(transport, "read_header")
+    return hasattr(framing, "read_header")
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,7 @@ class Attacker:
     async def push_heads(self, record: Any, also: Sequence[str] = ()) -> None:
         """Push ``record`` as a node does (st.heads) to the nodes that push to it and those it read
         in the DHT (a joining node greets them: StateSync.greet): nodes that receive pushes read
-        the DHT every ``statesync.READ_QUIET_S`` only; ``also``: more peer IDs."""
+        the DHT every ``heads_records.READ_QUIET_S`` only; ``also``: more peer IDs."""
         for peer in dict.fromkeys([*self.pushed, *self.known, *also]):
             try:
                 await self.swarm.call(peer, "st.heads", {"r": record, "run": self.world.run_id}, timeout=1.0)

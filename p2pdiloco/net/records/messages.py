@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from p2pdiloco.core.outer import FRACTION_GRID, Ledger
+from p2pdiloco.core.periods import FRACTION_GRID, Ledger
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net.records.fields import (MAX_COUNT, MAX_GROUP, MAX_RATE_KIB, _bool, _bytes, _finite, _int, _map,
                                           _text, digest, fragment, members, rates, round_id, shares, version)
@@ -86,7 +86,7 @@ def parse_state_request(header: Any, num_fragments: int) -> StateRequest:
 @dataclass(frozen=True)
 class StateAnswer:
     """The header of a ``state.get`` answer: the version, digest and ledger
-    (``core.outer.Ledger``, covered by the digest) of the state in its body."""
+    (``core.periods.Ledger``, covered by the digest) of the state in its body."""
 
     version: int
     digest: str

@@ -10,7 +10,7 @@ its own pushes. A learner that does not answer within ``PUSH_TIMEOUT_S`` gets no
 ``SKIP_S``, unless it pushes to us meanwhile (:meth:`Pusher.heard_from`: it restarted, say). A
 learner that pushes to us and has not had our newest value (a node that just joined and found
 us in the DHT) gets it at once, without waiting for our next change: the DHT holds our value as
-last stored, up to ``statesync.STORE_EVERY_S`` old, and the newcomer should not act on it
+last stored, up to ``heads_records.STORE_EVERY_S`` old, and the newcomer should not act on it
 longer than a round trip. A value can spare the peers that already know what changed
 (:meth:`Pusher.set`'s ``later``: the members of a round just committed, or of the group a
 leader just closed; ``quiet``: everyone, for a withdrawal that changes nothing a receiver

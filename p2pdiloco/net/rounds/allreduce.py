@@ -20,7 +20,7 @@ it decodes anything. A slice that fails (``banned``, ``wrong_key`` (a peer ID wi
 inlined Ed25519 key), ``bad_signature``, ``bad_counters``, ``malformed``, ``non_finite``) is
 rejected: the round goes on without it, the sender is banned for the rest of the run
 (``Swarm.bans``), and the rejection is logged and counted in ``AllReducer.stats.rejected``.
-The reducer merges what it accepted with :func:`p2pdiloco.core.merge.robust_merge`
+The reducer merges what it accepted with :func:`p2pdiloco.core.robust.robust_merge`
 (weights capped at the median; norm outliers clipped or dropped, reason ``outlier``;
 every other member's weight scaled by its alignment with the reducer's own slice, which it
 knows to be honest, and tensors pointing against it left out, or their member dropped, reason
@@ -28,11 +28,11 @@ knows to be honest, and tensors pointing against it left out, or their member dr
 answers every member with the same
 statement: the contributor set it used (member indices), the round's counters over those
 contributors (their tokens summed, their lower median schedule position, and the fraction of a
-period ``core.outer.span_fraction`` gives their signed tokens, steps and spans), the merged
+period ``core.periods.span_fraction`` gives their signed tokens, steps and spans), the merged
 bytes, and its signature over ``signing.message("ar.merged", [..., reducer index, phase,
 contributors, counters, sha256(merged bytes)])``. Members verify that signature before using
 the bytes; they compute the round's fraction of a period from those counters and their
-anchor's ledger (``core.outer.round_fraction``, invariant I9).
+anchor's ledger (``core.periods.round_fraction``, invariant I9).
 
 Agreement (invariants I1, I2: every member reaches the same result or none). A reducer
 answers once every member's slice is accepted or rejected, or :func:`round_wait` seconds
@@ -80,7 +80,7 @@ import torch
 
 from p2pdiloco.core.audit import check_parts
 from p2pdiloco.core.merge import is_finite_contribution
-from p2pdiloco.core.outer import FRACTION_GRID
+from p2pdiloco.core.periods import FRACTION_GRID
 from p2pdiloco.errors import NetworkError, ProtocolError, RoundFailed
 from p2pdiloco.net.rounds import reduce_messages as rm
 from p2pdiloco.net.codecs import wire

@@ -8,11 +8,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-__all__ = ["LEADER_FAILURES", "PASS_OVER_MAX_S", "PASS_OVER_S", "Group", "GroupKey", "leader_rank"]
+__all__ = ["LEADER_FAILURES", "PASS_OVER_MAX_S", "PASS_OVER_S", "POLL_SECONDS", "Group", "GroupKey", "leader_rank"]
 
 LEADER_FAILURES = 3  # failed groups in a row under one leader before it is passed over
 PASS_OVER_S = 60.0  # seconds a leader with LEADER_FAILURES failures in a row is passed over (doubling)
 PASS_OVER_MAX_S = 900.0
+POLL_SECONDS = 0.2  # seconds between a leader's checks of its gathering (and DHT reads, without an audience)
 
 
 @dataclass(frozen=True)

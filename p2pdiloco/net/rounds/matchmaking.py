@@ -51,29 +51,10 @@ only that peer can write or overwrite them
 * the leader of a key is the open peer with the lowest sha256(DHT key, peer ID): the key
   holds the fragment's version and state digest, which change every round, so no identity
   leads more often than chance, and grinding one that would needs a fresh identity per round;
-* every ``mm.join`` carries the joiner's Ed25519 signature over (run, fragment, version,
-  digest, leader) (``signing.join_fields``); a leader admits only joiners whose signature
-  verifies against their peer ID (a bad one is dropped, counted, and bans its sender), and
-  answers with every member's signature; a joiner accepts a group only if the leader and the
-  joiner are in its member list and every other member's signature verifies, with no DHT
-  read; a leader that sends anything else is banned (provable: a leader cannot make up a
-  member's signature, nor use one given to another leader; honest leaders list only peers
-  that asked them and themselves). What is not excluded: a leader that gathers twice at one
-  key (a retry) may list a peer that joined it the first time;
-* a leader that keeps a joiner waiting past the grace window (when the joiner and the
-  leader already make a quorum) is passed over for that round, and that counts as a failed
-  group; a leader whose groups failed ``LEADER_FAILURES`` times in a row (rounds reported
-  by the node through :meth:`Matchmaker.group_failed`, and such waits) is passed over as a
-  leader for ``PASS_OVER_S`` seconds, doubling with every further failure (at most
-  ``PASS_OVER_MAX_S``); a committed group clears its leader. This is not a ban: a stopped
-  (SIGSTOP) or overloaded honest leader fails the same way and must be able to come back;
-* ``mm.join`` holds at most ``MAX_GROUP`` joiners per gathering.
-
-Peers on the swarm's ban list (``Swarm.bans``), and peers avoided for a while after this node
-refused a merged part they signed (:meth:`Matchmaker.avoid`), are neither followed as leaders
-nor admitted by ``mm.join``, and a group that lists one is declined; their declarations, stored
-or pushed, count for nothing (a group of two avoided colluders at our key does not make us
-late: we would wait for a state we refuse to follow).
+* every ``mm.join`` is signed, and a group's members' signatures are checked: the exchange,
+  both sides, is ``net.rounds.joins``;
+* leaders whose groups fail, or that keep joiners waiting, are passed over for a while, and
+  banned peers and peers this node refused a merged part of are avoided: ``net.rounds.standing``.
 """
 
 from __future__ import annotations
@@ -82,29 +63,25 @@ import asyncio
 import logging
 import math
 import secrets
-from collections import Counter
 from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass, field
 from typing import Literal
 
 from p2pdiloco.net.transport import clock as swarm_clock
-from p2pdiloco.errors import NetworkError, PeerTimeout, ProtocolError
+from p2pdiloco.errors import NetworkError
 from p2pdiloco.net.records import parse as rec
 from p2pdiloco.net.rounds.gatherings import Gatherings
-from p2pdiloco.net.rounds.groups import (  # noqa: F401  (importers take them from here too)
-    LEADER_FAILURES, PASS_OVER_MAX_S, PASS_OVER_S, Group, GroupKey, leader_rank)
+from p2pdiloco.net.rounds.groups import POLL_SECONDS, Group, GroupKey, leader_rank
+from p2pdiloco.net.rounds.joins import Joins
 from p2pdiloco.net.rounds.lateness import LateGroups
-from p2pdiloco.net.rounds.shares import bandwidth_shares, max_share
-from p2pdiloco.net.transport.swarm import Header, Swarm
+from p2pdiloco.net.rounds.shares import bandwidth_shares
+from p2pdiloco.net.rounds.standing import Standing
+from p2pdiloco.net.transport.swarm import Swarm
 from p2pdiloco.trust import signing
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.2  # seconds between a leader's checks of its gathering (and DHT reads, without an audience)
 JOIN_SLACK_S = 3.0  # seconds past the grace window a joiner waits for a leader that has its quorum
-JOIN_HOLD_S = 120.0  # seconds a leader holds a joiner's long poll at most
-AVOID_S = 120.0  # seconds a peer this node refused a merged part of is not grouped with (doubling)
-AVOID_MAX_S = 3600.0
 FAILED_GROUP_WAIT_S = 10.0  # seconds a failed group's members still make us late (they may have committed)
 LEFT_KEEP_S = 120.0  # seconds a leader keeps announcing a key where it closed a group
 Outcome = Literal["group", "late", "no_quorum"]
@@ -128,7 +105,7 @@ class _Gathering:
     read_at: float = -math.inf  # when we last read the DHT (monotonic s)
 
 
-class Matchmaker(LateGroups):
+class Matchmaker(Joins, Standing, LateGroups):
     """Forms groups for fragment rounds. One per node; serves ``mm.join``.
 
     Args:
@@ -143,14 +120,10 @@ class Matchmaker(LateGroups):
             raise ValueError(f"min_quorum must be >= 1, got {min_quorum}")
         self.swarm, self.run_id, self.min_quorum, self.num_fragments = swarm, run_id, min_quorum, num_fragments
         self._gatherings: dict[int, _Gathering] = {}
-        super().__init__()  # LateGroups: the groups that made us late
+        super().__init__()  # Standing: leaders passed over, peers avoided; LateGroups: the groups that made us late
         self.gatherings = Gatherings(swarm, run_id, num_fragments)  # the run's gathering announcements
         self.gatherings.on_push = self.on_push
         self._left: dict[int, tuple[GroupKey, float]] = {}  # fragment -> (key, swarm time) of our last group closed
-        self.leader_failures: Counter[str] = Counter()  # leader -> its groups that failed in a row
-        self.passed_over: dict[str, float] = {}  # leader -> passed over until (monotonic s)
-        self.avoided: dict[str, float] = {}  # peer -> not grouped with until (monotonic s): see avoid
-        self.avoidances: Counter[str] = Counter()  # peer -> times avoided
         # peers whose states this node cannot fetch now (the node sets it: StateSync.ignoring while
         # it is behind NAT without a relay slot): a group of theirs at our version does not make us "late"
         self.undeliverable: Callable[[], Container[str]] = frozenset
@@ -178,30 +151,6 @@ class Matchmaker(LateGroups):
                                  [[k.fragment, k.version, k.digest, t] for k, t in self._left.values()], later,
                                  quiet=quiet)
 
-    def avoid(self, peer: str, why: str) -> None:
-        """Form no group with ``peer`` for ``AVOID_S`` seconds, doubling with every further
-        call (at most ``AVOID_MAX_S``): this node refused a merged part it signed
-        (``core.audit``). Its declarations are not read (neither followed as a leader nor
-        making us late), its joins are refused, and a group that lists it is declined. Not a
-        ban: the check is evidence against this node's own Δ, not proof to others."""
-        n = self.avoidances[peer] = self.avoidances[peer] + 1
-        seconds = min(AVOID_MAX_S, AVOID_S * 2 ** (n - 1))
-        self.avoided[peer] = swarm_clock.monotonic() + seconds
-        log.info("not grouping with %s for %.0f s: %s", peer[-8:], seconds, why)
-        if len(self.avoidances) > 4096:  # bounded: keep the worst offenders
-            self.avoidances = Counter(dict(self.avoidances.most_common(1024)))
-            self.avoided = {p: t for p, t in self.avoided.items() if p in self.avoidances}
-
-    def avoiding(self) -> dict[str, float]:
-        """Peers this node forms no group with now (:meth:`avoid`), {peer ID: seconds left}."""
-        now = swarm_clock.monotonic()
-        self.avoided = {p: t for p, t in self.avoided.items() if t > now}
-        return {p: round(t - now, 1) for p, t in self.avoided.items()}
-
-    def _shunned(self, peer: str) -> bool:
-        """Banned, or avoided now."""
-        return peer in self.swarm.bans or self.avoided.get(peer, -math.inf) > swarm_clock.monotonic()
-
     async def _declarations(self, dht_key: str) -> dict[str, rec.Declaration]:
         """The parsed declarations under ``dht_key`` of peers not banned nor avoided, by author."""
         values = {p: v for p, v in (await self.swarm.get(dht_key)).items() if not self._shunned(p)}
@@ -220,24 +169,6 @@ class Matchmaker(LateGroups):
         self._leader_failed(group.leader, f"round {group.round_id} failed")
         now = self.swarm.clock.now()
         self._put_aside(group.key, {m: now for m in group.members}, after=FAILED_GROUP_WAIT_S)
-
-    def _leader_failed(self, leader: str, why: str) -> None:
-        if not leader or leader == self.swarm.peer_id:
-            return
-        n = self.leader_failures[leader] = self.leader_failures[leader] + 1
-        if n >= LEADER_FAILURES:
-            seconds = min(PASS_OVER_MAX_S, PASS_OVER_S * 2 ** (n - LEADER_FAILURES))
-            self.passed_over[leader] = swarm_clock.monotonic() + seconds
-            log.info("passing over %s as a leader for %.0f s: %d failed groups in a row (last: %s)",
-                     leader[-8:], seconds, n, why)
-        if len(self.leader_failures) > 4096:  # bounded: keep the worst offenders
-            self.leader_failures = Counter(dict(self.leader_failures.most_common(1024)))
-
-    def passing_over(self) -> dict[str, float]:
-        """Leaders passed over now, {peer ID: seconds left}."""
-        now = swarm_clock.monotonic()
-        self.passed_over = {p: t for p, t in self.passed_over.items() if t > now}
-        return {p: round(t - now, 1) for p, t in self.passed_over.items()}
 
     def group_succeeded(self, group: Group) -> None:
         """The node reports that ``group``'s round committed: its leader's failures are cleared."""
@@ -449,9 +380,6 @@ class Matchmaker(LateGroups):
                 fut.set_result("redirect")
         gathering.joiners.clear()
 
-    def _join_fields(self, key: GroupKey, leader: str) -> list:
-        return signing.join_fields(self.run_id, key.fragment, key.version, key.digest, leader)
-
     def on_push(self, keys: list[tuple[int, int, str]]) -> None:
         """A gathering announcement naming ``keys`` (fragment, version, digest) arrived
         (``Gatherings``): a gathering of ours at one of them looks at the declarations now
@@ -460,102 +388,3 @@ class Matchmaker(LateGroups):
             gathering = self._gatherings.get(p)
             if gathering is not None and (gathering.key.version, gathering.key.digest) == (v, d):
                 gathering.arrived.set()
-
-    async def _join(self, leader: str, key: GroupKey, timeout: float) -> Group | str:
-        rate = self.swarm.stats.link.estimate()
-        signature = signing.sign(self.swarm.identity, "mm.join", self._join_fields(key, leader))
-        request = {"f": key.fragment, "v": key.version, "d": rec.wire_digest(key.digest), "sig": signature,
-                   "bw": min(rec.MAX_RATE_KIB, round(rate / 1024)) if rate else 0}
-        try:
-            reply, _ = await self.swarm.call(leader, "mm.join", request, timeout=timeout)
-        except ProtocolError as e:
-            log.debug("join refused by %s: %s", leader[-8:], e)
-            return "gone"
-        except NetworkError as e:
-            log.debug("leader %s unreachable: %s", leader[-8:], e)
-            if isinstance(e, PeerTimeout):  # it held us past the grace window without a group
-                self._leader_failed(leader, "held a joiner past the grace window")
-                return "held"
-            return "gone"
-        try:
-            answer = rec.parse_join_answer(reply)
-        except ProtocolError as e:  # it answered, authenticated, with what no honest leader sends
-            self.swarm.drop(leader, "join_answer")
-            self.swarm.ban(leader, f"answered a join with a malformed group: {e}")
-            return "gone"
-        if answer.status == "group":
-            members, me = answer.members, self.swarm.peer_id
-            if me not in members or leader not in members:
-                self.swarm.ban(leader, "led a group without itself or without the joiner")
-                return "gone"
-            if answer.shares and max(answer.shares) > max_share(len(members)):
-                self.swarm.ban(leader, f"gave one member {max(answer.shares)} of {rec.SHARE_GRID} of the all-reduce")
-                return "gone"
-            group = Group(answer.round, key, members, answer.formed_in, leader, answer.shares, answer.rates)
-            self.listed_in(group)  # now: the others' slices may come while we check it (our reducer part serves them)
-            if any(m not in self.swarm.bans and self._shunned(m) for m in members):
-                return "gone"  # one whose merged part we refused: the leader may not know (not its failure)
-            if any(m in self.swarm.bans for m in members):  # one we excluded (a revocation that reached us
-                self._leader_failed(leader, "led a group with a member we excluded")  # first): not a ban, but
-                return "gone"  # a leader that keeps doing it is passed over; we do not merge with that member
-            fields = self._join_fields(key, leader)  # every member asked this leader: it cannot make one up
-            ghosts = [m for m, sig in zip(members, answer.signatures)
-                      if m != me and not signing.verify_by_peer(m, "mm.join", fields, sig)]
-            if ghosts:
-                self.swarm.ban(leader, f"led a group with {len(ghosts)} member(s) that never asked to join at its key")
-                return "gone"
-            return group
-        if answer.status == "redirect":
-            await asyncio.sleep(POLL_SECONDS)  # let the DHT show the other leader
-            return "redirect"
-        return "gone"  # closed, or not gathering at this key
-
-    async def _on_join(self, peer: str, header: Header, _: bytes) -> tuple[Header, bytes]:
-        try:
-            request = rec.parse_join_request(header, self.num_fragments)
-        except ProtocolError:
-            self.swarm.drop(peer, "join_request")
-            raise
-        key = GroupKey(request.fragment, request.version, request.digest)
-        if peer in self.swarm.bans:
-            raise ProtocolError(f"excluded from this run: {self.swarm.bans[peer]}")
-        if self._shunned(peer):
-            raise ProtocolError("not grouping with this peer now: its merged part was refused")
-        if not signing.verify_by_peer(peer, "mm.join", self._join_fields(key, self.swarm.peer_id), request.signature):
-            self.swarm.drop(peer, "join_signature")  # an honest node signs its own joins
-            self.swarm.ban(peer, "sent a join with a bad signature")
-            raise ProtocolError("join signature does not verify")
-        gathering = self._gatherings.get(key.fragment)
-        if gathering is None or gathering.closed or gathering.key != key:
-            return {"status": "closed"}, b""
-        if gathering.following is not None:
-            # we are joining another leader: a joiner held here until that join ends (the
-            # grace window) would miss the group and, with another one held the same way,
-            # form a second group at this version afterwards (a fork, found in tests/test_memory_net.py)
-            return {"status": "redirect"}, b""
-        if peer not in gathering.joiners and len(gathering.joiners) >= rec.MAX_GROUP - 1:
-            return {"status": "closed"}, b""
-        fut = asyncio.get_running_loop().create_future()
-        old = gathering.joiners.pop(peer, None)
-        if old is not None and not old.done():
-            old.set_result("redirect")
-        gathering.joiners[peer] = fut
-        gathering.signatures[peer] = request.signature  # as many as joiners (MAX_GROUP - 1) and ours
-        if request.bandwidth and (peer in gathering.rates or len(gathering.rates) < 4 * rec.MAX_GROUP):
-            gathering.rates[peer] = request.bandwidth * 1024.0
-        gathering.arrived.set()
-        try:
-            async with asyncio.timeout(JOIN_HOLD_S):
-                result = await fut
-        except TimeoutError:
-            return {"status": "closed"}, b""
-        finally:
-            if gathering.joiners.get(peer) is fut:
-                del gathering.joiners[peer]
-                if not gathering.closed:  # left before the group closed: its signature goes too
-                    gathering.signatures.pop(peer, None)
-        if isinstance(result, Group):
-            return {"members": rec.wire_members(result.members), "round": result.round_id, "t": result.formed_in,
-                    "s": list(result.shares), "bw": list(result.rates),  # not the joiner's own signature:
-                    "js": [b"" if m == peer else s for m, s in zip(result.members, gathering.member_signatures)]}, b""
-        return {"status": "redirect"}, b""

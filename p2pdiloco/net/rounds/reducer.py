@@ -3,8 +3,9 @@
 A :class:`Reducer` serves ``ar.reduce`` (a member's signed slice of its pseudo-gradient for the
 tensors this node reduces) and ``ar.final`` (phase 2: re-merge over the contributor set every
 member computed), checks every slice at one boundary (``reduce_messages``, signature, counters,
-finite values), merges what it accepted with ``core.merge.robust_merge`` and answers every
-member with one signed statement. It holds the state both sides share (groups, rounds,
+finite values), merges what it accepted with ``core.robust.robust_merge`` and answers every
+member with one signed statement (phase 1 and phase 2 merges: its base
+:class:`~p2pdiloco.net.rounds.reduction.Reduction`). It holds the state both sides share (groups, rounds,
 counters, signatures); :class:`~p2pdiloco.net.rounds.allreduce.AllReducer` adds the member side.
 """
 
@@ -12,35 +13,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from p2pdiloco.core.choices import DEFAULT_OUTLIER_FACTOR, OUTLIER_POLICIES
 from p2pdiloco.core.fragments import Fragment, assign_parts
-from p2pdiloco.core.outer import FRACTION_GRID, span_fraction
-from p2pdiloco.core.merge import (
-    DEFAULT_OUTLIER_FACTOR,
-    OUTLIER_POLICIES,
-    contribution_weight,
-    is_finite_contribution,
-    robust_merge,
-)
+from p2pdiloco.core.merge import is_finite_contribution
+from p2pdiloco.core.periods import FRACTION_GRID, span_fraction
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.net.rounds import reduce_messages as rm
 from p2pdiloco.net.codecs import wire
 from p2pdiloco.net.rounds.matchmaking import Group
+from p2pdiloco.net.rounds.reduction import Reduction
 from p2pdiloco.net.rounds.results import GROUP_WAIT_S, AllReduceStats, group_fingerprint, round_wait
 from p2pdiloco.net.transport.swarm import Header, Swarm
 from p2pdiloco.trust import signing
 from p2pdiloco.trust.identity import public_key_of
 
 log = logging.getLogger(__name__)
-
-TRIM_LOG_S = 60.0  # seconds between two log lines about one peer's trimmed tensors
 
 # Reasons a reducer rejects a slice. All but "missing" and "outlier" also ban the sender.
 BANNING_REASONS = ("wrong_key", "bad_signature", "bad_counters", "malformed", "non_finite")
@@ -72,7 +66,7 @@ class _Round:
     trust: tuple[float, ...] = ()  # per member, this reducer's trust multiplier, frozen at the round's first merge
 
 
-class Reducer:
+class Reducer(Reduction):
     """Serves ``ar.reduce`` and ``ar.final`` for the groups this node is a member of, and holds
     the state and signatures both sides of the all-reduce share. One per node (as its AllReducer).
 
@@ -109,7 +103,7 @@ class Reducer:
         self.trust: Callable[[str], float] | None = None
         self.trust_used: dict[str, tuple[float, ...]] = {}  # round ID -> _Round.trust (the last 256 rounds)
         # round ID -> members with a tensor left out of this node's own merge as pointing against
-        # its Δ (the last 256 rounds): they earn no reputation from the round (node.runtime._credit)
+        # its Δ (the last 256 rounds): they earn no reputation from the round (node.rounds.Rounds._credit)
         self.muted: dict[str, frozenset[str]] = {}
         self._trim_logged: dict[str, float] = {}  # peer -> monotonic s its trimmed tensors were last logged
 
@@ -309,106 +303,3 @@ class Reducer:
     def _forget(self, rnd: _Round) -> None:
         if self._rounds.get(rnd.round_id) is rnd:
             del self._rounds[rnd.round_id]
-
-    def _merge(self, rnd: _Round, contributors: Sequence[int], policy: str):
-        """Robust merge of the given members' slices (indices into rnd.members, sorted). This
-        reducer is the member ``rnd.index``: its own slice, when among them, is the merge's
-        trusted reference direction (``robust_merge``'s ``own``; docs/trust.md §5), else the
-        merge falls back to the members' median direction. The others' weights are multiplied
-        by :attr:`trust` (this node's earned trust in them; each slice has one reducer, so its
-        members get its bytes whatever another reducer would have weighed)."""
-        order = [rnd.parts[rnd.members[i]] for i in contributors]
-        weights = [contribution_weight(tok, st) for _, tok, st, _, _ in order]
-        mask = [self.fragments[rnd.fragment].slots[i].is_embedding for i in rnd.slots]
-        own = list(contributors).index(rnd.index) if rnd.index in contributors else None
-        if self.trust is not None and not rnd.trust:  # frozen for the round: phase 2 weighs as phase 1
-            rnd.trust = tuple(1.0 if i == rnd.index else self.trust(m) for i, m in enumerate(rnd.members))
-            self.trust_used[rnd.round_id] = rnd.trust
-            while len(self.trust_used) > 256:
-                del self.trust_used[next(iter(self.trust_used))]
-        trust = [rnd.trust[i] for i in contributors] if rnd.trust else None
-        out = robust_merge([ts for ts, *_ in order], weights, mask, policy=policy, factor=self.outlier_factor,
-                           own=own, trust=trust)
-        self.stats.clipped += len(out.clipped)
-        self.stats.misaligned += len(out.misaligned)
-        self.muted[rnd.round_id] = frozenset(rnd.members[contributors[m]] for m, _ in out.misaligned)
-        while len(self.muted) > 256:
-            del self.muted[next(iter(self.muted))]
-        if out.clipped or out.misaligned:
-            self._log_trimmed(rnd, [rnd.members[contributors[m]] for m, _ in (*out.clipped, *out.misaligned)])
-        return out
-
-    def _log_trimmed(self, rnd: _Round, peers: Sequence[str]) -> None:
-        """Say, at most once a minute per peer, that its tensors were trimmed by the robust merge:
-        routine for learners of different speeds (counted in ``stats.clipped``/``misaligned``)."""
-        now = swarm_clock.monotonic()
-        fresh = sorted({p for p in peers if now - self._trim_logged.get(p, -math.inf) >= TRIM_LOG_S})
-        if not fresh:
-            return
-        for p in fresh:
-            self._trim_logged[p] = now
-        while len(self._trim_logged) > 4096:  # bounded
-            del self._trim_logged[next(iter(self._trim_logged))]
-        log.info("round %s f%d: clipped to the group's median norm or left out some tensors of %s (routine for "
-                 "learners of different speeds or directions, not an attack; counted in status 'allreduce')",
-                 rnd.round_id, rnd.fragment, ", ".join(p[-8:] for p in fresh))
-
-    def _statement(self, rnd: _Round, phase: int, contributors: Sequence[int], merged) -> tuple[Header, bytes]:
-        body = wire.encode_merged(merged, self.precision)
-        counters = self._counters([rnd.parts[rnd.members[i]][1:] for i in contributors])
-        fields = self._merged_fields(rnd, rnd.index, phase, contributors, counters,
-                                     self._digest(body, signing_side=True))
-        head = {"c": list(contributors), "n": list(counters), "sig": self._sign("ar.merged", fields),
-                "rej": {p[-8:]: why for p, why in rnd.rejected.items()}}  # informational, unsigned
-        return head, body
-
-    def _decide(self, rnd: _Round) -> None:
-        """Phase 1: merge what was accepted, sign the statement, release every waiting member."""
-        accepted = [i for i, m in enumerate(rnd.members) if m in rnd.parts]
-        try:
-            if not accepted:
-                raise ValueError("no valid contribution")
-            out = self._merge(rnd, accepted, self.outliers)
-            for k, reason in out.dropped.items():
-                self._reject(rnd, rnd.members[accepted[k]], reason)
-            rnd.contributors = tuple(accepted[k] for k in out.kept)
-            rnd.answer = self._statement(rnd, 1, rnd.contributors, out.merged)
-        except ValueError as e:
-            rnd.answer = {"error": f"nothing to merge: {e}"}, b""
-        rnd.decided.set()
-
-    async def _on_final(self, peer: str, head: Header, _: bytes) -> tuple[Header, bytes]:
-        return await self._finalize(peer, head)
-
-    async def _finalize(self, peer: str, head: Header) -> tuple[Header, bytes]:
-        """Phase 2: verify every reducer's phase-1 statement, merge over their common set."""
-        try:
-            req = rm.parse_final_request(head)
-        except ProtocolError:
-            self.swarm.drop(peer, "final_request")
-            raise
-        rnd = self._rounds.get(req.round)
-        if rnd is None or peer not in rnd.members or req.reducer != rnd.index:
-            raise ProtocolError("unknown or expired round")
-        await rnd.decided.wait()
-        reducers = [r for r, slots in enumerate(self._parts(rnd.fragment, len(rnd.members), rnd.shares)) if slots]
-        statements = {r: (c, n, h, sig) for r, c, n, h, sig in req.statements}
-        if sorted(statements) != reducers or len(req.statements) != len(reducers):
-            raise ProtocolError("phase-2 request does not hold one statement per reducer")
-        for r, (c, n, h, sig) in statements.items():
-            if not all(i < len(rnd.members) for i in c):
-                raise ProtocolError("malformed statement")
-            if not self._verify(rnd.members[r], "ar.merged", self._merged_fields(rnd, r, 1, c, n, h), sig):
-                raise ProtocolError(f"statement of reducer {rnd.members[r][-8:]} does not verify")
-        if statements[rnd.index][0] != rnd.contributors:
-            raise ProtocolError("our own statement differs from the one presented")
-        common = tuple(sorted(set.intersection(*(set(c) for c, _, _, _ in statements.values()))))
-        if not common:
-            raise ProtocolError("the reducers' contributor sets have no member in common")
-        if rnd.final is None:
-            out = self._merge(rnd, common, "off" if self.outliers == "off" else "clip")
-            head_out, body = self._statement(rnd, 2, common, out.merged)
-            rnd.final = (common, head_out, body)
-        elif rnd.final[0] != common:
-            raise ProtocolError("phase 2 of this round was already merged over another set")
-        return rnd.final[1], rnd.final[2]

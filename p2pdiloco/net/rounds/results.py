@@ -117,10 +117,10 @@ class RoundResult:
             bit-identical on every member.
         tokens: tokens merged (sum over the contributors).
         position: the contributors' lower median schedule position.
-        first: ``core.outer.span_fraction`` of the contributors' counters, a multiple of
+        first: ``core.periods.span_fraction`` of the contributors' counters, a multiple of
             1/FRACTION_GRID in [0, 1].
         contributors: peer IDs whose contributions it merges.
-        All the same on every member (``core.outer.round_fraction``'s inputs), except
+        All the same on every member (``core.periods.round_fraction``'s inputs), except
         residual: this member's own quantisation error, fp32, one tensor per slot: its Δ
             minus what the reducers decoded from its slices (None when nothing was lost: fp32
             on the wire, or a lone round). The caller keeps it and adds it to its next Δ of

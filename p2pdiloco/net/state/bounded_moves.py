@@ -22,7 +22,7 @@ momentum buffer b is held to one version's bound too: its next outer step moves 
 lr·μ²·‖b‖ (``core.outer.nesterov_outer_step``), so a state that leaves Θ in place with a huge b
 is refused. A bound on sizes is evidence, not proof: the claimers get strikes, not bans.
 
-Source: the same median-norm bound as the robust merge (``core.merge.robust_merge``; Yin et
+Source: the same median-norm bound as the robust merge (``core.robust.robust_merge``; Yin et
 al., arXiv 1803.01498), applied to outer steps.
 """
 
@@ -105,7 +105,7 @@ def implausible(state: FragmentState, mine: FragmentState, shared_version: int, 
     own = min(FOLLOW_FACTOR * own_step, OWN_RELATIVE * size)  # 10 x our own step, at most 16 x |Θ|
     largest = max(steps) if steps else 0.0
     # the largest, not the median: a round for a small fraction of a period (a flush, a
-    # sub-group's share: core.outer.round_fraction) makes a small step by design; and never
+    # sub-group's share: core.periods.round_fraction) makes a small step by design; and never
     # below our own step: a peer that merges alone after group rounds steps by one learner's
     # unaveraged progress, momentum on top, over 10 x the group's steps (a restarted node that
     # had seen only group rounds refused such a step and forked, tests/test_churn.py)

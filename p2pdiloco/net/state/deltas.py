@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from p2pdiloco.core.fragments import Fragment
-from p2pdiloco.core.outer import FRACTION_GRID, FragmentState, apply_round
+from p2pdiloco.core.outer import FragmentState, apply_round
+from p2pdiloco.core.periods import FRACTION_GRID
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net.records import parse as rec
 from p2pdiloco.net.codecs import wire

@@ -1,5 +1,6 @@
 """Starting one peer's libp2p daemon (p2pd) and its in-process DHT node, through hivemind's
-public API, with our errors; and the check that an identity is not already running.
+public API, with our errors (p2pd in a process group of its own: ``net.transport.process_group``;
+the check that an identity is not already running: ``net.transport.identity_check``).
 
 Lifecycle (measured with hivemind 1.1.12): hivemind's ``DHT`` class runs its node in a child
 process that keeps the daemon alive after its parent is SIGKILLed. We run ``DHTNode`` inside
@@ -27,10 +28,8 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 from collections import deque
@@ -44,9 +43,9 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2pdiloco.errors import NetworkError
-from p2pdiloco.net.transport.framing import close_stream, short_error
+from p2pdiloco.net.transport.framing import short_error
+from p2pdiloco.net.transport.process_group import _create_shielded, _new_daemons
 from p2pdiloco.net.records.signed import SignedRecords
-from p2pdiloco.trust.errors import IdentityError
 from p2pdiloco.trust.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -284,120 +283,6 @@ def check_owner_only(p2p: P2P) -> None:
         raise NetworkError(f"the libp2p daemon's socket {path} is open to other local users (mode {mode:o})")
 
 
-async def _create_shielded(known: set[int], **kwargs) -> P2P:
-    """``P2P.create(**kwargs)`` with p2pd started in a process group of its own, so that a
-    signal to the node's whole process group (Ctrl+C in a terminal, ``kill -- -PGID``,
-    coreutils ``timeout``, which signals its child and then its group) reaches only the node:
-    it finishes or abandons its round, tells the swarm it is done and ends p2pd itself,
-    instead of losing its daemon at once with the round in flight.
-
-    Why a process group (measured with hivemind 1.1.12, uvloop 0.23, p2pd built with Go
-    1.20): hivemind gives no hook to start p2pd differently (``P2P.create`` spawns it with
-    ``asyncio.create_subprocess_exec``), and signal dispositions cannot shield it. p2pd's
-    ``trapSignals`` (go-libp2p-daemon ``daemon.go``, started by ``NewDaemon``) calls
-    ``signal.Notify`` for SIGINT and SIGTERM and exits on either; ``Notify`` replaces an
-    inherited SIG_IGN (Go ``os/signal`` docs), uvloop's libuv resets every disposition to
-    SIG_DFL in the child before exec anyway (a child's ``SigIgn`` in /proc is 0), and a
-    blocked SIGTERM is unblocked by the Go runtime on every thread (``blockableSig`` in
-    runtime/signal_unix.go: signals marked ``_SigKill`` are never blocked in a Go program;
-    measured: SigBlk 0, killed by SIGTERM). p2pd's ``main`` ignores SIGINT itself
-    (``signal.Ignore(os.Interrupt)`` in p2pd/main.go), but only after it bootstrapped and
-    racing with ``trapSignals``; SIGTERM it always obeys.
-
-    A process group is inherited through fork and exec, so the node moves into another
-    group while p2pd is forked, and back as soon as p2pd's process appears (polled every
-    5 ms): a signal to the node's group within that moment is lost. See
-    :func:`_spawn_group` for who can move. p2pd still exits when its owner's control
-    connection closes, so it never outlives the node, even on SIGKILL. Off the main thread
-    (other threads may write to a terminal while we are out of its foreground group) this is
-    plain ``P2P.create``."""
-    if threading.current_thread() is not threading.main_thread():
-        return await P2P.create(**kwargs)
-    with _spawn_group():
-        task = asyncio.ensure_future(P2P.create(**kwargs))
-        try:
-            while not task.done() and not _new_daemons(known):
-                await asyncio.sleep(0.005)
-        except BaseException:  # cancelled while the daemon starts: it must not start on its own
-            task.cancel()
-            _kill(_new_daemons(known))
-            raise
-    try:
-        return await task
-    except BaseException:  # failed or cancelled (Ctrl+C) before hivemind's control connection
-        # exists: p2pd would not notice its owner's exit, and in a group of its own no signal
-        # to ours reaches it
-        task.cancel()
-        _kill(_new_daemons(known))
-        raise
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            psutil.Process(pid).kill()
-
-
-@contextlib.contextmanager
-def _spawn_group() -> Iterator[bool]:
-    """Move this process into another process group for the duration of the block (children
-    forked meanwhile stay there), then back into its own; yields whether it moved.
-
-    setpgid(2) rules (Linux man page): a session leader cannot change its group; a process can
-    make a new group led by itself, or join a group of its own session. So: a process in
-    someone else's group (under ``timeout``, a shell script, a pipeline it does not lead)
-    makes a group of its own and then rejoins the old one; a group leader (a shell's job,
-    ``setpgid``/``process_group=0``) joins the group of a helper it starts for the purpose
-    and then makes its own group again, with the same ID (its PID), which is still the
-    terminal's foreground group if it was. A session leader (``setsid``, systemd's main
-    process) stays: its p2pd shares its group; send SIGTERM to its PID only (systemd:
-    ``KillMode=mixed``). SIGTTOU is ignored meanwhile: outside the terminal's foreground
-    group, a write to it would otherwise stop the process when ``stty tostop`` is set."""
-    global _moving
-    pid, home = os.getpid(), os.getpgrp()
-    if os.getsid(0) == pid or _moving:  # (two daemons starting at once: the first one moves)
-        yield False
-        return
-    _moving, moved, helper = True, False, None
-    ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-    try:
-        try:
-            if home == pid:
-                helper = subprocess.Popen([sys.executable, "-I", "-S", "-c", "import time; time.sleep(60)"],
-                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, process_group=0)
-                os.setpgid(0, helper.pid)  # its group lives on while we (then p2pd) are in it
-            else:
-                os.setpgid(0, 0)
-            moved = True
-        except OSError as e:
-            log.debug("p2pd shares the node's process group: %s", e)
-        yield moved
-    finally:
-        if moved:
-            try:
-                os.setpgid(0, home)
-            except OSError as e:  # every other member of our old group has gone
-                log.warning("could not return to process group %d: %s", home, e)
-        if helper is not None:  # reaped only now: until then its group exists, even if it died
-            helper.kill()
-            helper.wait()
-        signal.signal(signal.SIGTTOU, ttou)
-        _moving = False
-
-
-_moving = False  # whether _spawn_group has moved this process (it does not nest)
-
-
-def _new_daemons(known: set[int]) -> list[int]:
-    """PIDs of our p2pd children that are not in ``known``."""
-    out = []
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if child.pid not in known and child.name() == "p2pd":
-                out.append(child.pid)
-    return out
-
 
 async def start_dht(p2p: P2P, initial_peers: Sequence[str], bootstrap_timeout: float,
                     records: SignedRecords, strict: bool = True) -> DHTNode:
@@ -450,76 +335,6 @@ async def rejoin_dht(dht: DHTNode, initial_peers: Sequence[str]) -> int:
         return 0
     return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
 
-
-async def identity_in_use(peer_id: str, initial_peers: Sequence[str], timeout: float = 8.0) -> bool:
-    """Whether a running peer reachable through ``initial_peers`` already has ``peer_id``.
-
-    Starts a throwaway daemon with a random identity and asks libp2p's routing for the peer:
-    a connection that fails only at protocol negotiation means the peer is up ("routing:
-    not found" or a dial failure means it is not; see :func:`probe_verdict`). While the
-    throwaway daemon has no peer in its routing table yet, the answer says nothing, so it asks
-    again until ``timeout`` seconds. The throwaway daemon is always shut down. Any failure of
-    the check itself counts as "not in use" (logged).
-    """
-    probe = None
-    try:
-        with private_sockets():
-            probe = await P2P.create(initial_peers=list(initial_peers), dht_mode="client", startup_timeout=15,
-                                     check_if_identity_free=False)
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    try:
-                        _, _, writer = await probe.call_binary_stream_handler(PeerID.from_base58(peer_id),
-                                                                              "p2pdiloco.identity-probe")
-                        close_stream(writer)
-                        return True  # nobody serves this name, but an answer means someone is there
-                    except Exception as e:
-                        verdict = probe_verdict(str(e))
-                        if verdict is not None:
-                            return verdict
-                    await asyncio.sleep(0.2)
-        except TimeoutError:
-            log.info("could not check whether identity %s is in use: no answer within %g s", peer_id[-8:], timeout)
-            return False
-    except Exception as e:
-        log.info("could not check whether identity %s is in use: %s", peer_id[-8:], short_error(e))
-        return False
-    finally:
-        if probe is not None:
-            try:
-                await asyncio.wait_for(probe.shutdown(), 10)
-            except Exception as e:
-                log.debug("probe shutdown: %s", e)
-
-
-async def own_identity(identity: Identity | None, identity_path: str | None, initial_peers: Sequence[str]) -> Identity:
-    """The identity a node starts p2pd with (``Swarm.start``): ``identity``, else the one loaded
-    from (or created at) ``identity_path``, else a new one held in memory. Raises
-    IdentityError: the file is unusable, or (one loaded from an existing file) a running peer
-    of the swarm already uses it (:func:`identity_in_use`, through ``initial_peers``)."""
-    if identity is None:
-        identity = Identity.load_or_create(identity_path)[0] if identity_path else Identity.generate()
-    if identity.path is not None and not identity.created and initial_peers:
-        if await identity_in_use(identity.peer_id, initial_peers):
-            raise IdentityError(
-                f"identity {identity.path} (peer ID {identity.peer_id}) is already used by a running node of "
-                "this swarm; a second node with the same identity would steal its connections. Stop the "
-                "other node, or give this one its own --data-dir (or trust.identity) to get a new identity")
-    return identity
-
-
-def probe_verdict(error: str) -> bool | None:
-    """What a failed dial of the identity probe says: True (the peer is up: only the protocol
-    was refused), False (it is not: "routing: not found", or every dial failed), None (nothing
-    yet: the probe's routing table is still empty, seen when the check ran right after the
-    probe daemon started on a loaded machine)."""
-    text = error.lower()
-    if "protocol" in text and "not supported" in text:
-        return True
-    if "failed to find any peer in table" in text:
-        return None
-    return False
 
 
 def _no_peers_message(initial_peers: Sequence[str]) -> str:

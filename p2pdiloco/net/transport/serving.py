@@ -1,8 +1,10 @@
 """The server half of the RPC layer: every inbound request, on a stream of its own or in a
-session (:mod:`p2pdiloco.net.transport.sessions`), is read, checked and answered here (every
-input from a peer is hostile until parsed: docs/trust.md). Messages are framed as
+session (:mod:`p2pdiloco.net.transport.sessions`; served by :class:`Server`'s base
+:class:`~p2pdiloco.net.transport.session_serving.SessionServing`), is read, checked and answered
+here (every input from a peer is hostile until parsed: docs/trust.md). Messages are framed as
 :mod:`p2pdiloco.net.transport.framing` says; the caller's half is
-:meth:`p2pdiloco.net.transport.swarm.Swarm.call`.
+:meth:`p2pdiloco.net.transport.calls.Calls.call`; the numbers below are
+:mod:`p2pdiloco.net.transport.limits`'.
 
 A server never buffers what it has not decided to accept: it reads a stream's header within
 ``HEADER_TIMEOUT`` seconds, checks the caller's membership and ``_n`` against the handler's
@@ -34,10 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from p2pdiloco.errors import ProtocolError
 from p2pdiloco.net.transport import sessions
-from p2pdiloco.net.transport.clock import monotonic
 from p2pdiloco.net.transport.drops import MAX_DROP_PEERS
 from p2pdiloco.net.transport.framing import (
-    LENGTH_BYTES,
     Header,
     close_stream,
     drain,
@@ -48,6 +48,18 @@ from p2pdiloco.net.transport.framing import (
     write_message,
 )
 from p2pdiloco.net.transport.framing import short_error as _short
+from p2pdiloco.net.transport.limits import (
+    HEADER_TIMEOUT,
+    LINGER_DISCARD_BYTES,
+    LINGER_TIMEOUT,
+    MAX_STREAMS,
+    MAX_STREAMS_PER_PEER,
+    TARPIT_MAX,
+    TARPIT_PER_PEER,
+    TARPIT_S,
+    _Drop,
+)
+from p2pdiloco.net.transport.session_serving import SessionServing, _Live
 from p2pdiloco.trust.errors import AccessDenied
 
 if TYPE_CHECKING:
@@ -55,39 +67,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HEADER_TIMEOUT = 10.0  # seconds an inbound stream may take to deliver its request header
-LINGER_TIMEOUT = 5.0  # seconds a server waits for the caller to close after the answer
-LINGER_DISCARD_BYTES = 8 << 20  # bytes a server reads and discards while it lingers, at most
-TARPIT_S = 10.0  # seconds a blocked peer's stream is held unanswered before it is closed ...
-TARPIT_PER_PEER = 16  # ... for this many of its streams at once (the others are closed at once)
-TARPIT_MAX = 256  # ... and this many in all
-MAX_STREAMS_PER_PEER = 16  # requests served at once for one peer (mm.join holds one ~2 min)
-MAX_STREAMS = 512  # requests served at once in all
-
 Handler = Callable[[str, Header, bytes], Awaitable[tuple[Header, bytes]]]
 _BUSY = frame({"error": "busy"}, 0)
 
 
-class _Drop(Exception):
-    """An inbound request that is not served: counted under ``reason``; answered ``message``
-    unless ``answer`` is false (the stream is gone)."""
-
-    def __init__(self, reason: str, message: str, answer: bool = True):
-        super().__init__(message)
-        self.reason, self.answer = reason, answer
-
-
-class _Live:
-    """One inbound session: its peer, stream, write lock, last activity (``clock.monotonic``),
-    requests read and requests being answered (their tasks)."""
-
-    def __init__(self, remote: str, writer: asyncio.StreamWriter):
-        self.remote, self.writer, self.write = remote, writer, asyncio.Lock()
-        self.active, self.requests, self.tasks = monotonic(), 0, set[asyncio.Task]()
-        self.reading = False  # a request is being read (or refused) now
-
-
-class Server:
+class Server(SessionServing):
     """The requests a :class:`~p2pdiloco.net.transport.swarm.Swarm` serves (module docstring). It owns
     the handlers and the counts of what is being served; it reads the swarm's ``membership``,
     ``bans``, ``drops`` and counts into its ``refused``, ``stats`` and drops (``Swarm.drop``)."""
@@ -122,10 +106,6 @@ class Server:
     def open_streams(self, peer: str | None = None) -> int:
         """Requests being served now (on streams of their own or in sessions): from ``peer``, or from everybody."""
         return self._streams.get(peer, 0) if peer is not None else self._streams_total
-
-    def serving(self) -> int:
-        """Peers' sessions open to us now."""
-        return len(self._live)
 
     def _over_limit(self, remote: str) -> str | None:
         """Why a new request of ``remote`` cannot be served now: ``busy`` (its own requests fill
@@ -302,167 +282,3 @@ class Server:
             log.exception("handler %s failed for %s", name, remote[-8:])
             return {"error": f"internal error: {_short(e)}"}, b""
         return reply, body
-
-    # ---- sessions (p2pdiloco.net.transport.sessions) ----------------------------------------------
-    async def close(self) -> None:
-        """Close every inbound session and cancel the requests of sessions being answered (shutdown)."""
-        for live in list(self._live):
-            close_stream(live.writer)
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5.0)
-
-    def _no_room(self, remote: str) -> str | None:
-        """Why a new session of ``remote`` must be refused (``busy``: its own fill its share, a drop;
-        ``sessions_full``: everybody's fill the total, not charged), or None: at the limit per peer
-        (or in all), the least recently active idle session of ``remote`` (of anyone) is closed
-        to make room, one waiting for its next request with none being answered."""
-        mine = [live for live in self._live if live.remote == remote]
-        pool, why = (mine, "busy") if len(mine) >= sessions.MAX_SESSIONS_PER_PEER else (
-            (list(self._live), "sessions_full") if len(self._live) >= sessions.MAX_SESSIONS else (None, None))
-        if pool is None:
-            return None
-        idle = [live for live in pool if not live.tasks and not live.reading]
-        if not idle:
-            return why
-        victim = min(idle, key=lambda live: live.active)
-        self._live.discard(victim)
-        close_stream(victim.writer)  # its loop, waiting for a length prefix, ends without a drop
-        return None
-
-    async def _serve_session(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Serve one inbound session until it closes, idles, breaks the framing or its peer is blocked."""
-        remote = await self._accept(info, reader, writer, self._no_room, answer_busy=False)
-        if remote is None:
-            return
-        live = _Live(remote, writer)
-        self._live.add(live)
-        cancelled = False
-        try:
-            while not self.swarm.drops.is_blocked(remote) and await self._session_request(live, reader):
-                live.active, live.reading = monotonic(), False
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
-        except Exception:  # a bug here must not reach asyncio's connection callback
-            log.exception("serving a session of %s failed", remote[-8:])
-        finally:
-            close_stream(writer)
-            self._live.discard(live)
-            for task in live.tasks if cancelled else ():
-                task.cancel()
-            # requests being answered run to their own deadlines (a handler counts what it refuses), replies unsent
-            await asyncio.gather(*live.tasks, return_exceptions=True)
-
-    async def _session_request(self, live: _Live, reader: asyncio.StreamReader) -> bool:
-        """Read one request of a session and start answering it; False: end the session."""
-        remote = live.remote
-        await asyncio.sleep(0)  # the answers started last run first: busy ones are written and gone
-        first = asyncio.get_running_loop().time() + HEADER_TIMEOUT  # the first request, whole, by then
-        length = await self._next_length(live, reader)
-        if length is None:
-            return False
-        live.reading = True  # from its length prefix until it is being answered: not evicted
-        try:
-            async with asyncio.timeout_at(first) if not live.requests else asyncio.timeout(HEADER_TIMEOUT):
-                header, n = await read_header(reader, length=length)
-        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-            self.swarm.drop(remote, "header_timeout" if isinstance(e, TimeoutError) else
-                            "bad_header" if isinstance(e, ProtocolError) else "truncated")
-            return False
-        live.requests += 1
-        rid, name = header.pop("_id", None), header.pop("_rpc", None)
-        if type(rid) is not int or not 0 <= rid < sessions.MAX_ID:
-            self.swarm.drop(remote, "bad_header")
-            return False
-        if remote in self.swarm.bans:
-            self.swarm.drop(remote, "banned")
-        served = self._handlers.get(name) if type(name) is str else None
-        try:
-            if n > sessions.MAX_MESSAGE:  # a caller takes a stream of its own for it: cannot be skipped
-                raise _Drop("too_large", f"payload of {n} bytes in a session (limit {sessions.MAX_MESSAGE})")
-            if served is None:
-                raise _Drop("bad_rpc", f"no handler {name!r:.60}")
-            request = await self._read_request(name, served[1], remote, header, n, reader)
-        except _Drop as d:
-            self.swarm.drop(remote, d.reason)
-            if n > sessions.MAX_MESSAGE or d.reason not in ("too_large", "bad_rpc") or not await self._skip(remote, reader, n):
-                if d.answer:
-                    await self._session_reply(live, rid, {"error": str(d)}, b"")
-                return False
-            return await self._session_reply(live, rid, {"error": str(d)}, b"")  # skipped: the session goes on
-        if not isinstance(request, bytes):  # a non-member, its payload unread: answered, then closed
-            await self._session_reply(live, rid, request, b"")
-            return False
-        if len(live.tasks) >= 2 * MAX_STREAMS_PER_PEER:  # answers not read either: a caller that does not read
-            self.swarm.drop(remote, "busy")
-            return False
-        self._start_answer(live, rid, name, served[0], header, request)
-        return True
-
-    async def _next_length(self, live: _Live, reader: asyncio.StreamReader) -> bytes | None:
-        """The next request's length prefix; None when the session ends: idle past
-        ``sessions.SERVER_IDLE_S`` with nothing being answered, never used within
-        ``HEADER_TIMEOUT``, or closed between requests (or evicted)."""
-        while True:  # readexactly consumes nothing unless it returns: a timeout loses no byte
-            try:
-                async with asyncio.timeout(HEADER_TIMEOUT if not live.requests else sessions.SERVER_IDLE_S):
-                    return await reader.readexactly(LENGTH_BYTES)
-            except TimeoutError:
-                if not live.requests or not live.tasks:
-                    return None  # idle, or never used (a caller that gave up while it opened): closed
-            except (asyncio.IncompleteReadError, ConnectionError, OSError):
-                return None  # closed between requests (or evicted)
-
-    def _start_answer(self, live: _Live, rid: int, name: str, handler: Handler, header: Header,
-                      request: bytes) -> None:
-        """Answer a session's request in a task of its own, or busy when the peer or the
-        server is at its limit (``MAX_STREAMS_PER_PEER``, ``MAX_STREAMS``)."""
-        remote = live.remote
-        if (why := self._over_limit(remote)) is not None:
-            self._refused(remote, why)
-            task = asyncio.create_task(self._session_reply(live, rid, {"error": why}, b""))
-        else:
-            self._streams[remote] += 1
-            self._streams_total += 1
-            task = asyncio.create_task(self._session_answer(live, name, handler, rid, header, request))
-            task.add_done_callback(lambda _: self._served(remote))  # also if cancelled before it started
-        live.tasks.add(task)
-        task.add_done_callback(live.tasks.discard)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _session_answer(self, live: _Live, name: str, handler: Handler, rid: int, header: Header,
-                              payload: bytes) -> None:
-        reply, body = await self._run(name, handler, live.remote, header, payload)
-        if len(body) > sessions.MAX_MESSAGE:  # the caller's limit is lower: its fault would be ours
-            reply, body = {"error": f"reply of {len(body)} bytes over the session limit of {sessions.MAX_MESSAGE}"}, b""
-        await self._session_reply(live, rid, reply, body)
-
-    async def _session_reply(self, live: _Live, rid: int, reply: Header, body: bytes) -> bool:
-        """Write one reply of a session; False if it could not be (the session is then closed)."""
-        try:
-            if not await sessions.write_reply(live.writer, live.write, rid, reply, body):
-                return False  # the session ended while the handler ran: nobody to answer, no fault of the caller
-        except ProtocolError as e:  # the reply's header, with its _id, over the limit
-            return await self._session_reply(live, rid, {"error": f"internal error: {_short(e)}"}, b"")
-        except (TimeoutError, ConnectionError, OSError) as e:
-            self.swarm.drop(live.remote, "reply_timeout" if isinstance(e, TimeoutError) else "reply_broken")
-            close_stream(live.writer)  # the session's reading ends with it
-            return False
-        self.swarm.stats.add(live.remote, n_out=len(body))
-        return True
-
-    async def _skip(self, remote: str, reader: asyncio.StreamReader, n: int) -> bool:
-        """Read and throw away a refused payload of ``n`` <= ``sessions.MAX_MESSAGE`` bytes
-        within its deadline, so that the session keeps its place; False: it did not come."""
-        try:
-            async with asyncio.timeout(payload_deadline(n)):
-                await read_payload(reader, n)
-            return True
-        except TimeoutError:
-            self.swarm.drop(remote, "payload_timeout")
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            self.swarm.drop(remote, "truncated")
-        return False

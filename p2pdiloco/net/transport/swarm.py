@@ -15,9 +15,8 @@ stream each; every message framed as :mod:`p2pdiloco.net.transport.framing` says
 msgpack header with the payload length ``_n``, then the payload). Reserved header keys: ``_n``,
 ``_cert`` (membership certificate, bin, in a private swarm), in sessions ``_id`` and ``_rpc``; a
 reply with ``error`` (str) is a refusal, with ``denied`` (str) a membership refusal. The server
-half, with its limits and deadlines, is :mod:`p2pdiloco.net.transport.serving`. A caller reads the reply
-while it still writes (a refusal arrives before the request is fully sent) and checks the
-reply's ``_n`` against its ``max_reply``. Every call has a deadline.
+half, with its limits and deadlines, is :mod:`p2pdiloco.net.transport.serving`; the caller's half,
+:mod:`p2pdiloco.net.transport.calls`. Every call has a deadline.
 
 Time (:mod:`p2pdiloco.net.transport.clock`): a node more than ``clock.TOLERANCE_S`` seconds off its
 initial peers' clocks is refused; a smaller offset is corrected (:attr:`Swarm.clock`, the
@@ -43,29 +42,19 @@ from typing import Any
 
 import psutil
 from hivemind.dht import DHTNode
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord
-from hivemind.p2p import P2P, PeerID
-from hivemind.utils import get_dht_time
-from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.p2p import P2P
 
-from p2pdiloco.errors import NetworkError, PeerSilent, PeerTimeout, PeerUnreachable, ProtocolError, ReplyTooLarge
-from p2pdiloco.net.transport.framing import (  # noqa: F401  (frame, read_header, read_payload: re-exported)
-    Header,
-    close_stream,
-    frame,
-    read_header,
-    read_payload,
-    stretched_deadline,
-    write_message,
-)
+from p2pdiloco.errors import NetworkError
 from p2pdiloco.net.transport import admission
 from p2pdiloco.net.transport import clock as swarm_clock
 from p2pdiloco.net.transport import sessions
-from p2pdiloco.net.transport.daemon import (listening_maddrs, own_identity, private_sockets, quiet_dead_daemon_tasks,
-                                            rejoin_dht, start_daemon, start_dht)
-from p2pdiloco.net.transport.drops import DropLedger, TrafficStats, record_kind
-from p2pdiloco.net.transport.framing import short_error as _short
+from p2pdiloco.net.transport.calls import Calls
+from p2pdiloco.net.transport.daemon import (listening_maddrs, private_sockets, quiet_dead_daemon_tasks, rejoin_dht,
+                                            start_daemon, start_dht)
+from p2pdiloco.net.transport.dht_access import DHTAccess
+from p2pdiloco.net.transport.drops import DropLedger, TrafficStats
+from p2pdiloco.net.transport.framing import Header
+from p2pdiloco.net.transport.identity_check import own_identity
 from p2pdiloco.net.transport.reachability import RPC as DIALBACK
 from p2pdiloco.net.transport.reachability import DialbackServer, Reachability, ReachabilityMode, daemon_options
 from p2pdiloco.net.transport.serving import Handler, Server
@@ -76,11 +65,8 @@ from p2pdiloco.trust.identity import Identity
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_REPLY = sessions.MAX_MESSAGE  # bytes: reply payload a call accepts unless told otherwise (64 KiB: in a session)
-NARROW_BEAM = 5  # DHT peers a search keeps (hivemind's num_replicas: those that hold a value), instead of the
-# bucket size, 20, which at 16 nodes visits all of them, each answer carrying every record under the key
 
-class Swarm:
+class Swarm(Calls, DHTAccess):
     """A peer's transport: daemon, DHT and framed RPCs. Create with :meth:`start`.
 
     Attributes:
@@ -150,7 +136,7 @@ class Swarm:
         """Start p2pd and join the DHT through ``initial_peers`` (multiaddr strings).
 
         Args:
-            identity: the node's key pair; else ``identity_path``'s; else a new one (``daemon.own_identity``).
+            identity: the node's key pair; else ``identity_path``'s; else a new one (``identity_check.own_identity``).
             membership: the private swarm this node belongs to; default: public swarm.
             admission_key: a DHT key of records under peer IDs (``{run}/heads``): when given,
                 :meth:`check_admission` runs before returning.
@@ -163,7 +149,7 @@ class Swarm:
 
         Raises:
             IdentityError: the identity file is unusable, or a running peer of the swarm
-                already uses this identity (``daemon.own_identity``).
+                already uses this identity (``identity_check.own_identity``).
             ClockSkewError: this machine's clock is more than ``clock.TOLERANCE_S`` seconds
                 off the initial peers' (the median of their offsets); the daemon is shut down.
             NetworkError: the daemon did not start (port in use...) or none of the initial
@@ -182,15 +168,23 @@ class Swarm:
                                   rest=(announce_maddrs, startup_timeout, daemon_options(reachability, relay, initial_peers)),
                                   bootstrap_timeout=bootstrap_timeout, strict=strict)
         log.info("peer %s up (p2pd pid %s, %s)", swarm.peer_id, swarm.daemon_pid, membership.name)
+        await swarm._check_in(admission_key, reachability, initial_peers)
+        return swarm
+
+    async def _check_in(self, admission_key: str | None, reachability: ReachabilityMode | None,
+                        initial_peers: Sequence[str]) -> None:
+        """The checks a started swarm passes before :meth:`start` returns it: admission under
+        ``admission_key`` (when given) and, for ``reachability`` ``auto``, the dial-back check of
+        how peers reach us (through ``initial_peers``). Raises as :meth:`start`, the daemon shut
+        down."""
         try:  # on any failure, also cancellation (Ctrl+C), the daemon must not outlive us
             if admission_key is not None:
-                await swarm.check_admission(admission_key)
+                await self.check_admission(admission_key)
             if reachability == "auto":
-                await swarm.reach.check(swarm, initial_peers)
+                await self.reach.check(self, initial_peers)
         except BaseException:
-            await swarm.shutdown()
+            await self.shutdown()
             raise
-        return swarm
 
     @classmethod
     async def _launch(cls, identity: Identity, membership: Membership, initial_peers: Sequence[str],
@@ -305,60 +299,6 @@ class Swarm:
             out.setdefault(info.peer_id.to_base58(), []).extend(str(a) for a in info.addrs)
         return out
 
-    # ---- DHT ----------------------------------------------------------------------------
-    async def store(self, key: str, subkey: str, value: Any, ttl: float, *, beam: int | None = None) -> bool:
-        """Store ``value`` (msgpack-able) under ``key``/``subkey`` for ``ttl`` seconds of the
-        swarm's time (:attr:`clock`), plus ``clock.TOLERANCE_S`` seconds of slack: every node
-        drops a record by its own clock, and one whose clock is up to that far ahead must still
-        see it. Readers that need a record's age read its ``t`` field (swarm time), not the
-        DHT's expiry. ``beam``: the search for the peers nearest the key keeps this many
-        candidates (hivemind's ``beam_size``; None: its bucket size, 20; ``NARROW_BEAM``)."""
-        expiration = self.clock.now() + ttl + swarm_clock.TOLERANCE_S
-        self.stats.dht[f"store:{record_kind(key)}"] += 1
-        narrow = {} if beam is None else {"beam_size": beam}
-        try:
-            return bool(await self._dht.store(key, value, expiration, subkey=subkey, **narrow))
-        except Exception as e:
-            raise NetworkError(f"DHT store of {key!r} failed: {_short(e)}") from None
-
-    async def get(self, key: str, *, beam: int | None = None) -> dict[str, Any]:
-        """Latest non-expired values under ``key`` as {subkey: value}, merged from this node's
-        own share of the DHT and every peer the search visits; {} when none. ``beam`` as in
-        :meth:`store`.
-
-        Every entry is validated on its own (:meth:`SignedRecords.lookup`): a bad entry in a
-        peer's answer is dropped and counted (``records.read_dropped``), the rest of that
-        answer kept; of the valid entries under one subkey the one that expires last wins."""
-        self.stats.dht[f"get:{record_kind(key)}"] += 1
-        narrow = {} if beam is None else {"beam_size": beam}
-        key_id = DHTID.generate(source=key)
-        with self.records.lookup(key_id.to_bytes(), get_dht_time()) as entries:
-            for record in self._held_records(key_id):  # hivemind adds these unchecked: checked here
-                entries.offer(record)
-            try:
-                await self._dht.get(key, latest=True, **narrow)  # its merged answer is ignored (lookup())
-            except Exception as e:
-                raise NetworkError(f"DHT get of {key!r} failed: {_short(e)}") from None
-        return {str(sub): value for sub, value in entries.values().items()}
-
-    def _held_records(self, key_id: DHTID) -> list[DHTRecord]:
-        """The entries of ``key_id`` this node stores for the DHT, as stored (signed envelopes);
-        read through hivemind's public ``DHTNode.protocol.storage`` ([] for a DHT without one: the
-        in-memory network's ``MemoryDHT`` answers its own replica through ``get``)."""
-        protocol = getattr(self._dht, "protocol", None)
-        if protocol is None:
-            return []
-        found = protocol.storage.get(key_id)
-        if found is None or not hasattr(found.value, "items"):  # none, or a plain value (we store none)
-            return []
-        return [DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(sub), item.value, item.expiration_time)
-                for sub, item in found.value.items()]
-
-    def held(self, key: str) -> dict[str, bytes]:
-        """What this node itself stores for the DHT under ``key``: {subkey: signed envelope},
-        unchecked (what it would answer a lookup with); for tests and diagnostics."""
-        return {str(MSGPackSerializer.loads(r.subkey)): r.value for r in self._held_records(DHTID.generate(source=key))}
-
     # ---- RPC ----------------------------------------------------------------------------
     def drop(self, peer: str, reason: str) -> None:
         """Count an inbound message from ``peer`` that was not served (malformed, oversized,
@@ -368,10 +308,6 @@ class Swarm:
     def blocking(self) -> dict[str, float]:
         """Peers whose streams are closed unread now, {peer ID: seconds left}."""
         return self.drops.blocking()
-
-    def sessions(self) -> list[str]:
-        """Peers we hold an open session to (:mod:`p2pdiloco.net.transport.sessions`)."""
-        return [peer for peer, session in self._sessions.items() if not session.closed]
 
     def open_streams(self, peer: str | None = None) -> int:
         """Inbound requests being served now: from ``peer``, or from everybody."""
@@ -389,175 +325,6 @@ class Swarm:
             ValueError: ``max_payload`` < 0.
         """
         await self.server.add_handler(name, handler, max_payload=max_payload)
-
-    async def _session(self, peer: str) -> sessions.Session | None:
-        """Our session to ``peer``: the open one, or a new one (concurrent callers share its
-        opening); None while ``sessions.MAX_SESSIONS`` of ours are open (a stream of its own)."""
-        session = self._sessions.get(peer)
-        if session is not None and not session.stale():
-            return session
-        opening = self._opening.get(peer)
-        if opening is None:
-            if self._closing:
-                raise PeerUnreachable("the transport is shutting down")
-            if session is not None:
-                session.close()  # unused for IDLE_S: the server may be closing it
-            if len(self._sessions) >= sessions.MAX_SESSIONS:
-                return None
-            opening = self._opening[peer] = asyncio.create_task(self._open_session(peer))
-            opening.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
-        self._waiting[peer] += 1
-        try:
-            return await asyncio.shield(opening)  # one caller giving up does not cancel the others' opening
-        except asyncio.CancelledError:
-            if opening.cancelled() and not asyncio.current_task().cancelling():  # shutdown, not us
-                raise PeerUnreachable(f"session to {peer[-8:]} not opened: shutting down") from None
-            raise
-        finally:
-            self._waiting[peer] -= 1
-            if self._waiting[peer] <= 0:  # nobody waits for it any more (a dial into a black hole)
-                del self._waiting[peer]
-                if not opening.done():
-                    opening.cancel()
-                    if self._opening.get(peer) is opening:
-                        del self._opening[peer]
-
-    async def _open_session(self, peer: str) -> sessions.Session:
-        try:
-            async with asyncio.timeout(sessions.OPEN_TIMEOUT_S):
-                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), sessions.RPC)
-        except Exception as e:
-            raise PeerUnreachable(f"session to {peer[-8:]} not opened: {_short(e)}") from None
-        finally:
-            if self._opening.get(peer) is asyncio.current_task():
-                del self._opening[peer]
-        if self._closing:
-            close_stream(writer)
-            raise PeerUnreachable("the transport is shutting down")
-        self.stats.sessions += 1
-        session = self._sessions[peer] = sessions.Session(peer, reader, writer, self.drop, self._session_closed,
-                                                          self.stats)
-        return session
-
-    def _session_closed(self, session: sessions.Session) -> None:
-        if self._sessions.get(session.peer) is session:
-            del self._sessions[session.peer]
-
-    async def call(
-        self, peer_id: str, name: str, header: Header, payload: bytes = b"", *, timeout: float,
-        max_reply: int = DEFAULT_MAX_REPLY, first_reply: float | None = None, min_rate: float | None = None,
-    ) -> tuple[Header, bytes]:
-        """Call RPC ``name`` on ``peer_id`` and return its (header, payload).
-
-        A call whose ``payload`` and ``max_reply`` are both at most ``sessions.MAX_MESSAGE``
-        bytes takes our session to the peer (:mod:`p2pdiloco.net.transport.sessions`); any other a stream
-        of its own, on which the request is written while the reply is awaited (a refusal
-        arrives before a large request is fully sent), closed in every case.
-
-        Args:
-            timeout: seconds for the whole call (connect, request, reply).
-            max_reply: largest reply payload accepted (bytes); a reply declaring more is
-                refused before its payload is read (counted by :meth:`drop`).
-            first_reply: seconds (within ``timeout``) from the stream's opening (dialing and
-                protocol negotiation count against ``timeout`` only), or from the request's
-                writing on a session, to the reply's header; None: no separate limit. A handler
-                that answers from memory answers its header about one round trip after the
-                request, so a staller is caught well before a large payload's deadline.
-            min_rate: bytes/s; when given, a reply payload that arrives (on a stream of its
-                own) at least this fast, measured over the bytes received so far, gets the time
-                its rate needs (``stretched_deadline``): a slow peer is slow, not a failure.
-
-        Raises:
-            PeerSilent: no reply header within ``first_reply`` seconds (a PeerTimeout).
-            PeerTimeout: no full answer within ``timeout`` seconds, stretched by ``min_rate``
-                (a PeerUnreachable).
-            PeerUnreachable: the stream could not be opened or broke.
-            AccessDenied: the peer refused us (not a member of its private swarm), or its
-                answer is dropped (it is not a member of ours).
-            ProtocolError: the peer answered with an error (``busy``, too large...), or a
-                malformed reply, or one over ``max_reply``.
-        """
-        header = self._request_header(name, header, payload)
-        try:
-            async with asyncio.timeout(timeout) as deadline:
-                small = len(payload) <= sessions.MAX_MESSAGE and max_reply <= sessions.MAX_MESSAGE
-                if small and (session := await self._session(peer_id)) is not None:
-                    reply, body, received = await session.call(name, header, payload, max_reply=max_reply,
-                                                               first_reply=first_reply)
-                else:
-                    reply, body, received = await self._stream_call(peer_id, name, header, payload, max_reply,
-                                                                    first_reply, None if min_rate is None else
-                                                                    (deadline, min_rate))
-        except (ProtocolError, PeerUnreachable):
-            self.stats.calls_failed += 1
-            raise
-        except TimeoutError:
-            self.stats.calls_failed += 1
-            raise PeerTimeout(f"{name} to {peer_id[-8:]} failed: timeout after {timeout:g} s") from None
-        except Exception as e:
-            self.stats.calls_failed += 1
-            raise PeerUnreachable(f"{name} to {peer_id[-8:]} failed: {_short(e)}") from None
-        n = len(body)
-        self.stats.add(peer_id, n_in=n, seconds=received)
-        self.stats.header_bytes[name] += len(frame(reply, n))  # as received (re-encoded: same size)
-        admission.check_answer(self, peer_id, name, reply)
-        return reply, body
-
-    def _request_header(self, name: str, header: Header, payload: bytes) -> Header:
-        """A call's ``header`` as sent: with our certificate in a private swarm; the call and its
-        header's bytes counted (``stats``). Raises ProtocolError: it cannot be framed."""
-        self.stats.calls_out += 1
-        self.stats.calls_by[name] += 1
-        if self.membership.private:
-            header = dict(header, _cert=self.membership.own_certificate)
-        try:
-            self.stats.header_bytes[name] += len(frame(header, len(payload)))
-        except (ProtocolError, TypeError, ValueError) as e:
-            self.stats.calls_failed += 1
-            raise ProtocolError(f"{name} request not sent: {_short(e)}") from None
-        return header
-
-    async def _stream_call(self, peer_id: str, name: str, header: Header, payload: bytes, max_reply: int,
-                           first_reply: float | None, stretch: tuple[asyncio.Timeout, float] | None = None
-                           ) -> tuple[Header, bytes, float]:
-        """A call on a stream of its own: (reply header, reply payload, seconds the payload took).
-        ``stretch``: the call's deadline, moved later while the payload arrives at least at the
-        rate given (bytes/s; ``stretched_deadline``)."""
-        writer: asyncio.StreamWriter | None = None
-        sending: asyncio.Task | None = None
-        try:
-            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
-            sending = asyncio.create_task(write_message(writer, header, payload))
-            try:
-                async with asyncio.timeout(first_reply):
-                    reply, n = await read_header(reader)
-            except TimeoutError:
-                raise PeerSilent(f"{name} to {peer_id[-8:]} failed: no answer within {first_reply:.3g} s") from None
-            except ProtocolError as e:
-                self.drop(peer_id, "bad_reply")
-                raise ProtocolError(f"{peer_id[-8:]} answered {name} with a malformed reply: {e}") from None
-            if n > max_reply:
-                self.drop(peer_id, "reply_too_large")
-                raise ReplyTooLarge(f"{peer_id[-8:]} answered {name} with {n} bytes, over the limit of {max_reply}")
-            # a short duration, not a deadline: perf_counter (the loop's clock has 1 ms steps on uvloop)
-            t0, loop = time.perf_counter(), asyncio.get_running_loop()
-
-            def progress(got: int, total: int) -> None:
-                if stretch is not None and (when := stretch[0].when()) is not None:
-                    later = stretched_deadline(got, total, time.perf_counter() - t0, stretch[1])
-                    if later is not None and loop.time() + later > when:
-                        stretch[0].reschedule(loop.time() + later)
-
-            body = await read_payload(reader, n, progress if stretch is not None else None)
-            return reply, body, time.perf_counter() - t0
-        finally:
-            if sending is not None:
-                sending.cancel()  # done: no-op; still writing: the reply came first (a refusal)
-                sent = await asyncio.gather(sending, return_exceptions=True)
-                if sent[0] is None:
-                    self.stats.add(peer_id, n_out=len(payload))
-            if writer is not None:
-                close_stream(writer)
 
     def daemon_running(self) -> bool:
         """Whether p2pd still runs (True when its PID is unknown)."""
