@@ -87,7 +87,7 @@ class Reputation:
 
     def merge_weight(self, peer: str) -> float:
         """``peer``'s multiplier of its token weight in merges this node reduces
-        (``core.merge.robust_merge``'s ``trust``): ``FRESH_WEIGHT`` with no points, rising
+        (``core.robust.robust_merge``'s ``trust``): ``FRESH_WEIGHT`` with no points, rising
         linearly to 1.0 at ``FULL_WEIGHT_AT`` points. A fresh identity's contribution counts, a
         quarter of an earned one's: a coalition of fresh keys cannot outweigh two members that
         merged with this node before, and an honest newcomer earns its full weight in 4 rounds."""
