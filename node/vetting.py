@@ -15,8 +15,7 @@ trusted (``Reputation.vetted``) when that loss is at most ``VET_TOLERANCE`` abov
 the state this node holds. Refused and struck: every candidate above that bound, and every one
 that claims a version at least as new as the best candidate's but gives a loss more than
 ``VET_TOLERANCE`` above it (a peer a few versions behind the best is not refused: it is older,
-not false). A candidate this node refused before is trusted again only for a state that lowers
-its held-out loss, not merely one within the tolerance. The idea is
+not false). A candidate this node refused before is trusted again on the same terms. The idea is
 Templar's Gauntlet's (arXiv 2505.21684: score a peer by the loss before and after its update),
 without validators: each node scores with its own evaluation.
 
@@ -105,7 +104,8 @@ class Vetting:
     async def vet(self, records: Mapping[str, HeadsRecord], states: Sequence[FragmentState]) -> str | None:
         """Download and evaluate the states of up to ``VET_CANDIDATES`` candidates; trust the best
         one within ``VET_TOLERANCE`` of this node's own held-out loss (a candidate this node
-        refused before: below it) and keep its states for the follow (``StateSync.keep_vetted``);
+        refused before too: tested stricter, below its own loss, two honest nodes that had
+        refused each other's rounds at the end of a run never met again) and keep its states for the follow (``StateSync.keep_vetted``);
         refuse the others above the tolerance. Returns the trusted peer, or None. Never raises
         for a peer."""
         chosen = self.candidates(records, states)[:VET_CANDIDATES]
@@ -119,9 +119,7 @@ class Vetting:
                 mixed = [next((g for g in got if g.index == st.index), st) for st in states]
                 tried.append((await asyncio.to_thread(self.evaluate, mixed), peer, got))
         bound = own * (1 + VET_TOLERANCE)
-        # a peer refused before (it owes points) is trusted again only for a state that lowers our loss
-        good = sorted((loss, peer, got) for loss, peer, got in tried if math.isfinite(loss)
-                      and (loss < own if self.reputation.standing(peer).owed > 0 else loss <= bound))
+        good = sorted((loss, peer, got) for loss, peer, got in tried if math.isfinite(loss) and loss <= bound)
         best = good[0] if good else None
         for loss, peer, got in tried:
             if not (math.isfinite(loss) and loss <= bound):
